@@ -1,0 +1,1 @@
+"""Command line: ``autopar launch | train | data | ckpt | plan``. Thin: parse arguments, call the layers."""
