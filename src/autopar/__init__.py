@@ -1,6 +1,77 @@
 """autopar: MindSpore-style distributed parallel training for PyTorch.
 
-Two doors, one house: MindSpore names (``autopar.communication.init``, ``autopar.set_auto_parallel_context``,
-``autopar.train.Model`` ...) are thin aliases over the PyTorch-native core in the sub-packages.
+Two doors, one house: the MindSpore names (``autopar.communication.init``, ``autopar.set_auto_parallel_context``,
+``autopar.train.Model`` ...) are thin aliases over the PyTorch-native core in the sub-packages. Heavier parts
+(training, parallel runtime, checkpoints) load on first use.
 """
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from autopar import context, dtype  # noqa: F401
+from autopar.comm.management import (  # noqa: F401
+    create_group,
+    get_group_size,
+    get_local_rank,
+    get_local_size,
+    get_rank,
+    init,
+    release,
+)
+from autopar.common.tensor import Parameter, Tensor  # noqa: F401
+from autopar.context import (  # noqa: F401
+    GRAPH_MODE,
+    PYNATIVE_MODE,
+    ParallelMode,
+    get_auto_parallel_context,
+    get_context,
+    get_ps_context,
+    reset_auto_parallel_context,
+    set_auto_parallel_context,
+    set_context,
+    set_ps_context,
+)
+from autopar.dtype import (  # noqa: F401
+    bfloat16,
+    bool_,
+    float16,
+    float32,
+    float64,
+    int8,
+    int16,
+    int32,
+    int64,
+    uint8,
+)
+from autopar.errors import AutoparError  # noqa: F401
+
 __version__ = "0.1.0"
+
+# name -> "module:attribute", imported on first access (PEP 562)
+_LAZY = {
+    "Model": "autopar.train.model:Model",
+    "LossMonitor": "autopar.train.callbacks:LossMonitor",
+    "TimeMonitor": "autopar.train.callbacks:TimeMonitor",
+    "ModelCheckpoint": "autopar.train.callbacks:ModelCheckpoint",
+    "CheckpointConfig": "autopar.train.callbacks:CheckpointConfig",
+    "shard": "autopar.parallel.api:shard",
+    "parallelize": "autopar.parallel.api:parallelize",
+    "load_checkpoint": "autopar.checkpoint.api:load_checkpoint",
+    "save_checkpoint": "autopar.checkpoint.api:save_checkpoint",
+    "load_param_into_net": "autopar.checkpoint.api:load_param_into_net",
+    "load_distributed_checkpoint": "autopar.checkpoint.api:load_distributed_checkpoint",
+    "merge_sliced_checkpoints": "autopar.checkpoint.api:merge_sliced_checkpoints",
+}
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        if name in ("nn", "ops", "dataset", "train", "models", "parallel", "checkpoint", "communication", "comm"):
+            return importlib.import_module(f"autopar.{name}")
+        raise AttributeError(f"module 'autopar' has no attribute {name!r}")
+    module, attr = target.split(":")
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value

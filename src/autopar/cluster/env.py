@@ -1,0 +1,191 @@
+"""Which launch contract started this process, read from the environment.
+
+The order of precedence is fixed (MindSpore dynamic cluster, rank table, torchrun, OpenMPI, stand-alone) so that a
+process started by one launcher never misreads variables left behind by another: e.g. ``mpirun`` exports
+``OMPI_*`` into a torchrun job only if both were nested, and then torchrun's explicit ``RANK`` wins.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+from autopar.errors import ClusterError
+
+MS_ROLES = ("MS_SCHED", "MS_WORKER")
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500
+
+
+@dataclass(frozen=True)
+class ClusterEnv:
+    """What the environment says about this process before any network traffic.
+
+    ``rank`` is None for MindSpore workers: the scheduler assigns it at registration.
+    """
+
+    contract: str  # "mindspore" | "ranktable" | "torchrun" | "openmpi" | "standalone"
+    role: str  # "worker" | "scheduler"
+    world_size: int
+    rank: int | None = None
+    local_rank: int | None = None
+    local_size: int | None = None
+    master_addr: str = DEFAULT_MASTER_ADDR
+    master_port: int = DEFAULT_MASTER_PORT
+
+
+def _float_env(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ClusterError(f"{name}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ClusterError(f"{name}={raw!r} must be a positive number of seconds")
+    return value
+
+
+def cluster_timeout(env: Mapping[str, str] = os.environ) -> float:
+    """Seconds to reach the scheduler and for all workers to join (``AUTOPAR_CLUSTER_TIMEOUT``, default 300)."""
+    return _float_env(env, "AUTOPAR_CLUSTER_TIMEOUT", 300.0)
+
+
+def heartbeat_timeout(env: Mapping[str, str] = os.environ) -> float:
+    """Seconds of silence after which the scheduler declares a worker dead (``AUTOPAR_HEARTBEAT_TIMEOUT``, 10)."""
+    return _float_env(env, "AUTOPAR_HEARTBEAT_TIMEOUT", 10.0)
+
+
+def comm_timeout(env: Mapping[str, str] = os.environ) -> float:
+    """Seconds a collective may take before it fails with an error (``AUTOPAR_COMM_TIMEOUT``, default 1800)."""
+    return _float_env(env, "AUTOPAR_COMM_TIMEOUT", 1800.0)
+
+
+def parse_int(env: Mapping[str, str], name: str, *, minimum: int = 0, what: str = "") -> int:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        raise ClusterError(f"{name} is not set{what}")
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ClusterError(f"{name}={raw!r} is not an integer{what}") from None
+    if value < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ClusterError(f"{name}={raw!r} must be {kind}{what}")
+    return value
+
+
+def parse_port(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    if env.get(name) in (None, "") and default is not None:
+        return default
+    port = parse_int(env, name, minimum=1)
+    if port > 65535:
+        raise ClusterError(f"{name}={port} is not a TCP port (1..65535)")
+    return port
+
+
+def _mindspore(env: Mapping[str, str]) -> ClusterEnv:
+    role = env["MS_ROLE"]
+    if role not in MS_ROLES:
+        hint = " (parameter-server roles are not supported)" if role in ("MS_PSERVER", "MS_SERVER") else ""
+        raise ClusterError(f"unknown MS_ROLE={role!r}: expected one of {', '.join(MS_ROLES)}{hint}")
+    world = parse_int(env, "MS_WORKER_NUM", minimum=1, what=" (the number of workers of the job)")
+    host = env.get("MS_SCHED_HOST") or DEFAULT_MASTER_ADDR
+    port = parse_port(env, "MS_SCHED_PORT")
+    return ClusterEnv(
+        contract="mindspore",
+        role="scheduler" if role == "MS_SCHED" else "worker",
+        world_size=world,
+        master_addr=host,
+        master_port=port,
+    )
+
+
+def _torchrun(env: Mapping[str, str]) -> ClusterEnv:
+    world = parse_int(env, "WORLD_SIZE", minimum=1)
+    rank = parse_int(env, "RANK")
+    if rank >= world:
+        raise ClusterError(f"RANK={rank} is beyond the world size WORLD_SIZE={world}")
+    local_rank = parse_int(env, "LOCAL_RANK") if env.get("LOCAL_RANK") else rank
+    local_size = parse_int(env, "LOCAL_WORLD_SIZE", minimum=1) if env.get("LOCAL_WORLD_SIZE") else world
+    return ClusterEnv(
+        contract="torchrun",
+        role="worker",
+        world_size=world,
+        rank=rank,
+        local_rank=local_rank,
+        local_size=local_size,
+        master_addr=env.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR,
+        master_port=parse_port(env, "MASTER_PORT", DEFAULT_MASTER_PORT),
+    )
+
+
+def mpi_default_port(env: Mapping[str, str]) -> int:
+    """A port derived from the mpirun job id, so that concurrent mpirun jobs on one host do not collide.
+
+    OpenMPI 4 exports ``OMPI_MCA_ess_base_jobid``; OpenMPI 5 (PRRTE) exports ``PMIX_NAMESPACE``. Every rank of one
+    job sees the same value, hence the same port. ``MASTER_PORT`` overrides it.
+    """
+    job = env.get("OMPI_MCA_ess_base_jobid") or env.get("PMIX_NAMESPACE") or env.get("OMPI_MCA_orte_hnp_uri")
+    if not job:
+        return DEFAULT_MASTER_PORT
+    digest = int(hashlib.sha256(job.encode()).hexdigest(), 16)
+    return 20000 + digest % 20000
+
+
+def _openmpi(env: Mapping[str, str]) -> ClusterEnv:
+    world = parse_int(env, "OMPI_COMM_WORLD_SIZE", minimum=1)
+    rank = parse_int(env, "OMPI_COMM_WORLD_RANK")
+    if rank >= world:
+        raise ClusterError(f"OMPI_COMM_WORLD_RANK={rank} is beyond OMPI_COMM_WORLD_SIZE={world}")
+    local_rank = parse_int(env, "OMPI_COMM_WORLD_LOCAL_RANK") if env.get("OMPI_COMM_WORLD_LOCAL_RANK") else rank
+    local_size = (
+        parse_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", minimum=1) if env.get("OMPI_COMM_WORLD_LOCAL_SIZE") else world
+    )
+    return ClusterEnv(
+        contract="openmpi",
+        role="worker",
+        world_size=world,
+        rank=rank,
+        local_rank=local_rank,
+        local_size=local_size,
+        master_addr=env.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR,
+        master_port=parse_port(env, "MASTER_PORT", mpi_default_port(env)),
+    )
+
+
+def _ranktable(env: Mapping[str, str]) -> ClusterEnv | None:
+    from autopar.cluster.ranktable import rank_from_env  # parsed only when a table is configured
+
+    found = rank_from_env(env)
+    if found is None:
+        return None
+    table, rank = found
+    return ClusterEnv(
+        contract="ranktable",
+        role="worker",
+        world_size=table.world_size,
+        rank=rank,
+        local_rank=table.local_rank(rank),
+        local_size=table.local_size(rank),
+        master_addr=env.get("MASTER_ADDR") or table.master_addr,
+        master_port=parse_port(env, "MASTER_PORT", DEFAULT_MASTER_PORT),
+    )
+
+
+def detect_cluster_env(env: Mapping[str, str] | None = None) -> ClusterEnv:
+    """Read the launch contract of this process (see the module docstring for the precedence)."""
+    env = os.environ if env is None else env
+    if env.get("MS_ROLE"):
+        return _mindspore(env)
+    if env.get("RANK_TABLE_FILE") or env.get("MINDSPORE_HCCL_CONFIG_PATH"):
+        found = _ranktable(env)
+        if found is not None:
+            return found
+    if env.get("RANK") is not None and env.get("WORLD_SIZE") is not None:
+        return _torchrun(env)
+    if env.get("OMPI_COMM_WORLD_RANK") is not None:
+        return _openmpi(env)
+    return ClusterEnv(contract="standalone", role="worker", world_size=1, rank=0, local_rank=0, local_size=1)

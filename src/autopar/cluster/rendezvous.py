@@ -1,0 +1,97 @@
+"""Form the cluster for whichever contract started this process, and hand back who we are in it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from autopar.cluster import protocol as P
+from autopar.cluster.env import ClusterEnv, cluster_timeout
+from autopar.errors import ClusterError
+
+
+@dataclass
+class Membership:
+    """This process's place in the job, plus what torch.distributed needs to build the process group."""
+
+    contract: str
+    rank: int
+    world_size: int
+    local_rank: int
+    local_size: int
+    store: dist.Store | None = None  # rendezvous store for init_process_group(store=...)
+    init_method: str | None = None  # used instead of a store (torchrun's env://)
+    watchdog: object | None = None  # cluster.worker.Watchdog for MindSpore-contract workers
+
+
+def _local_position(hosts: list[str], rank: int) -> tuple[int, int]:
+    mine = hosts[rank]
+    same = [r for r, h in enumerate(hosts) if h == mine]
+    return same.index(rank), len(same)
+
+
+def _mindspore_worker(cenv: ClusterEnv) -> Membership:
+    from autopar.cluster.worker import Watchdog, register
+
+    store, rank, hosts = register(cenv)
+    local_rank, local_size = _local_position(hosts, rank)
+    watchdog = Watchdog(cenv, rank)
+    watchdog.start()
+    return Membership(
+        contract=cenv.contract,
+        rank=rank,
+        world_size=cenv.world_size,
+        local_rank=local_rank,
+        local_size=local_size,
+        store=dist.PrefixStore(P.PG_PREFIX, store),
+        watchdog=watchdog,
+    )
+
+
+def _static(cenv: ClusterEnv) -> Membership:
+    """Contracts where every process already knows its rank (rank table, OpenMPI): rank 0 hosts a TCPStore."""
+    assert cenv.rank is not None
+    try:
+        store = dist.TCPStore(
+            cenv.master_addr,
+            cenv.master_port,
+            cenv.world_size,
+            cenv.rank == 0,
+            timeout=P.seconds(cluster_timeout()),
+            wait_for_workers=False,
+        )
+    except Exception as exc:
+        where = f"{cenv.master_addr}:{cenv.master_port}"
+        if cenv.rank == 0:
+            raise ClusterError(f"rank 0 cannot host the rendezvous on {where}: {P.first_line(exc)}") from None
+        raise ClusterError(
+            f"cannot reach rank 0 at {where} within {cluster_timeout():.0f} s (set MASTER_ADDR/MASTER_PORT)"
+        ) from None
+    return Membership(
+        contract=cenv.contract,
+        rank=cenv.rank,
+        world_size=cenv.world_size,
+        local_rank=cenv.local_rank or 0,
+        local_size=cenv.local_size or 1,
+        store=dist.PrefixStore(P.PG_PREFIX, store),
+    )
+
+
+def form_cluster(cenv: ClusterEnv) -> Membership:
+    """Rendezvous with the other processes of the job (workers only; the scheduler never gets here)."""
+    if cenv.role != "worker":
+        raise ClusterError(f"form_cluster() called in the {cenv.role} role")
+    if cenv.contract == "standalone":
+        return Membership("standalone", 0, 1, 0, 1, store=dist.HashStore())
+    if cenv.contract == "mindspore":
+        return _mindspore_worker(cenv)
+    if cenv.contract == "torchrun":
+        return Membership(
+            contract="torchrun",
+            rank=cenv.rank or 0,
+            world_size=cenv.world_size,
+            local_rank=cenv.local_rank or 0,
+            local_size=cenv.local_size or 1,
+            init_method="env://",
+        )
+    return _static(cenv)

@@ -1,0 +1,180 @@
+"""A worker's side of the MindSpore-style rendezvous: register, get a rank, keep a heartbeat, report the end.
+
+The watchdog thread is what turns "another process died" into "this process stops with a clear message" instead
+of a hang inside a collective: it exits the process when the scheduler publishes an abort or becomes unreachable.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import sys
+import threading
+import time
+
+import torch.distributed as dist
+
+from autopar.cluster import protocol as P
+from autopar.cluster.env import ClusterEnv, cluster_timeout, heartbeat_timeout
+from autopar.errors import ClusterError
+
+
+def host_id() -> str:
+    """Identity of this host for local-rank numbering (``AUTOPAR_HOST_ID`` lets one machine act as several)."""
+    return os.environ.get("AUTOPAR_HOST_ID") or socket.gethostname()
+
+
+def connect(cenv: ClusterEnv, timeout: float) -> dist.TCPStore:
+    try:
+        return dist.TCPStore(cenv.master_addr, cenv.master_port, None, False, timeout=P.seconds(timeout))
+    except Exception:
+        raise ClusterError(
+            f"cannot reach the scheduler at {cenv.master_addr}:{cenv.master_port} within {timeout:.0f} s "
+            f"(is it started, and are MS_SCHED_HOST/MS_SCHED_PORT right?)"
+        ) from None
+
+
+def _optional_int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw in (None, ""):
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ClusterError(f"{name}={raw!r} is not an integer") from None
+
+
+def _wait_key(store: dist.TCPStore, key: str, deadline: float) -> bool:
+    """Wait for ``key`` until ``deadline``; False on timeout. Raises ClusterError if the job was aborted.
+
+    Polls with ``check`` rather than ``store.wait``: a timed-out wait makes c10d log a warning on every slice.
+    """
+    while True:
+        try:
+            if store.check([key]):
+                return True
+            if store.check([P.ABORT]):
+                raise ClusterError(f"the scheduler aborted the job: {store.get(P.ABORT).decode()}")
+        except ClusterError:
+            raise
+        except Exception as exc:
+            raise ClusterError(f"lost the scheduler while joining: {P.first_line(exc)}") from None
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
+def _joined(store: dist.TCPStore) -> int:
+    try:
+        return int(store.get(P.JOINED)) if store.check([P.JOINED]) else 0
+    except Exception:
+        return 0
+
+
+def register(cenv: ClusterEnv) -> tuple[dist.TCPStore, int, list[str]]:
+    """Join the job: returns (store, rank, host id of every rank)."""
+    timeout = cluster_timeout()
+    deadline = time.monotonic() + timeout
+    store = connect(cenv, timeout)
+    n = store.add(P.REQ_COUNT, 1)
+    req = {
+        "host": host_id(),
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "node_id": os.environ.get("MS_NODE_ID") or None,
+        "rank_hint": _optional_int("AUTOPAR_RANK"),
+        "world_size": cenv.world_size,
+        "auth": P.auth_code(os.environ.get("AUTOPAR_JOB_TOKEN"), n),
+    }
+    store.set(P.req_key(n), P.dumps(req))
+    if not _wait_key(store, P.resp_key(n), deadline):
+        raise ClusterError(
+            f"only {_joined(store)} of {cenv.world_size} workers joined within {timeout:.0f} s (AUTOPAR_CLUSTER_TIMEOUT)"
+        )
+    resp = P.loads(store.get(P.resp_key(n)))
+    if "error" in resp:
+        raise ClusterError(resp["error"])
+    rank = int(resp["rank"])
+    if not _wait_key(store, P.READY, deadline):
+        raise ClusterError(
+            f"only {_joined(store)} of {cenv.world_size} workers joined within {timeout:.0f} s (AUTOPAR_CLUSTER_TIMEOUT)"
+        )
+    hosts = P.loads(store.get(P.READY))["hosts"]
+    return store, rank, hosts
+
+
+class Watchdog:
+    """Heartbeat + abort watcher + end-of-process report for one registered worker."""
+
+    def __init__(self, cenv: ClusterEnv, rank: int):
+        self.cenv = cenv
+        self.rank = rank
+        self.failure: str | None = None
+        self._stop = threading.Event()
+        self._reported = False
+        self._lock = threading.Lock()
+        # A connection of its own: the main thread may be blocked in the store (e.g. process-group setup).
+        self.store = connect(cenv, 30.0)
+        self.thread = threading.Thread(target=self._loop, name="autopar-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+        atexit.register(self.report_exit)
+
+    def _loop(self) -> None:
+        last_ok = time.monotonic()
+        limit = heartbeat_timeout()
+        while not self._stop.wait(P.HEARTBEAT_INTERVAL):
+            try:
+                self.store.add(P.hb_key(self.rank), 1)
+                aborted = self.store.check([P.ABORT])
+                last_ok = time.monotonic()
+            except Exception:
+                if time.monotonic() - last_ok > min(limit, 5.0) and not self._stop.is_set():
+                    self._die(f"lost the scheduler at {self.cenv.master_addr}:{self.cenv.master_port}; stopping")
+                continue
+            if aborted and not self._stop.is_set():
+                reason = self.store.get(P.ABORT).decode()
+                self._report("aborted", f"aborted: {reason}")
+                self._die(f"job aborted ({reason}); rank {self.rank} stops")
+
+    def wait_for_abort(self, timeout: float) -> str | None:
+        """After a collective failed: did the job abort because of another rank? (the reason, or None)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if self.store.check([P.ABORT]):
+                    return self.store.get(P.ABORT).decode()
+            except Exception:
+                return None
+            time.sleep(0.2)
+        return None
+
+    def stop_as_secondary(self, reason: str) -> None:
+        """This rank failed only because another did: say so, report "aborted", and exit with EXIT_ABORTED."""
+        self._stop.set()
+        self._report("aborted", f"aborted: {reason}")
+        self._die(f"job aborted ({reason}); rank {self.rank} stops")
+
+    def _die(self, message: str) -> None:
+        print(f"autopar: error: {message}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(P.EXIT_ABORTED)
+
+    def _report(self, status: str, detail: str | None) -> None:
+        with self._lock:
+            if self._reported:
+                return
+            self._reported = True
+            try:
+                self.store.set(P.done_key(self.rank), P.dumps({"status": status, "detail": detail}))
+            except Exception:
+                pass  # the scheduler is gone; nobody is left to tell
+
+    def report_exit(self) -> None:
+        """atexit: tell the scheduler whether this rank ended cleanly (an unhandled exception counts as failed)."""
+        self._stop.set()
+        if self.failure:
+            self._report("failed", self.failure)
+        else:
+            self._report("ok", None)

@@ -1,0 +1,283 @@
+"""Cluster membership and communication groups: ``init``, ``get_rank``, ``create_group``, ``release``.
+
+``init()`` reads the launch contract (see :mod:`autopar.cluster.env`), rendezvouses, and builds the default
+torch.distributed process group: gloo on CPU, NCCL (plus gloo for CPU tensors) when CUDA is used, each rank bound
+to the GPU of its local rank. A process started with no contract becomes a world of one with a real process group,
+so the same code (collectives, data parallel, DTensor) runs unchanged on 1 process and on N.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from autopar import context as _context
+from autopar.cluster.env import comm_timeout, detect_cluster_env
+from autopar.cluster.protocol import seconds
+from autopar.errors import AutoparError, ClusterError, CommError
+
+
+class GlobalComm:
+    """MindSpore's names for the world group (``GlobalComm.WORLD_COMM_GROUP``)."""
+
+    WORLD_COMM_GROUP = "world_group"
+    BACKEND = None
+    INITED = False
+
+
+WORLD_GROUP_NAMES = ("world_group", "hccl_world_group", "nccl_world_group", "mccl_world_group")
+
+
+@dataclass
+class _State:
+    initialized: bool = False
+    contract: str = ""
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    backend: str = "gloo"
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    watchdog: object | None = None
+    groups: dict[str, tuple[dist.ProcessGroup | None, tuple[int, ...]]] = field(default_factory=dict)
+
+
+_state = _State()
+
+
+def _install_excepthook() -> None:
+    """One-line errors for autopar's own exceptions; and record any crash for the scheduler's report."""
+    previous = sys.excepthook
+    if getattr(previous, "_autopar", False):
+        return
+
+    def hook(exc_type, exc, tb):
+        watchdog = _state.watchdog
+        if watchdog is not None and issubclass(exc_type, CommError):
+            # A collective failing is usually the echo of another rank's death: let the scheduler tell.
+            from autopar.cluster.env import heartbeat_timeout
+
+            reason = watchdog.wait_for_abort(heartbeat_timeout() + 2.0)
+            if reason is not None:
+                watchdog.stop_as_secondary(reason)
+        if watchdog is not None:
+            watchdog.failure = f"{exc_type.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if issubclass(exc_type, AutoparError) and not os.environ.get("AUTOPAR_TRACEBACK"):
+            prefix = f"autopar: error: [rank {_state.rank}] " if _state.world_size > 1 else "autopar: error: "
+            print(prefix + str(exc), file=sys.stderr, flush=True)
+            return
+        previous(exc_type, exc, tb)
+
+    hook._autopar = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def _choose_backend(name: str | None) -> tuple[str, bool]:
+    """Return (torch backend string, uses_cuda)."""
+    target = _context.run_context().device_target
+    requested = (name or "").lower() or None
+    if requested in ("hccl",):
+        requested = None  # Ascend scripts call init("hccl"): run them on what this machine has
+    if requested not in (None, "nccl", "gloo", "mccl"):
+        raise CommError(f"unknown communication backend {name!r}: use 'nccl' (GPU) or 'gloo' (CPU)")
+    want_cuda = requested == "nccl" or target == "GPU" or (target is None and requested is None and torch.cuda.is_available())
+    if requested in ("gloo", "mccl") or target == "CPU":
+        want_cuda = False
+    if want_cuda:
+        if not torch.cuda.is_available():
+            raise CommError("NCCL / device_target='GPU' requested but CUDA is not available on this machine")
+        return "cpu:gloo,cuda:nccl", True
+    return "gloo", False
+
+
+def init(backend_name: str | None = None) -> None:
+    """Join the cluster described by the environment and build the default process group.
+
+    In a MindSpore scheduler process (``MS_ROLE=MS_SCHED``) this never returns: the process hosts the rendezvous,
+    watches the workers and exits with the job's status.
+    """
+    if _state.initialized:
+        return
+    _install_excepthook()
+    cenv = detect_cluster_env()
+    if cenv.role == "scheduler":
+        from autopar.cluster.scheduler import run_scheduler
+
+        run_scheduler(cenv)
+    from autopar.cluster.rendezvous import form_cluster
+
+    member = form_cluster(cenv)
+    _state.watchdog = member.watchdog
+    backend, cuda = _choose_backend(backend_name)
+    device = torch.device("cpu")
+    if cuda:
+        index = _context.run_context().device_id
+        index = member.local_rank % torch.cuda.device_count() if index is None else index
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=member.init_method,
+            store=member.store,
+            rank=member.rank,
+            world_size=member.world_size,
+            timeout=seconds(comm_timeout()),
+            device_id=device if cuda else None,
+        )
+    except Exception as exc:
+        from autopar.cluster.protocol import first_line
+
+        raise ClusterError(f"building the process group failed ({backend}): {first_line(exc)}") from None
+    atexit.register(_destroy_at_exit)
+    _state.initialized = True
+    _state.contract = member.contract
+    _state.rank = member.rank
+    _state.world_size = member.world_size
+    _state.local_rank = member.local_rank
+    _state.local_size = member.local_size
+    _state.backend = "nccl" if cuda else "gloo"
+    _state.device = device
+    _state.groups = {}
+    GlobalComm.INITED = True
+    GlobalComm.BACKEND = _state.backend
+
+
+def _destroy_at_exit() -> None:
+    """Tear the process group down while the interpreter is alive: left to C++ static destructors at exit, gloo's
+    threads can abort the process (SIGABRT) and turn a clean exit code into a crash."""
+    if _state.initialized and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+        _state.initialized = False
+
+
+def is_initialized() -> bool:
+    return _state.initialized
+
+
+def _require_init() -> None:
+    if not _state.initialized:
+        raise ClusterError("autopar.communication.init() has not been called in this process")
+
+
+def release() -> None:
+    """Destroy the process group (MindSpore's ``release``); ``init()`` may be called again afterwards."""
+    if not _state.initialized:
+        return
+    for pg, _ in _state.groups.values():
+        if pg is not None:
+            dist.destroy_process_group(pg)
+    dist.destroy_process_group()
+    _state.initialized = False
+    _state.groups = {}
+    GlobalComm.INITED = False
+
+
+def device() -> torch.device:
+    """The device this rank computes on (its GPU under NCCL, else CPU)."""
+    return _state.device
+
+
+def backend() -> str:
+    return _state.backend
+
+
+def contract() -> str:
+    return _state.contract
+
+
+def _resolve(group: str | dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, tuple[int, ...] | None]:
+    """(process group or None for WORLD, member world ranks or None for everyone)."""
+    _require_init()
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return group, None if group is None else tuple(dist.get_process_group_ranks(group))
+    if group in WORLD_GROUP_NAMES:
+        return None, None
+    if group not in _state.groups:
+        raise CommError(f"unknown communication group {group!r}; create it with create_group(name, ranks)")
+    return _state.groups[group]
+
+
+def get_process_group(group: str | dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
+    """The torch ProcessGroup behind a group name (None = the world), for PyTorch-native calls."""
+    pg, ranks = _resolve(group)
+    if ranks is not None and _state.rank not in ranks:
+        raise CommError(f"rank {_state.rank} is not a member of group {group!r} (members: {list(ranks)})")
+    return pg
+
+
+def get_rank(group: str | dist.ProcessGroup | None = None) -> int:
+    """This process's rank in the world, or in ``group``."""
+    pg, ranks = _resolve(group)
+    if ranks is None:
+        return _state.rank
+    if _state.rank not in ranks:
+        raise CommError(f"rank {_state.rank} is not a member of group {group!r} (members: {list(ranks)})")
+    return ranks.index(_state.rank)
+
+
+def get_group_size(group: str | dist.ProcessGroup | None = None) -> int:
+    _, ranks = _resolve(group)
+    return _state.world_size if ranks is None else len(ranks)
+
+
+def get_local_rank(group: str | dist.ProcessGroup | None = None) -> int:
+    """Index of this process among the job's processes on its host."""
+    _resolve(group)
+    return _state.local_rank
+
+
+def get_local_size(group: str | dist.ProcessGroup | None = None) -> int:
+    _resolve(group)
+    return _state.local_size
+
+
+def create_group(group: str, rank_ids: list[int] | tuple[int, ...]) -> None:
+    """Create a named communication group of world ranks (called by the group's members, as in MindSpore)."""
+    _require_init()
+    ranks = tuple(int(r) for r in rank_ids)
+    if not ranks:
+        raise CommError(f"create_group({group!r}): the rank list is empty")
+    if len(set(ranks)) != len(ranks):
+        raise CommError(f"create_group({group!r}): duplicate ranks in {list(ranks)}")
+    bad = [r for r in ranks if not 0 <= r < _state.world_size]
+    if bad:
+        raise CommError(f"create_group({group!r}): ranks {bad} are outside the world of {_state.world_size}")
+    if group in WORLD_GROUP_NAMES or group in _state.groups:
+        raise CommError(f"communication group {group!r} already exists")
+    if _state.rank not in ranks:
+        raise CommError(f"create_group({group!r}) must be called by its members; rank {_state.rank} is not in {list(ranks)}")
+    pg = dist.new_group(list(ranks), use_local_synchronization=True)
+    _state.groups[group] = (pg, ranks)
+
+
+def destroy_group(group: str) -> None:
+    _require_init()
+    if group not in _state.groups:
+        raise CommError(f"unknown communication group {group!r}")
+    pg, _ = _state.groups.pop(group)
+    if pg is not None:
+        dist.destroy_process_group(pg)
+
+
+def get_world_rank_from_group_rank(group: str, group_rank_id: int) -> int:
+    _, ranks = _resolve(group)
+    ranks = ranks or tuple(range(_state.world_size))
+    if not 0 <= group_rank_id < len(ranks):
+        raise CommError(f"group rank {group_rank_id} is outside group {group!r} of size {len(ranks)}")
+    return ranks[group_rank_id]
+
+
+def get_group_rank_from_world_rank(world_rank_id: int, group: str) -> int:
+    _, ranks = _resolve(group)
+    ranks = ranks or tuple(range(_state.world_size))
+    if world_rank_id not in ranks:
+        raise CommError(f"world rank {world_rank_id} is not in group {group!r}")
+    return ranks.index(world_rank_id)

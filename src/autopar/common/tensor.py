@@ -1,0 +1,86 @@
+"""``autopar.Tensor`` and ``autopar.Parameter``: MindSpore's constructors, producing plain torch objects.
+
+``Tensor(...)`` returns an ordinary ``torch.Tensor`` (so every torch function and DTensor accept it) and
+``isinstance(x, autopar.Tensor)`` is true for any torch tensor. ``Parameter`` is a ``torch.nn.Parameter`` that also
+carries MindSpore's ``name`` and ``layerwise_parallel`` flag (hybrid parallel: this rank holds a slice that the
+data-parallel gradient all-reduce must skip).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class _TensorMeta(type):
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, torch.Tensor)
+
+
+class Tensor(metaclass=_TensorMeta):
+    """``Tensor(input_data, dtype=None)`` -> torch.Tensor (a copy, as MindSpore's constructor makes)."""
+
+    def __new__(cls, input_data: Any = None, dtype: torch.dtype | None = None, shape: Any = None, init: Any = None):
+        if input_data is None:
+            if shape is None:
+                raise ValueError("Tensor() needs input_data or a shape")
+            return torch.zeros(tuple(shape) if not isinstance(shape, int) else (shape,), dtype=dtype or torch.float32)
+        if isinstance(input_data, torch.Tensor):
+            out = input_data.detach().clone()
+        elif isinstance(input_data, np.ndarray):
+            out = torch.from_numpy(np.ascontiguousarray(input_data).copy())
+        else:
+            out = torch.tensor(input_data)
+            if dtype is None and out.is_floating_point():
+                out = out.to(torch.float32)  # MindSpore infers float32 for Python floats
+            elif dtype is None and out.dtype == torch.int64 and not isinstance(input_data, (list, tuple)):
+                out = out.to(torch.int64)
+        return out.to(dtype) if dtype is not None else out
+
+
+class Parameter(torch.nn.Parameter):
+    """``Parameter(default_input, name=None, requires_grad=True, layerwise_parallel=False)``."""
+
+    def __new__(cls, default_input: Any, name: str | None = None, requires_grad: bool = True,
+                layerwise_parallel: bool = False):
+        data = default_input if isinstance(default_input, torch.Tensor) else Tensor(default_input)
+        param = super().__new__(cls, data.detach(), requires_grad)
+        param._ms_name = name
+        param.layerwise_parallel = bool(layerwise_parallel)
+        return param
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # attributes are set in __new__
+        pass
+
+    # torch.Tensor has a read-only ``name``; MindSpore code reads and sets ``param.name``.
+    @property
+    def name(self) -> str | None:  # type: ignore[override]
+        return self.__dict__.get("_ms_name")
+
+    @name.setter
+    def name(self, value: str | None) -> None:
+        self.__dict__["_ms_name"] = value
+
+    def __deepcopy__(self, memo: dict) -> "Parameter":
+        if id(self) in memo:
+            return memo[id(self)]
+        result = Parameter(self.data.clone(memory_format=torch.preserve_format), self.name, self.requires_grad,
+                           self.layerwise_parallel)
+        memo[id(self)] = result
+        return result
+
+    def __reduce_ex__(self, proto: int):
+        return (_rebuild_parameter, (self.data, self.name, self.requires_grad, self.layerwise_parallel))
+
+    def __repr__(self) -> str:
+        return f"Parameter(name={self.name}, shape={tuple(self.shape)}, dtype={self.dtype}, " \
+               f"requires_grad={self.requires_grad}, layerwise_parallel={self.layerwise_parallel})"
+
+
+def _rebuild_parameter(data: torch.Tensor, name: str | None, requires_grad: bool, layerwise: bool) -> Parameter:
+    return Parameter(data, name, requires_grad, layerwise)
+
+
+def is_layerwise_parallel(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "layerwise_parallel", False))

@@ -1,0 +1,238 @@
+"""Global run-time and parallel context: ``set_context``, ``set_auto_parallel_context``, ``set_ps_context``.
+
+One leaf module holding plain state, so every layer can read it without import cycles. Names and values follow
+MindSpore (``mindspore.context``); unknown keys are errors (a typo must not silently train the wrong way), and
+keys that only make sense on MindSpore's own runtime are accepted and documented as having no effect.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from typing import Any
+
+from autopar.errors import ConfigError
+
+GRAPH_MODE = 0
+PYNATIVE_MODE = 1
+
+
+class ParallelMode(str, Enum):
+    """MindSpore's parallel modes; members compare equal to their lower-case string values."""
+
+    STAND_ALONE = "stand_alone"
+    DATA_PARALLEL = "data_parallel"
+    SEMI_AUTO_PARALLEL = "semi_auto_parallel"
+    AUTO_PARALLEL = "auto_parallel"
+    HYBRID_PARALLEL = "hybrid_parallel"
+
+    def __str__(self) -> str:  # print as MindSpore does: the value
+        return self.value
+
+    @classmethod
+    def parse(cls, value: Any) -> "ParallelMode":
+        if isinstance(value, cls):
+            return value
+        text = str(value).strip().lower()
+        for mode in cls:
+            if text in (mode.value, mode.name.lower()):
+                return mode
+        valid = ", ".join(m.value for m in cls)
+        raise ConfigError(f"unknown parallel_mode {value!r}; expected one of: {valid}")
+
+
+SEARCH_MODES = ("dynamic_programming", "recursive_programming", "sharding_propagation")
+
+
+@dataclass
+class _RunContext:
+    mode: int = PYNATIVE_MODE
+    device_target: str | None = None  # None = CUDA if available, else CPU
+    device_id: int | None = None
+    max_device_memory: float | None = None  # bytes
+
+
+@dataclass
+class _AutoParallelContext:
+    parallel_mode: ParallelMode = ParallelMode.STAND_ALONE
+    gradients_mean: bool = False
+    parameter_broadcast: bool = False
+    device_num: int | None = None
+    global_rank: int | None = None
+    full_batch: bool = False
+    dataset_strategy: Any = "data_parallel"
+    strategy_ckpt_save_file: str | None = None
+    strategy_ckpt_load_file: str | None = None
+    search_mode: str = "dynamic_programming"
+    max_device_memory: float | None = None  # bytes per device, for the AUTO_PARALLEL planner
+    grad_accumulation_step: int = 1
+    enable_parallel_optimizer: bool = False
+    loss_repeated_mean: bool = True
+    gradient_fp32_sync: bool = True
+    all_reduce_fusion_config: list = field(default_factory=list)
+
+
+@dataclass
+class _PsContext:
+    enable_ssl: bool = False
+
+
+_run = _RunContext()
+_auto = _AutoParallelContext()
+_ps = _PsContext()
+
+# MindSpore keys with no meaning here: accepted (tutorial scripts pass them), ignored.
+_IGNORED_RUN_KEYS = {
+    "save_graphs", "save_graphs_path", "enable_hccl", "enable_graph_kernel", "enable_reduce_precision",
+    "variable_memory_max_size", "enable_profiling", "reserve_class_name_in_scope", "enable_auto_mixed_precision",
+    "graph_kernel_flags", "jit_config", "memory_optimize_level", "pynative_synchronize", "runtime_num_threads",
+    "enable_compile_cache", "compile_cache_path", "inter_op_parallel_num", "check_bprop", "max_call_depth",
+}
+_IGNORED_AUTO_KEYS = {"pipeline_stages", "comm_fusion", "strategy_ckpt_config", "enable_alltoall",
+                      "parallel_optimizer_config", "optimizer_weight_shard_size", "auto_pipeline"}
+_KNOWN_PS_KEYS = {"enable_ssl", "client_password", "server_password", "config_file_path"}
+
+
+def _memory_bytes(value: Any, key: str) -> float | None:
+    """Accept 8e9, "8GB", "512MB", "1.5GiB" (MindSpore writes "1024GB")."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ConfigError(f"{key} must be positive, got {value}")
+        return float(value)
+    text = str(value).strip().upper().replace(" ", "")
+    units = {"TIB": 2**40, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "TB": 2**40, "GB": 2**30, "MB": 2**20,
+             "KB": 2**10, "B": 1}
+    for unit, scale in units.items():
+        if text.endswith(unit):
+            try:
+                return _memory_bytes(float(text[: -len(unit)]) * scale, key)
+            except ValueError:
+                break
+    raise ConfigError(f"{key}={value!r} is not a memory size (e.g. 8e9, '8GB', '512MB')")
+
+
+def set_context(**kwargs: Any) -> None:
+    """``mode`` (GRAPH_MODE compiles the network with torch.compile; PYNATIVE_MODE runs eagerly),
+    ``device_target`` ("CPU" or "GPU"), ``device_id``, ``max_device_memory``."""
+    for key, value in kwargs.items():
+        if key == "mode":
+            if value not in (GRAPH_MODE, PYNATIVE_MODE):
+                raise ConfigError(f"mode must be GRAPH_MODE ({GRAPH_MODE}) or PYNATIVE_MODE ({PYNATIVE_MODE}), got {value!r}")
+            _run.mode = value
+        elif key == "device_target":
+            target = str(value).upper() if value is not None else None
+            if target in ("ASCEND", "DAVINCI"):
+                raise ConfigError("device_target='Ascend' is not available in autopar: use 'CPU' (gloo) or 'GPU' (NCCL)")
+            if target not in (None, "CPU", "GPU"):
+                raise ConfigError(f"device_target must be 'CPU' or 'GPU', got {value!r}")
+            _run.device_target = target
+        elif key == "device_id":
+            _run.device_id = None if value is None else int(value)
+        elif key == "max_device_memory":
+            _run.max_device_memory = _memory_bytes(value, key)
+        elif key in _IGNORED_RUN_KEYS:
+            continue
+        else:
+            valid = ", ".join(sorted([f.name for f in fields(_RunContext)]))
+            raise ConfigError(f"set_context got an unknown key {key!r}; valid keys: {valid}")
+
+
+def get_context(key: str) -> Any:
+    if key in {f.name for f in fields(_RunContext)}:
+        return getattr(_run, key)
+    raise ConfigError(f"get_context got an unknown key {key!r}")
+
+
+def set_auto_parallel_context(**kwargs: Any) -> None:
+    """Configure parallel training (call before building the network / Model), as in MindSpore."""
+    valid = {f.name for f in fields(_AutoParallelContext)}
+    for key, value in kwargs.items():
+        if key == "auto_parallel_search_mode":
+            key = "search_mode"
+        if key == "mirror_mean":  # MindSpore r0.x name of gradients_mean
+            key = "gradients_mean"
+        if key == "parallel_mode":
+            value = ParallelMode.parse(value)
+        elif key == "search_mode":
+            if value not in SEARCH_MODES:
+                raise ConfigError(f"unknown search_mode {value!r}; expected one of: {', '.join(SEARCH_MODES)}")
+        elif key in ("device_num", "global_rank") and value is not None:
+            if not isinstance(value, int) or value < (1 if key == "device_num" else 0):
+                raise ConfigError(f"{key} must be a {'positive' if key == 'device_num' else 'non-negative'} integer, got {value!r}")
+        elif key == "grad_accumulation_step":
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"grad_accumulation_step must be a positive integer, got {value!r}")
+        elif key == "max_device_memory":
+            value = _memory_bytes(value, key)
+        elif key == "dataset_strategy":
+            if not (value in ("data_parallel", "full_batch") or isinstance(value, (tuple, list))):
+                raise ConfigError(f"dataset_strategy must be 'data_parallel', 'full_batch' or a tuple of splits, got {value!r}")
+            if value == "full_batch":
+                _auto.full_batch = True
+        elif key in _IGNORED_AUTO_KEYS:
+            continue
+        elif key not in valid:
+            raise ConfigError(
+                f"set_auto_parallel_context got an unknown key {key!r}; valid keys: {', '.join(sorted(valid))}"
+            )
+        setattr(_auto, key, value)
+
+
+def get_auto_parallel_context(key: str) -> Any:
+    if key == "auto_parallel_search_mode":
+        key = "search_mode"
+    if key == "mirror_mean":
+        key = "gradients_mean"
+    if key in {f.name for f in fields(_AutoParallelContext)}:
+        value = getattr(_auto, key)
+        if key in ("device_num", "global_rank") and value is None:
+            return _communication_default(key)
+        return value
+    raise ConfigError(f"get_auto_parallel_context got an unknown key {key!r}")
+
+
+def _communication_default(key: str) -> int:
+    """device_num / global_rank default to the communication layer's values once init() ran (MindSpore does too)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() if key == "device_num" else dist.get_rank()
+    return 1 if key == "device_num" else 0
+
+
+def reset_auto_parallel_context() -> None:
+    global _auto
+    _auto = _AutoParallelContext()
+
+
+def auto_parallel_context() -> _AutoParallelContext:
+    """A snapshot of the parallel context, for the layers that act on it."""
+    return copy.deepcopy(_auto)
+
+
+def run_context() -> _RunContext:
+    return copy.deepcopy(_run)
+
+
+def set_ps_context(**kwargs: Any) -> None:
+    """Accepted for MindSpore compatibility. ``enable_ssl=True`` is refused: see README "Security" for what is
+    and is not protected (the rendezvous admits only processes holding the job token, but traffic is not
+    encrypted)."""
+    for key, value in kwargs.items():
+        if key not in _KNOWN_PS_KEYS:
+            raise ConfigError(f"set_ps_context got an unknown key {key!r}; valid keys: {', '.join(sorted(_KNOWN_PS_KEYS))}")
+        if key == "enable_ssl":
+            if value:
+                raise ConfigError(
+                    "enable_ssl=True is not supported: autopar's rendezvous and gloo/NCCL traffic are not encrypted; "
+                    "run multi-host jobs on a trusted network (see README, Security)"
+                )
+            _ps.enable_ssl = False
+
+
+def get_ps_context(key: str) -> Any:
+    if key == "enable_ssl":
+        return _ps.enable_ssl
+    raise ConfigError(f"get_ps_context got an unknown key {key!r}")

@@ -1,0 +1,11 @@
+"""``autopar.dataset``: MindSpore's ``mindspore.dataset`` API on numpy/PyTorch.
+
+``import autopar.dataset as ds`` then ``ds.Cifar10Dataset(path, num_shards=n, shard_id=r).map(...).shuffle(...)
+.batch(...).repeat(...)``, exactly as in the MindSpore distributed-training tutorials. Sources are memory-mapped,
+transforms run vectorised on whole batches, a background thread prefetches, and every random decision is keyed
+by (seed, epoch, shard, step) so any epoch can be replayed from any step (exact resume).
+"""
+from autopar.dataset import config, transforms, vision
+from autopar.dataset.pipeline import Cifar10Dataset, Dataset, DatasetIterator, NumpySlicesDataset
+
+__all__ = ["Cifar10Dataset", "Dataset", "DatasetIterator", "NumpySlicesDataset", "config", "transforms", "vision"]

@@ -1,0 +1,3 @@
+"""Alias package for the MindSpore r0.2 path ``dataset.transforms.vision`` (vision ops lived here then)."""
+from autopar.dataset.vision import *  # noqa: F401,F403
+from autopar.dataset.vision import __all__  # noqa: F401

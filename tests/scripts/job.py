@@ -1,0 +1,39 @@
+"""A small worker script whose behaviour the tests steer through the environment.
+
+JOB_STEPS (default 20) all-reduce steps, JOB_SLEEP seconds between them; at step JOB_FAIL_STEP the rank
+JOB_FAIL_RANK fails as JOB_FAIL_MODE says: "raise" (an exception), "kill" (SIGKILL itself), "exit3" (os._exit(3)),
+"hang" (stop communicating). Prints "RANK r OF n local l/m contract c" first and "RANK r DONE" at the end.
+"""
+import os
+import signal
+import time
+
+import torch
+
+import autopar
+import autopar.comm as C
+from autopar.comm import management
+
+autopar.init()
+r, n = autopar.get_rank(), autopar.get_group_size()
+print(f"RANK {r} OF {n} local {autopar.get_local_rank()}/{autopar.get_local_size()} contract {management.contract()}",
+      flush=True)
+steps = int(os.environ.get("JOB_STEPS", "20"))
+fail_rank = int(os.environ.get("JOB_FAIL_RANK", "-1"))
+fail_step = int(os.environ.get("JOB_FAIL_STEP", "3"))
+mode = os.environ.get("JOB_FAIL_MODE", "raise")
+for step in range(steps):
+    if r == fail_rank and step == fail_step:
+        print(f"RANK {r} FAILING ({mode}) at step {step}", flush=True)
+        if mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif mode == "exit3":
+            os._exit(3)
+        elif mode == "hang":
+            time.sleep(3600)
+        else:
+            raise ValueError(f"injected failure at step {step}")
+    total = C.all_reduce(torch.ones(1))
+    assert total.item() == n
+    time.sleep(float(os.environ.get("JOB_SLEEP", "0.05")))
+print(f"RANK {r} DONE", flush=True)
