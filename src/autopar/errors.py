@@ -32,3 +32,7 @@ class CheckpointError(AutoparError):
 
 class ConfigError(AutoparError, ValueError):
     """An unknown or invalid context / configuration value."""
+
+
+class TrainingError(AutoparError):
+    """Training cannot continue (an invalid loss, a model used without what it needs)."""

@@ -5,7 +5,7 @@ import signal
 import time
 
 import psutil
-from conftest import PYTHON, SCRIPTS, autopar_cmd
+from procutil import PYTHON, SCRIPTS, autopar_cmd
 
 from autopar.cluster.netutil import bind_listener, free_port
 

@@ -3,7 +3,7 @@ import re
 import time
 
 import pytest
-from conftest import PYTHON, SCRIPTS
+from procutil import PYTHON, SCRIPTS
 
 from autopar.cluster.netutil import bind_listener, free_port
 

@@ -1,5 +1,5 @@
 """Collectives on real processes (gloo over loopback): values and gradients on 4 ranks, and stand-alone."""
-from conftest import PYTHON, SCRIPTS, autopar_cmd
+from procutil import PYTHON, SCRIPTS, autopar_cmd
 
 
 def test_four_ranks_values_and_gradients(procs, tmp_path):

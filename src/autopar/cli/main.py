@@ -14,7 +14,7 @@ import sys
 from autopar.errors import AutoparError
 
 # Sub-command modules, in the order ``autopar --help`` lists them.
-COMMANDS = ("launch", "data")
+COMMANDS = ("launch", "train", "data")
 
 
 def build_parser() -> argparse.ArgumentParser:

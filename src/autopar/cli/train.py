@@ -1,0 +1,57 @@
+"""``autopar train``: the tutorial job (ResNet-50 on CIFAR-10) on N local workers."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from autopar.errors import ConfigError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train the tutorial ResNet-50 on CIFAR-10 with N local workers",
+                       description="Train the tutorials' ResNet-50 on CIFAR-10 (or a generated synthetic CIFAR-10) "
+                       "over N local worker processes.")
+    p.add_argument("-n", "--nproc", type=int, default=1, help="number of worker processes")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", help="directory holding cifar-10-batches-bin")
+    src.add_argument("--synthetic", action="store_true", help="generate a synthetic CIFAR-10 (no download needed)")
+    p.add_argument("--synthetic-records", type=int, default=10000, help="records per synthetic file (10000 = full)")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=32, help="per worker")
+    p.add_argument("--image-size", type=int, choices=(32, 224), default=32)
+    p.add_argument("--mode", default="data_parallel", choices=("stand_alone", "data_parallel", "semi_auto_parallel",
+                                                                 "auto_parallel"))
+    p.add_argument("--grad-accumulation", type=int, default=1)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--steps-per-epoch", type=int, default=-1)
+    p.add_argument("--print-every", type=int, default=1)
+    p.add_argument("--eval", action="store_true", help="report test accuracy at the end")
+    p.add_argument("--log-dir", default="autopar_logs")
+    p.add_argument("--port", type=int, default=None)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from autopar.cluster.launcher import LaunchConfig, launch
+    from autopar.train.recipes import resnet_cifar
+
+    if args.nproc < 1:
+        raise ConfigError(f"-n must be positive, got {args.nproc}")
+    data = args.data
+    if args.synthetic:
+        from autopar.dataset.synth import write_synthetic_cifar10
+
+        out = Path(args.log_dir) / "synthetic-cifar10"
+        if not (out / "cifar-10-batches-bin" / "test_batch.bin").exists():
+            print(f"[autopar] writing a synthetic CIFAR-10 ({args.synthetic_records} records per file) to {out}",
+                  flush=True)
+            write_synthetic_cifar10(out, records_per_file=args.synthetic_records)
+        data = str(out)
+    script_args = ["--data", data, "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
+                   "--image-size", str(args.image_size), "--mode", args.mode,
+                   "--grad-accumulation", str(args.grad_accumulation), "--lr", str(args.lr),
+                   "--steps-per-epoch", str(args.steps_per_epoch), "--print-every", str(args.print_every)]
+    if args.eval:
+        script_args.append("--eval")
+    return launch(LaunchConfig(nproc=args.nproc, script=resnet_cifar.__file__, script_args=script_args,
+                               log_dir=args.log_dir, port=args.port))

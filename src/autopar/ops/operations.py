@@ -1,0 +1,3 @@
+"""``from mindspore.ops import operations as P`` path (older tutorials): the same operator classes."""
+from autopar.ops.comm import AllGather, AllReduce, AlltoAll, Broadcast, ReduceScatter  # noqa: F401
+from autopar.ops.math import *  # noqa: F401,F403

@@ -1,0 +1,86 @@
+"""DATA_PARALLEL on torch's DistributedDataParallel: bucketed all-reduce overlapped with the backward pass.
+
+MindSpore semantics on top of DDP:
+
+- ``gradients_mean=False`` (MindSpore's default) *sums* the gradients over ranks: a communication hook all-reduces
+  each bucket without DDP's division by the world size. ``True`` averages (DDP's built-in C++ path).
+- ``parameter_broadcast=True`` copies rank 0's initial parameters and buffers to every rank (DDP's ``init_sync``).
+  With ``False`` nothing is copied, as in MindSpore; since differently initialised replicas silently train a
+  different model on each rank, the ranks compare a fingerprint of their parameters and rank 0 warns if they differ.
+- BatchNorm statistics stay per rank (MindSpore does not synchronise them): ``broadcast_buffers=False`` also saves a
+  collective before every forward that DDP would otherwise issue.
+- Gradient accumulation runs the first k-1 micro-batches under ``no_sync()``: no communication until the last.
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+DEFAULT_BUCKET_MB = 25.0
+# torch 2.14 renamed DDP's broadcast_buffers to forward_sync_buffers (buffers still sync at init with init_sync).
+_NO_FORWARD_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else {"broadcast_buffers": False}
+)
+
+
+def _sum_hook(process_group, bucket):
+    """All-reduce a bucket as a sum (DDP's default hook divides by the world size first)."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def parameter_fingerprint(module: torch.nn.Module) -> torch.Tensor:
+    """A cheap summary of the parameters (float64 sums of each tensor and of its squares)."""
+    with torch.no_grad():
+        sums = [torch.stack([p.double().sum(), p.double().square().sum()]) for p in module.parameters()]
+    return torch.cat(sums).cpu() if sums else torch.zeros(2, dtype=torch.float64)
+
+
+def replicas_agree(module: torch.nn.Module) -> bool:
+    fp = parameter_fingerprint(module)
+    gathered = [torch.empty_like(fp) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, fp)
+    return all(torch.allclose(g, gathered[0], rtol=1e-6, atol=1e-6) for g in gathered)
+
+
+def wrap_data_parallel(
+    module: torch.nn.Module,
+    *,
+    gradients_mean: bool,
+    parameter_broadcast: bool,
+    device: torch.device,
+    bucket_cap_mb: float = DEFAULT_BUCKET_MB,
+    gradient_as_bucket_view: bool = True,
+) -> DistributedDataParallel:
+    if not dist.is_initialized():
+        from autopar.errors import ConfigError
+
+        raise ConfigError("DATA_PARALLEL needs the cluster: call autopar.communication.init() first")
+    if not parameter_broadcast and dist.get_world_size() > 1 and not replicas_agree(module):
+        if dist.get_rank() == 0:
+            warnings.warn(
+                "autopar: parameters differ across ranks at the start of DATA_PARALLEL training and "
+                "parameter_broadcast=False; each rank will train a different model. Set "
+                "parameter_broadcast=True or seed every rank identically (autopar.set_seed).",
+                stacklevel=3,
+            )
+            sys.stderr.flush()
+    ddp = DistributedDataParallel(
+        module,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        **_NO_FORWARD_BUFFER_SYNC,
+        bucket_cap_mb=bucket_cap_mb,
+        gradient_as_bucket_view=gradient_as_bucket_view,
+        init_sync=parameter_broadcast,
+    )
+    if not gradients_mean:
+        ddp.register_comm_hook(None, _sum_hook)
+    return ddp

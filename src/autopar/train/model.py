@@ -1,0 +1,251 @@
+"""``Model(network, loss_fn, optimizer, metrics).train / eval / predict`` -- MindSpore's high-level API.
+
+The parallel mode comes from ``set_auto_parallel_context`` (read when training starts); the network is prepared
+once by :func:`autopar.parallel.api.prepare` and every step is the same few lines for every mode: forward, loss,
+backward (with gradient communication suppressed on the first k-1 micro-batches of an accumulation), the mode's
+post-backward hook, optimizer step.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from autopar import context as _context
+from autopar.comm import management as _comm
+from autopar.errors import ConfigError, TrainingError
+from autopar.train.callbacks import (
+    Callback,
+    CallbackList,
+    CallbackParams,
+    MetricsRecorder,
+    ProgressBar,
+    RunContext,
+)
+from autopar.train.metrics import Loss, build_metrics
+
+DEFAULT_LOG_DIR = "autopar_logs"
+
+
+def log_dir() -> str:
+    """Where this run writes its metrics (the launcher sets ``AUTOPAR_LOG_DIR`` to its ``--log-dir``)."""
+    return os.environ.get("AUTOPAR_LOG_DIR") or DEFAULT_LOG_DIR
+
+
+def _epoch_batches(dataset: Any, epoch: int) -> Iterator:
+    """One epoch of batches: autopar datasets by epoch number (deterministic, resumable); any other iterable
+    (e.g. a torch DataLoader, whose DistributedSampler gets ``set_epoch``) by plain iteration."""
+    if hasattr(dataset, "iter_epoch"):
+        return iter(dataset.iter_epoch(epoch))
+    sampler = getattr(dataset, "sampler", None)
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
+    return iter(dataset)
+
+
+def _steps_per_epoch(dataset: Any) -> int:
+    if hasattr(dataset, "get_dataset_size"):
+        return int(dataset.get_dataset_size())
+    try:
+        return len(dataset)
+    except TypeError:
+        raise ConfigError("the training dataset has no length: give get_dataset_size() or __len__") from None
+
+
+def _batch_size(batch: Any) -> int:
+    first = batch[0] if isinstance(batch, (tuple, list)) else batch
+    return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else 1
+
+
+class Model:
+    def __init__(self, network: torch.nn.Module, loss_fn: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, metrics: Any = None,
+                 eval_network: torch.nn.Module | None = None, eval_indexes: Any = None, amp_level: str = "O0",
+                 grad_accumulation_steps: int | None = None, **kwargs: Any):
+        if not isinstance(network, torch.nn.Module):
+            raise ConfigError(f"Model needs a torch.nn.Module network, got {type(network).__name__}")
+        self._network = network
+        self._loss_fn = loss_fn
+        self._optimizer = optimizer
+        self._metrics = build_metrics(metrics)
+        self._eval_network = eval_network
+        self._amp_level = amp_level
+        steps = (grad_accumulation_steps if grad_accumulation_steps is not None
+                 else _context.auto_parallel_context().grad_accumulation_step)
+        if not isinstance(steps, int) or steps < 1:
+            raise ConfigError(f"grad_accumulation_steps must be a positive integer, got {steps!r}")
+        self._accumulation = steps
+        self._prepared = None
+        self._micro_step = 0
+
+    # -- properties MindSpore users reach for ------------------------------------------------------------------
+    @property
+    def train_network(self) -> torch.nn.Module:
+        return self._network
+
+    @property
+    def predict_network(self) -> torch.nn.Module:
+        return self._network
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self._optimizer
+
+    # -- preparation ----------------------------------------------------------------------------------------------
+    def _prepare(self):
+        if self._prepared is None:
+            from autopar.parallel.api import prepare
+
+            self._prepared = prepare(self._network)
+        return self._prepared
+
+    def _to_device(self, batch: Any) -> list:
+        device = self._prepare().device
+        items = batch if isinstance(batch, (tuple, list)) else [batch]
+        return [t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in items]
+
+    def _forward_loss(self, module: torch.nn.Module, inputs: list) -> torch.Tensor:
+        if self._loss_fn is None:
+            return module(*inputs)
+        if len(inputs) < 2:
+            raise ConfigError("with a loss_fn the dataset must yield (inputs..., label)")
+        return self._loss_fn(module(*inputs[:-1]), _class_indices(inputs[-1]))
+
+    # -- one step ----------------------------------------------------------------------------------------------
+    def _train_step(self, batch: Any) -> torch.Tensor:
+        prepared = self._prepare()
+        inputs = self._to_device(batch)
+        self._micro_step += 1
+        last = self._micro_step % self._accumulation == 0
+        sync = prepared.no_sync if not last else _null
+        with sync():
+            loss = self._forward_loss(prepared.module, inputs)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise TrainingError(f"the loss must be a scalar tensor, got {getattr(loss, 'shape', loss)!r}")
+            (loss / self._accumulation if self._accumulation > 1 else loss).backward()
+        if last:
+            prepared.after_backward(False)
+            self._optimizer.step()
+            self._optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    # -- training loop ------------------------------------------------------------------------------------------
+    def train(self, epoch: int, train_dataset: Iterable, callbacks: Callback | list[Callback] | None = None,
+              dataset_sink_mode: bool = False, sink_size: int = -1, initial_epoch: int = 0) -> None:
+        if self._optimizer is None:
+            raise ConfigError("Model.train needs an optimizer: Model(network, loss_fn, optimizer)")
+        if not isinstance(epoch, int) or epoch < 1:
+            raise ConfigError(f"epoch must be a positive integer, got {epoch!r}")
+        prepared = self._prepare()
+        dataset_steps = _steps_per_epoch(train_dataset)
+        per_epoch = sink_size if dataset_sink_mode and sink_size and sink_size > 0 else dataset_steps
+        if per_epoch < 1:
+            raise ConfigError("the training dataset is empty (0 batches per epoch)")
+        cbs = list(callbacks) if isinstance(callbacks, (list, tuple)) else ([callbacks] if callbacks else [])
+        rank = _comm.get_rank() if _comm.is_initialized() else 0
+        if rank == 0:
+            cbs.append(MetricsRecorder(log_dir()))
+            if sys.stdout.isatty():
+                cbs.append(ProgressBar())
+        cb_list = CallbackList(cbs)
+        params = CallbackParams(
+            train_network=self._network, optimizer=self._optimizer, loss_fn=self._loss_fn, epoch_num=epoch,
+            batch_num=per_epoch, cur_epoch_num=initial_epoch, cur_step_num=initial_epoch * per_epoch,
+            net_outputs=None, parallel_mode=prepared.mode.value, device_number=prepared.world_size,
+            train_dataset=train_dataset, dataset_sink_mode=dataset_sink_mode, mode="train", rank=rank,
+            global_batch_size=0, steps_since_callback=1,
+        )
+        run_context = RunContext(params)
+        self._network.train()
+        stream = self._stream(train_dataset, initial_epoch * per_epoch, dataset_steps)
+        cb_list.on_train_begin(run_context)
+        for ep in range(initial_epoch, epoch):
+            params.cur_epoch_num = ep + 1
+            cb_list.on_train_epoch_begin(run_context)
+            for i in range(per_epoch):
+                batch = next(stream)
+                if not dataset_sink_mode:
+                    cb_list.on_train_step_begin(run_context)
+                params.net_outputs = self._train_step(batch)
+                params.cur_step_num += 1
+                params.global_batch_size = _batch_size(batch) * prepared.world_size
+                if not dataset_sink_mode:
+                    cb_list.on_train_step_end(run_context)
+                elif i == per_epoch - 1:  # MindSpore reports once per sink
+                    params.steps_since_callback = per_epoch
+                    cb_list.on_train_step_end(run_context)
+                if run_context.get_stop_requested():
+                    break
+            cb_list.on_train_epoch_end(run_context)
+            if run_context.get_stop_requested():
+                break
+        cb_list.on_train_end(run_context)
+
+    @staticmethod
+    def _stream(dataset: Any, start_step: int, dataset_steps: int) -> Iterator:
+        """Batches from global step ``start_step`` on, across dataset epochs (sink mode may cut epochs anywhere)."""
+        epoch, offset = divmod(start_step, dataset_steps)
+        while True:
+            it = _epoch_batches(dataset, epoch)
+            if offset:
+                if hasattr(dataset, "iter_epoch"):
+                    it = iter(dataset.iter_epoch(epoch, start_step=offset))
+                else:
+                    for _ in range(offset):
+                        next(it)
+            yield from it
+            epoch, offset = epoch + 1, 0
+
+    # -- evaluation / prediction -------------------------------------------------------------------------------
+    def eval(self, valid_dataset: Iterable, callbacks: Any = None, dataset_sink_mode: bool = False) -> dict[str, float]:
+        if not self._metrics:
+            raise ConfigError("Model.eval needs metrics, e.g. Model(net, loss, opt, metrics={'acc'})")
+        network = self._eval_network or self._network
+        self._prepare()
+        for metric in self._metrics.values():
+            metric.clear()
+        was_training = network.training
+        network.eval()
+        with torch.no_grad():
+            for batch in _epoch_batches(valid_dataset, 0):
+                inputs = self._to_device(batch)
+                logits = network(*inputs[:-1])
+                inputs[-1] = _class_indices(inputs[-1])
+                loss = self._loss_fn(logits, inputs[-1]) if self._loss_fn is not None else None
+                for metric in self._metrics.values():
+                    if isinstance(metric, Loss):
+                        metric.update(logits, inputs[-1], loss)
+                    else:
+                        metric.update(logits, inputs[-1])
+        network.train(was_training)
+        return {name: metric.eval() for name, metric in self._metrics.items()}
+
+    def predict(self, *predict_data: Any) -> Any:
+        network = self._network
+        was_training = network.training
+        network.eval()
+        with torch.no_grad():
+            out = network(*self._to_device(list(predict_data)))
+        network.train(was_training)
+        return out
+
+
+def _class_indices(label: Any) -> Any:
+    """The tutorials cast labels to int32 (MindSpore's convention); torch's losses take class indices as int64."""
+    if isinstance(label, torch.Tensor) and label.dtype in (torch.int32, torch.int16, torch.int8, torch.uint8):
+        return label.long()
+    return label
+
+
+class _NullContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _null() -> _NullContext:
+    return _NullContext()

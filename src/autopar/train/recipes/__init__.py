@@ -1,0 +1,1 @@
+"""Complete training jobs behind ``autopar train`` (each module runs as a worker script)."""

@@ -1,0 +1,74 @@
+"""Data parallelism is numerically one process on the global batch (the heart of the feature)."""
+import re
+import sys
+
+import pytest
+import torch
+from procutil import SCRIPTS, autopar_cmd
+
+import autopar
+import autopar.dataset as ds
+from autopar.nn import Momentum
+from autopar.train import Model
+
+sys.path.insert(0, str(SCRIPTS))
+from dp_common import make_data, make_net  # noqa: E402
+
+
+class ScaledLoss(torch.nn.Module):
+    def __init__(self, scale):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, logits, labels):
+        return torch.nn.functional.cross_entropy(logits, labels) * self.scale
+
+
+def reference(batch: int, steps: int = 3, scale: float = 1.0, accum: int = 1):
+    """One process, stand-alone, on the unsharded data."""
+    autopar.reset_auto_parallel_context()
+    x, y = make_data()
+    data = ds.NumpySlicesDataset({"x": x, "y": y}, shuffle=False).batch(batch, drop_remainder=True)
+    torch.manual_seed(0)
+    net = make_net()
+    model = Model(net, ScaledLoss(scale), Momentum(net.parameters(), 0.1, 0.9), grad_accumulation_steps=accum)
+    model.train(1, data, dataset_sink_mode=True, sink_size=steps * accum)
+    return net.state_dict()
+
+
+def run_dp(procs, tmp_path, mean: bool, accum: int, batch: int, world: int = 2):
+    out = tmp_path / "params.pt"
+    res = procs.run(autopar_cmd("launch", "-n", str(world), "--log-dir", str(tmp_path / "logs"),
+                                str(SCRIPTS / "dp_train.py"), str(out), "1" if mean else "0", str(accum), str(batch)),
+                    timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr
+    calls = [int(c) for c in re.findall(r"SUM_HOOK_CALLS (\d+)", (tmp_path / "logs" / "worker_0.log").read_text())]
+    return torch.load(out), calls[0]
+
+
+def max_diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("mean", [True, False], ids=["gradients_mean", "gradients_sum"])
+def test_two_ranks_equal_one_process_on_the_global_batch(procs, tmp_path, mean):
+    params, calls = run_dp(procs, tmp_path, mean=mean, accum=1, batch=4)
+    # mean: the average of the ranks' gradients = the gradient of the global-batch mean loss.
+    # sum (MindSpore's default): the sum of 2 ranks' mean-loss gradients = twice the global-batch gradient.
+    ref = reference(batch=8, scale=1.0 if mean else 2.0)
+    assert max_diff(params, ref) <= 1e-5
+    assert calls == (0 if mean else 3)  # the sum hook ran once per step (one bucket) only in sum mode
+
+
+def test_gradient_accumulation_communicates_only_on_the_last_micro_batch(procs, tmp_path):
+    params, calls = run_dp(procs, tmp_path, mean=False, accum=2, batch=4)
+    assert calls == 3  # 3 optimizer steps x 1 bucket, nothing on the 3 non-final micro-batches
+    ref = reference(batch=16, scale=2.0)  # 2 ranks x 2 micro-batches x 4 samples per step
+    assert max_diff(params, ref) <= 1e-5
+
+
+def test_accumulation_in_one_process_equals_the_k_times_batch():
+    accumulated = reference(batch=4, accum=4)
+    big = reference(batch=16)
+    assert max_diff(accumulated, big) <= 1e-5
+    assert max_diff(reference(batch=4), big) > 1e-3  # the comparison can fail

@@ -1,0 +1,115 @@
+"""Model.train / eval / predict and the callbacks, in one process (stand-alone)."""
+import csv
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import autopar
+import autopar.dataset as ds
+from autopar.errors import ConfigError, TrainingError
+from autopar.nn import Momentum, SoftmaxCrossEntropyExpand
+from autopar.train import Callback, LossMonitor, Model, TimeMonitor
+
+LINE = re.compile(r"^epoch: (\d+) step: (\d+), loss is (\d+\.\d+(e-?\d+)?)$")
+
+
+@pytest.fixture(autouse=True)
+def _fresh(tmp_path, monkeypatch):
+    autopar.reset_auto_parallel_context()
+    monkeypatch.setenv("AUTOPAR_LOG_DIR", str(tmp_path / "logs"))
+
+
+def data(n=96, batch=16, shuffle=False):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((n, 8)).astype(np.float32)
+    y = (x[:, 0] + x[:, 1] > 0).astype(np.int32)
+    return ds.NumpySlicesDataset({"x": x, "y": y}, shuffle=shuffle).batch(batch, drop_remainder=True)
+
+
+def net_and_opt(lr=0.1):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    return net, Momentum(net.parameters(), lr, 0.9)
+
+
+def test_loss_monitor_prints_mindspore_lines(capsys):
+    net, opt = net_and_opt()
+    Model(net, SoftmaxCrossEntropyExpand(sparse=True), opt).train(2, data(), callbacks=[LossMonitor()])
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("epoch:")]
+    assert len(lines) == 12  # 2 epochs x 6 steps
+    parsed = [LINE.match(l) for l in lines]
+    assert all(parsed), lines
+    assert [(int(m[1]), int(m[2])) for m in parsed[:7]] == [(1, s) for s in range(1, 7)] + [(2, 1)]
+    assert float(parsed[-1][3]) < float(parsed[0][3])  # it learns
+
+
+def test_sink_mode_reports_once_per_epoch(capsys):
+    net, opt = net_and_opt()
+    Model(net, torch.nn.CrossEntropyLoss(), opt).train(3, data(), callbacks=[LossMonitor()], dataset_sink_mode=True,
+                                                        sink_size=4)
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("epoch:")]
+    assert [LINE.match(l).group(1, 2) for l in lines] == [("1", "4"), ("2", "4"), ("3", "4")]
+
+
+def test_metrics_csv_and_loss_curve(tmp_path):
+    net, opt = net_and_opt()
+    Model(net, torch.nn.CrossEntropyLoss(), opt).train(2, data())
+    rows = list(csv.DictReader(open(tmp_path / "logs" / "train_metrics.csv")))
+    assert len(rows) == 12 and rows[-1]["global_step"] == "12" and float(rows[0]["images_per_s"]) > 0
+    png = (tmp_path / "logs" / "loss_curve.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_time_monitor_and_custom_callback_protocol(capsys):
+    seen = []
+
+    class Recorder(Callback):
+        def step_end(self, run_context):  # MindSpore's older hook name
+            cb = run_context.original_args()
+            seen.append((cb.cur_epoch_num, cb.cur_step_num, cb.batch_num))
+            if cb.cur_step_num == 8:
+                run_context.request_stop()
+
+    net, opt = net_and_opt()
+    Model(net, torch.nn.CrossEntropyLoss(), opt).train(5, data(), callbacks=[Recorder(), TimeMonitor()])
+    assert seen[0] == (1, 1, 6) and seen[-1] == (2, 8, 6) and len(seen) == 8
+    assert re.search(r"epoch time: [\d.]+ ms, per step time: [\d.]+ ms, [\d.]+ imgs/sec", capsys.readouterr().out)
+
+
+def test_eval_and_predict():
+    net, opt = net_and_opt()
+    model = Model(net, torch.nn.CrossEntropyLoss(), opt, metrics={"acc", "loss"})
+    before = model.eval(data())
+    model.train(4, data(shuffle=True))
+    after = model.eval(data())
+    assert after["acc"] > max(before["acc"], 0.85) and after["loss"] < before["loss"]
+    x = torch.randn(5, 8)
+    assert model.predict(x).shape == (5, 2) and net.training
+
+
+def test_invalid_loss_stops_training():
+    net, opt = net_and_opt(lr=1e30)
+    with pytest.raises(TrainingError, match=r"epoch: 1 step: \d+\. Invalid loss"):
+        Model(net, torch.nn.CrossEntropyLoss(), opt).train(3, data(), callbacks=[LossMonitor()])
+
+
+def test_bad_arguments_are_clear():
+    net, opt = net_and_opt()
+    with pytest.raises(ConfigError, match="needs an optimizer"):
+        Model(net, torch.nn.CrossEntropyLoss()).train(1, data())
+    with pytest.raises(ConfigError, match="grad_accumulation_steps"):
+        Model(net, torch.nn.CrossEntropyLoss(), opt, grad_accumulation_steps=0)
+    with pytest.raises(ConfigError, match="unknown parallel_mode"):
+        autopar.set_auto_parallel_context(parallel_mode="model_parallel")
+    with pytest.raises(ConfigError, match="unknown key 'gradient_mean'"):
+        autopar.set_auto_parallel_context(gradient_mean=True)
+
+
+def test_torch_dataloader_works_too():
+    x = torch.randn(64, 8)
+    y = (x[:, 0] > 0).long()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+    net, opt = net_and_opt()
+    Model(net, torch.nn.CrossEntropyLoss(), opt).train(2, loader)
