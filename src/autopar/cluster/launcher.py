@@ -231,8 +231,14 @@ class Launcher:
                     pass
                 return 0 if scheduler.popen.returncode in (0, None) else scheduler.popen.returncode
             if scheduler.popen.poll() not in (None, 0):
-                self.failed = [scheduler]
-                return scheduler.popen.returncode or 1
+                # the scheduler gives up when a worker failed: name that worker if it ends within the grace
+                deadline = time.monotonic() + 5.0
+                while time.monotonic() < deadline and any(p.popen.poll() is None for p in workers):
+                    time.sleep(POLL)
+                codes = {p.rank: p.popen.poll() for p in workers}
+                root = [p for p in workers if codes[p.rank] not in (None, 0, EXIT_ABORTED)]
+                self.failed = root or [scheduler]
+                return _exit_status(codes[root[0].rank]) if root else (scheduler.popen.returncode or 1)
             time.sleep(POLL)
 
     def _report_failure(self) -> None:

@@ -6,6 +6,21 @@ from typing import Any, Iterator
 import torch
 
 
+def _needs_layouts(cell: torch.nn.Module) -> bool:
+    from autopar import context
+    from autopar.comm import management
+
+    mode = context.auto_parallel_context().parallel_mode
+    if mode not in (context.ParallelMode.SEMI_AUTO_PARALLEL, context.ParallelMode.AUTO_PARALLEL):
+        return False
+    if not management.is_initialized():
+        return False
+    from autopar.parallel.api import has_strategies
+    from autopar.parallel.semi_auto.runtime import active_runtime
+
+    return active_runtime() is None and has_strategies(cell)
+
+
 class Cell(torch.nn.Module):
     def __init__(self, auto_prefix: bool = True, flags: Any = None) -> None:
         super().__init__()
@@ -15,6 +30,14 @@ class Cell(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.construct(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # MindSpore compiles a Cell for the parallel context when it is first called; autopar parallelizes it.
+        if "_autopar_runtime" not in self.__dict__ and _needs_layouts(self):
+            from autopar.parallel.api import parallelize
+
+            parallelize(self)
+        return super().__call__(*args, **kwargs)
 
     # MindSpore spellings of torch.nn.Module methods ---------------------------------------------------------
     def get_parameters(self, expand: bool = True) -> Iterator[torch.nn.Parameter]:

@@ -1,14 +1,21 @@
 """Turn a network into the thing a training step runs, according to the parallel context.
 
-``prepare(network)`` returns a :class:`Prepared`: the module to call (a DDP wrapper in DATA_PARALLEL), the
-context manager that suppresses gradient communication during accumulation, and the hook to run after backward.
-One object per mode; the training step never branches on the mode itself.
+``prepare(network, loss_fn, optimizer)`` returns a :class:`Prepared`: how to compute the loss of a batch, the
+context manager that suppresses gradient communication during accumulation, and the hook that completes the
+gradients after backward. One object per mode; the training step never branches on the mode itself.
+
+- STAND_ALONE: the network as is.
+- DATA_PARALLEL: torch DDP (:mod:`autopar.parallel.data_parallel`).
+- SEMI_AUTO_PARALLEL / AUTO_PARALLEL: layouts on DTensor (:mod:`autopar.parallel.semi_auto.runtime`); a network
+  without any strategy trains exactly as DATA_PARALLEL (it *is* the DATA_PARALLEL path).
+- HYBRID_PARALLEL: DDP for ordinary parameters; ``layerwise_parallel`` parameters are this rank's slice, skipped by
+  the all-reduce, while the network's own collectives (``ops.AllReduce``) do the rest.
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -16,37 +23,141 @@ from autopar import context as _context
 from autopar.comm import management as _comm
 from autopar.context import ParallelMode
 from autopar.errors import ConfigError
+from autopar.parallel.modules import shard  # noqa: F401  (public: autopar.shard)
+
+
+class _WithLoss(torch.nn.Module):
+    """network + loss as one module, so that a parallel runtime sees the loss operators too."""
+
+    def __init__(self, network: torch.nn.Module, loss_fn: torch.nn.Module):
+        super().__init__()
+        self.network = network
+        self.loss_fn = loss_fn
+
+    def forward(self, *inputs):
+        return self.loss_fn(self.network(*inputs[:-1]), inputs[-1])
 
 
 @dataclass
 class Prepared:
     mode: ParallelMode
-    module: torch.nn.Module  # what the step calls
-    network: torch.nn.Module  # the user's network (for eval, checkpoints)
+    network: torch.nn.Module  # the user's network (eval, checkpoints)
     device: torch.device
-    world_size: int = 1
+    world_size: int
+    forward_loss: Callable[[list], torch.Tensor]
     no_sync: Callable[[], ContextManager] = field(default=contextlib.nullcontext)
-    after_backward: Callable[[bool], None] = field(default=lambda loss_is_global: None)
+    after_backward: Callable[[], None] = field(default=lambda: None)
+    runtime: Any = None  # the SemiAutoRuntime, in the layout modes
 
 
-def _mode() -> ParallelMode:
-    return _context.auto_parallel_context().parallel_mode
+def has_strategies(*modules: torch.nn.Module | None) -> bool:
+    """Does any operator or module carry a shard strategy?"""
+    from autopar.ops.math import ShardablePrimitive
+
+    for root in modules:
+        if root is None:
+            continue
+        for m in root.modules():
+            if getattr(m, "_autopar_op", None) is not None:
+                return True
+            if isinstance(m, ShardablePrimitive) and m.strategy is not None:
+                return True
+    return False
 
 
-def prepare(network: torch.nn.Module, mode: ParallelMode | None = None) -> Prepared:
-    mode = mode or _mode()
+def _layerwise_names(network: torch.nn.Module) -> list[str]:
+    return [n for n, p in network.named_parameters() if getattr(p, "layerwise_parallel", False)]
+
+
+def _loss_caller(module: torch.nn.Module, loss_fn: torch.nn.Module | None) -> Callable[[list], torch.Tensor]:
+    if loss_fn is None:
+        return lambda inputs: module(*inputs)
+    return lambda inputs: loss_fn(module(*inputs[:-1]), inputs[-1])
+
+
+def prepare(network: torch.nn.Module, loss_fn: torch.nn.Module | None = None,
+            optimizer: torch.optim.Optimizer | None = None, mode: ParallelMode | None = None) -> Prepared:
+    ctx = _context.auto_parallel_context()
+    mode = mode or ctx.parallel_mode
     if mode is not ParallelMode.STAND_ALONE and not _comm.is_initialized():
         raise ConfigError(f"parallel_mode={mode.value} needs the cluster: call autopar.communication.init() first")
     device = _comm.device() if _comm.is_initialized() else torch.device("cpu")
     network.to(device)
+    if loss_fn is not None:
+        loss_fn.to(device)
     world = _comm.get_group_size() if _comm.is_initialized() else 1
     if mode is ParallelMode.STAND_ALONE:
-        return Prepared(mode, network, network, device, world)
-    if mode is ParallelMode.DATA_PARALLEL:
-        from autopar.parallel.data_parallel import wrap_data_parallel
+        return Prepared(mode, network, device, world, _loss_caller(network, loss_fn))
+    if mode is ParallelMode.AUTO_PARALLEL:
+        from autopar.parallel.auto.api import plan_network  # noqa: F401  (issue: planner)
 
-        ctx = _context.auto_parallel_context()
-        ddp = wrap_data_parallel(network, gradients_mean=ctx.gradients_mean,
-                                 parameter_broadcast=ctx.parameter_broadcast, device=device)
-        return Prepared(mode, ddp, network, device, world, no_sync=ddp.no_sync)
-    raise NotImplementedError(f"parallel_mode={mode.value} is not implemented yet")
+        raise NotImplementedError("parallel_mode=auto_parallel is not implemented yet")
+    layerwise = _layerwise_names(network)
+    if mode is ParallelMode.SEMI_AUTO_PARALLEL and layerwise:
+        raise ConfigError(f"layerwise_parallel parameters {layerwise} need parallel_mode=hybrid_parallel")
+    if mode is ParallelMode.SEMI_AUTO_PARALLEL and (has_strategies(network, loss_fn) or ctx.strategy_ckpt_load_file):
+        return _prepare_layouts(network, loss_fn, optimizer, mode, device, world, ctx)
+    return _prepare_data_parallel(network, loss_fn, mode, device, world, ctx, layerwise)
+
+
+def _prepare_data_parallel(network, loss_fn, mode, device, world, ctx, layerwise) -> Prepared:
+    from autopar.parallel.data_parallel import wrap_data_parallel
+
+    ignored = set(layerwise)
+    trainable = [n for n, p in network.named_parameters() if p.requires_grad and n not in ignored]
+    if trainable:
+        ddp = wrap_data_parallel(network, gradients_mean=ctx.gradients_mean, parameter_broadcast=ctx.parameter_broadcast,
+                                 device=device, ignore=ignored)
+        module, no_sync = ddp, ddp.no_sync
+    else:
+        module, no_sync = network, contextlib.nullcontext
+    after = (lambda: None)
+    if layerwise and ctx.gradients_mean and world > 1:
+        params = [p for n, p in network.named_parameters() if n in ignored]
+
+        def after() -> None:
+            # The network's own collectives already summed the ranks' contributions: the gradient is that of the
+            # sum of the ranks' losses; gradients_mean makes it the mean, as for every other parameter.
+            with torch.no_grad():
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.div_(world)
+
+    return Prepared(mode, network, device, world, _loss_caller(module, loss_fn), no_sync, after)
+
+
+def _prepare_layouts(network, loss_fn, optimizer, mode, device, world, ctx) -> Prepared:
+    from autopar.parallel.semi_auto.runtime import SemiAutoRuntime
+
+    runtime = runtime_of(network) or SemiAutoRuntime(
+        gradients_mean=ctx.gradients_mean, full_batch=ctx.full_batch, parameter_broadcast=ctx.parameter_broadcast,
+        strategy_save_file=ctx.strategy_ckpt_save_file, strategy_load_file=ctx.strategy_ckpt_load_file,
+        dataset_strategy=ctx.dataset_strategy)
+    root = network if loss_fn is None else _WithLoss(network, loss_fn)
+    runtime.add_root(network)  # first: parameters and operators are named as in the user's network
+    runtime.add_root(root)
+    runtime.attach_optimizer(optimizer)
+    return Prepared(mode, network, device, world, lambda inputs: root(*inputs), contextlib.nullcontext,
+                    runtime.finish_gradients, runtime)
+
+
+def runtime_of(module: torch.nn.Module):
+    return getattr(module, "_autopar_runtime", None)
+
+
+def parallelize(network: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> torch.nn.Module:
+    """Make ``network`` run under the current SEMI_AUTO/AUTO context when called directly (``Model`` does this
+    itself). Returns the network; ``finish_gradients(network)`` completes gradients after a backward."""
+    ctx = _context.auto_parallel_context()
+    if runtime_of(network) is None:
+        _prepare_layouts(network, None, optimizer, ctx.parallel_mode, _comm.device(), _comm.get_group_size(), ctx)
+    elif optimizer is not None:
+        runtime_of(network).attach_optimizer(optimizer)
+    return network
+
+
+def finish_gradients(network: torch.nn.Module) -> None:
+    runtime = runtime_of(network)
+    if runtime is None:
+        raise ConfigError("finish_gradients: the network was not parallelized (autopar.parallelize(network))")
+    runtime.finish_gradients()

@@ -37,15 +37,17 @@ def _sum_hook(process_group, bucket):
     return fut.then(lambda f: f.value()[0])
 
 
-def parameter_fingerprint(module: torch.nn.Module) -> torch.Tensor:
+def parameter_fingerprint(module: torch.nn.Module, ignore: set[str] | None = None) -> torch.Tensor:
     """A cheap summary of the parameters (float64 sums of each tensor and of its squares)."""
+    ignore = ignore or set()
     with torch.no_grad():
-        sums = [torch.stack([p.double().sum(), p.double().square().sum()]) for p in module.parameters()]
+        sums = [torch.stack([p.double().sum(), p.double().square().sum()])
+                for n, p in module.named_parameters() if n not in ignore]
     return torch.cat(sums).cpu() if sums else torch.zeros(2, dtype=torch.float64)
 
 
-def replicas_agree(module: torch.nn.Module) -> bool:
-    fp = parameter_fingerprint(module)
+def replicas_agree(module: torch.nn.Module, ignore: set[str] | None = None) -> bool:
+    fp = parameter_fingerprint(module, ignore)
     gathered = [torch.empty_like(fp) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, fp)
     return all(torch.allclose(g, gathered[0], rtol=1e-6, atol=1e-6) for g in gathered)
@@ -59,12 +61,13 @@ def wrap_data_parallel(
     device: torch.device,
     bucket_cap_mb: float = DEFAULT_BUCKET_MB,
     gradient_as_bucket_view: bool = True,
+    ignore: set[str] | None = None,
 ) -> DistributedDataParallel:
     if not dist.is_initialized():
         from autopar.errors import ConfigError
 
         raise ConfigError("DATA_PARALLEL needs the cluster: call autopar.communication.init() first")
-    if not parameter_broadcast and dist.get_world_size() > 1 and not replicas_agree(module):
+    if not parameter_broadcast and dist.get_world_size() > 1 and not replicas_agree(module, ignore):
         if dist.get_rank() == 0:
             warnings.warn(
                 "autopar: parameters differ across ranks at the start of DATA_PARALLEL training and "
@@ -73,6 +76,8 @@ def wrap_data_parallel(
                 stacklevel=3,
             )
             sys.stderr.flush()
+    if ignore:  # hybrid parallel: layerwise_parallel slices are neither synchronised nor all-reduced
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, sorted(ignore))
     ddp = DistributedDataParallel(
         module,
         device_ids=[device.index] if device.type == "cuda" else None,

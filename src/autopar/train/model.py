@@ -98,7 +98,7 @@ class Model:
         if self._prepared is None:
             from autopar.parallel.api import prepare
 
-            self._prepared = prepare(self._network)
+            self._prepared = prepare(self._network, self._loss_fn, self._optimizer)
         return self._prepared
 
     def _to_device(self, batch: Any) -> list:
@@ -106,12 +106,12 @@ class Model:
         items = batch if isinstance(batch, (tuple, list)) else [batch]
         return [t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in items]
 
-    def _forward_loss(self, module: torch.nn.Module, inputs: list) -> torch.Tensor:
-        if self._loss_fn is None:
-            return module(*inputs)
-        if len(inputs) < 2:
-            raise ConfigError("with a loss_fn the dataset must yield (inputs..., label)")
-        return self._loss_fn(module(*inputs[:-1]), _class_indices(inputs[-1]))
+    def _forward_loss(self, inputs: list) -> torch.Tensor:
+        if self._loss_fn is not None:
+            if len(inputs) < 2:
+                raise ConfigError("with a loss_fn the dataset must yield (inputs..., label)")
+            inputs = inputs[:-1] + [_class_indices(inputs[-1])]
+        return self._prepare().forward_loss(inputs)
 
     # -- one step ----------------------------------------------------------------------------------------------
     def _train_step(self, batch: Any) -> torch.Tensor:
@@ -121,12 +121,12 @@ class Model:
         last = self._micro_step % self._accumulation == 0
         sync = prepared.no_sync if not last else _null
         with sync():
-            loss = self._forward_loss(prepared.module, inputs)
+            loss = self._forward_loss(inputs)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TrainingError(f"the loss must be a scalar tensor, got {getattr(loss, 'shape', loss)!r}")
             (loss / self._accumulation if self._accumulation > 1 else loss).backward()
         if last:
-            prepared.after_backward(False)
+            prepared.after_backward()
             self._optimizer.step()
             self._optimizer.zero_grad(set_to_none=True)
         return loss.detach()
@@ -203,7 +203,8 @@ class Model:
         if not self._metrics:
             raise ConfigError("Model.eval needs metrics, e.g. Model(net, loss, opt, metrics={'acc'})")
         network = self._eval_network or self._network
-        self._prepare()
+        prepared = self._prepare()
+        full_batch = prepared.runtime is not None and prepared.runtime.full_batch
         for metric in self._metrics.values():
             metric.clear()
         was_training = network.training
@@ -213,6 +214,8 @@ class Model:
                 inputs = self._to_device(batch)
                 logits = network(*inputs[:-1])
                 inputs[-1] = _class_indices(inputs[-1])
+                if full_batch:  # every rank loaded the whole batch; the network returned this rank's share
+                    inputs[-1] = inputs[-1].chunk(prepared.world_size)[_comm.get_rank()]
                 loss = self._loss_fn(logits, inputs[-1]) if self._loss_fn is not None else None
                 for metric in self._metrics.values():
                     if isinstance(metric, Loss):

@@ -1,0 +1,473 @@
+"""The runtime of a network in SEMI_AUTO_PARALLEL (and AUTO_PARALLEL once strategies are chosen).
+
+How a forward pass runs:
+
+- The root module's inputs become DTensors: each rank's local batch is its slice of the global batch
+  (``full_batch=True``: every rank holds the whole batch, i.e. replicated).
+- Every autopar operator (annotated with a strategy, or not: then MindSpore's data-parallel default) goes through
+  :meth:`SemiAutoRuntime.run_op`: its inputs are redistributed to the layouts its strategy demands, the operator runs
+  on the *local shards* with plain torch, and the output is wrapped with the layout the strategy implies (a split
+  contracted dimension gives a partial sum, resolved lazily by the next consumer's redistribution). Running the
+  unsharded operator and slicing afterwards never happens.
+- Unannotated torch leaf modules (Conv2d, BatchNorm, an unsharded Linear, a loss module) run data-parallel: their
+  inputs are redistributed to "batch split over every device", they compute on the local batch with replicated
+  parameters, and their outputs go back into the DTensor world.
+- The root's outputs come back as plain tensors: this rank's share of the batch (or the whole tensor).
+- A parameter takes the layout of the first operator that uses it (as a DTensor holding only this rank's slice:
+  1/k of the memory); a second operator asking for another layout is an error naming both.
+
+Gradients: the backward pass yields, for every parameter, the gradient of the sum of the ranks' losses (or of the
+global loss when the loss itself was computed on DTensors). :meth:`finish_gradients` completes the reduction over
+replicas (all-reduce of replicated parameters, Partial -> Replicate of DTensor gradients) and applies
+``gradients_mean`` so that the result equals DATA_PARALLEL's for the same data.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils._pytree import tree_map
+
+from autopar.errors import StrategyError
+from autopar.ops import primitive as _primitive
+from autopar.ops.comm import _CommPrimitive
+from autopar.ops.math import OneHot, Reshape
+from autopar.ops.primitive import Primitive
+from autopar.parallel.layout import Layout
+from autopar.parallel.mesh import world_mesh, world_size
+from autopar.parallel.semi_auto import placements as P
+from autopar.parallel.strategy import data_parallel_strategy, derive_plan
+
+_local = threading.local()
+
+
+def active_runtime() -> "SemiAutoRuntime | None":
+    return getattr(_local, "runtime", None)
+
+
+def _execute(op: Primitive, args: tuple, kwargs: dict) -> Any:
+    rt = active_runtime()
+    if rt is None or isinstance(op, _CommPrimitive):
+        return op.compute(*args, **kwargs)
+    return rt.run_op(op, args, kwargs)
+
+
+_primitive.set_executor(_execute)
+
+
+def is_annotated(module: torch.nn.Module) -> bool:
+    return getattr(module, "_autopar_op", None) is not None
+
+
+# Element-wise modules without parameters run on whatever layout they receive (DTensor dispatch): sending their
+# input back to the batch split first would undo a Megatron column split for nothing.
+LAYOUT_TRANSPARENT = (torch.nn.ReLU, torch.nn.ReLU6, torch.nn.GELU, torch.nn.Tanh, torch.nn.Sigmoid, torch.nn.SiLU,
+                      torch.nn.LeakyReLU, torch.nn.Identity)
+
+
+class SemiAutoRuntime:
+    def __init__(self, gradients_mean: bool, full_batch: bool = False, parameter_broadcast: bool = False,
+                 strategy_save_file: str | None = None, strategy_load_file: str | None = None,
+                 dataset_strategy: Any = "data_parallel"):
+        self.device_num = world_size()
+        self.gradients_mean = gradients_mean
+        self.full_batch = full_batch
+        self.dataset_strategy = dataset_strategy if isinstance(dataset_strategy, (tuple, list)) else None
+        self.parameter_broadcast = parameter_broadcast
+        self.strategy_save_file = strategy_save_file
+        self.loaded_layouts = load_strategy_file(strategy_load_file) if strategy_load_file else {}
+        self.roots: list[torch.nn.Module] = []
+        self.names: dict[int, str] = {}  # id(operator or module) -> qualified name
+        self.param_names: dict[int, str] = {}  # id(parameter) -> name (old and converted objects)
+        self.owners: dict[str, list[tuple[torch.nn.Module, str]]] = {}
+        self.converted: dict[int, torch.nn.Parameter] = {}  # id(original) -> DTensor parameter
+        self.param_layout: dict[str, tuple[str, tuple, Layout]] = {}  # name -> (who, placements, layout)
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.loss_was_global = False
+        self._depth = 0
+        self._hooked: set[int] = set()
+        self._strategy_written = False
+
+    # -- installation -------------------------------------------------------------------------------------------
+    def add_root(self, root: torch.nn.Module, prefix: str = "") -> None:
+        """Make ``root`` a network this runtime runs (calls at depth 0 convert inputs and outputs)."""
+        if id(root) in {id(r) for r in self.roots}:
+            return
+        self.roots.append(root)
+        for name, module in root.named_modules(prefix=prefix.rstrip(".")):
+            self.names.setdefault(id(module), name or type(module).__name__)
+            module._autopar_runtime = self
+            leaf = not any(True for _ in module.children())
+            if (leaf and not isinstance(module, (Primitive, *LAYOUT_TRANSPARENT))
+                    and id(module) not in self._hooked):
+                module.register_forward_pre_hook(self._leaf_pre)
+                module.register_forward_hook(self._leaf_post)
+                self._hooked.add(id(module))
+        for module_name, module in root.named_modules(remove_duplicate=False):
+            for attr, param in list(module._parameters.items()):
+                if param is None:
+                    continue
+                full = f"{module_name}.{attr}" if module_name else attr
+                name = self.param_names.setdefault(id(param), full)
+                owners = self.owners.setdefault(name, [])
+                if (module, attr) not in owners:
+                    owners.append((module, attr))
+        root.register_forward_pre_hook(self._root_pre, with_kwargs=True)
+        root.register_forward_hook(self._root_post, always_call=True)
+        if self.parameter_broadcast and self.device_num > 1:
+            with torch.no_grad():
+                for p in root.parameters():
+                    if not isinstance(p, DTensor) and not getattr(p, "layerwise_parallel", False):
+                        dist.broadcast(p.data, src=0)
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+        if optimizer is not None and optimizer not in self.optimizers:
+            self.optimizers.append(optimizer)
+            self._remap_optimizers()
+
+    # -- root and leaf hooks -------------------------------------------------------------------------------------
+    def _enter(self) -> bool:
+        if self._depth == 0:
+            if active_runtime() not in (None, self):
+                return False
+            _local.runtime = self
+            self.loss_was_global = False
+        self._depth += 1
+        return True
+
+    def _exit(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            _local.runtime = None
+
+    def _root_pre(self, module, args, kwargs):
+        outer = self._depth == 0
+        if not self._enter():
+            return None
+        if outer:
+            count = iter(range(10**9))
+
+            def convert(t):
+                if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
+                    return t
+                k = next(count)
+                if self.dataset_strategy is not None and k < len(self.dataset_strategy):
+                    return dataset_input(t, self.dataset_strategy[k])
+                return P.to_dtensor_replicated(t) if self.full_batch else P.wrap_data_parallel(t)
+
+            return tree_map(convert, args), tree_map(convert, kwargs)
+        return None
+
+    def _root_post(self, module, args, output):
+        if active_runtime() is not self:
+            return None
+        outer = self._depth == 1
+        self._exit()
+        if not outer:
+            return None
+        result = tree_map(self._output_to_local, output)
+        self._after_first_forward()
+        return result
+
+    def _output_to_local(self, t):
+        if not isinstance(t, DTensor):
+            return t
+        if t.dim() == 0:
+            self.loss_was_global = True
+        return P.to_data_parallel_local(t)
+
+    def _leaf_pre(self, module, args):
+        if active_runtime() is not self or is_annotated(module):
+            return None
+        return tree_map(lambda t: P.to_data_parallel_local(t) if isinstance(t, DTensor) else t, args)
+
+    def _leaf_post(self, module, args, output):
+        if active_runtime() is not self or is_annotated(module):
+            return None
+        n = self.device_num
+
+        def wrap(t):
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.dim() >= 1:
+                return P.wrap_data_parallel(t) if n > 1 else P.to_dtensor_replicated(t)
+            return t
+
+        return tree_map(wrap, output)
+
+    # -- operators -------------------------------------------------------------------------------------------
+    def name_of(self, op: Primitive) -> str:
+        return f"{type(op).__name__} '{self.names.get(id(op), '?')}'"
+
+    def run_op(self, op: Primitive, args: tuple, kwargs: dict) -> Any:
+        if isinstance(op, Reshape):
+            x, shape = args[0], args[1]
+            x = x if isinstance(x, DTensor) else P.to_dtensor_replicated(x)
+            return x.reshape(tuple(shape))
+        if isinstance(op, OneHot):
+            return self._one_hot(op, *args)
+        positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        if not positions:
+            return op.compute(*args, **kwargs)
+        spec = op.spec(*args)
+        shapes = tuple(tuple(args[i].shape) for i in positions)
+        strategy = op.strategy or data_parallel_strategy(spec, shapes, self.device_num)
+        plan = derive_plan(self.name_of(op), spec, strategy, shapes, self.device_num)
+        local_args = list(args)
+        mesh = world_mesh()
+        for k, i in enumerate(positions):
+            layout = plan.inputs[k]
+            dt = self._input(args[i], op, plan, layout)
+            target = layout.placements()
+            if tuple(dt.placements) != target:
+                dt = dt.redistribute(mesh, target)
+            grad_placements = P.placements_for(layout, plan.absent_axes(k), grad_partial=True)
+            local_args[i] = dt.to_local(grad_placements=grad_placements)
+        bias = getattr(op, "bias_index", None)
+        if plan.partial_axes and bias is not None and bias < len(local_args) and local_args[bias] is not None:
+            # the output is a partial sum over the split contraction: each part carries 1/k of the bias
+            parts = math.prod(plan.device_matrix[a] for a in plan.partial_axes)
+            local_args[bias] = local_args[bias] / parts
+        out = op.compute(*local_args, **kwargs)
+        partial, reduction = plan.partial_axes, plan.reduction
+        if partial and reduction in ("max", "min"):
+            out = P.all_reduce_extreme(out, plan.device_matrix, partial, reduction)
+            partial = ()
+        elif partial and reduction == "avg":
+            # a mean of k equal parts = the sum of (local mean / k). Emitting Partial(sum) keeps the backward exact:
+            # DTensor hands a Partial(avg) input the whole gradient, k times too much for a mean taken locally.
+            out = out / math.prod(plan.device_matrix[a] for a in partial)
+            reduction = "sum"
+        return P.wrap_local(out, P.output_placements(plan.device_matrix, plan.output_map, partial, reduction))
+
+    def _one_hot(self, op: OneHot, indices, depth, on_value, off_value):
+        depth = int(depth)
+        shape = tuple(indices.shape) + (depth,)
+        spec = op.spec(indices, depth, on_value, off_value)
+        strategy = op.strategy or data_parallel_strategy(spec, [shape, (), ()], self.device_num)
+        plan = derive_plan(self.name_of(op), spec, strategy, (shape, (), ()), self.device_num)
+        out_layout = plan.inputs[0]
+        idx_layout = Layout(plan.device_matrix, out_layout.tensor_map[:-1], shape[:-1])
+        idx = indices if isinstance(indices, DTensor) else P.to_dtensor_replicated(indices)
+        idx = idx.redistribute(world_mesh(), idx_layout.placements()).to_local()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        part = out_layout.slice_shape[-1]
+        start = out_layout.slice_index(rank)[-1] * part
+        columns = torch.arange(start, start + part, device=idx.device)
+        on = on_value.full_tensor() if isinstance(on_value, DTensor) else torch.as_tensor(on_value)
+        off = off_value.full_tensor() if isinstance(off_value, DTensor) else torch.as_tensor(off_value)
+        hot = (idx.long().unsqueeze(-1) == columns).to(on.dtype)
+        return P.wrap_local(hot * (on - off) + off, out_layout.placements())
+
+    # -- parameters ------------------------------------------------------------------------------------------
+    def _input(self, arg: torch.Tensor, op: Primitive, plan, layout: Layout) -> DTensor:
+        if isinstance(arg, torch.nn.Parameter) or id(arg) in self.converted:
+            return self._parameter(arg, op, plan, layout)
+        if isinstance(arg, DTensor):
+            return arg
+        return P.to_dtensor_replicated(arg)  # a constant: whole on every rank
+
+    def _parameter(self, param: torch.nn.Parameter, op: Primitive, plan, layout: Layout) -> DTensor:
+        name = self.param_names.get(id(param), f"<parameter of {self.name_of(op)}>")
+        if getattr(param, "layerwise_parallel", False):
+            raise StrategyError(f"parameter '{name}' is layerwise_parallel: that belongs to HYBRID_PARALLEL, where "
+                                f"the network adds its own collectives")
+        who = f"{self.name_of(op)} with strategy {plan.strategy}"
+        loaded = self.loaded_layouts.get(name)
+        if loaded is not None and loaded.placements() != layout.placements():
+            raise StrategyError(f"the strategy file gives parameter '{name}' the layout {loaded} but {who} "
+                                f"needs {layout}")
+        prev = self.param_layout.get(name)
+        if prev is None:
+            self.param_layout[name] = (who, layout.placements(), layout)
+        elif prev[1] != layout.placements():
+            raise StrategyError(f"parameter '{name}' is used by {prev[0]} and by {who}: one parameter must have one "
+                                f"strategy for all its operators (layouts {prev[2]} vs {layout})")
+        if isinstance(param, DTensor):
+            return param
+        if id(param) in self.converted:
+            return self.converted[id(param)]
+        with torch.no_grad():
+            sharded = distribute_tensor(param.detach(), world_mesh(), layout.placements(), src_data_rank=0)
+        new = torch.nn.Parameter(sharded, requires_grad=param.requires_grad)
+        for module, attr in self.owners.get(name, []):
+            module._parameters[attr] = new
+        self.converted[id(param)] = new
+        self.param_names[id(new)] = name
+        self._remap_optimizers()
+        return new
+
+    def _remap_optimizers(self) -> None:
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["params"] = [self.converted.get(id(p), p) for p in group["params"]]
+                kinds = {isinstance(p, DTensor) for p in group["params"]}
+                if len(kinds) > 1 and "foreach" in group:
+                    group["foreach"] = False  # one foreach kernel cannot mix DTensors and plain tensors
+            for old_id, new in self.converted.items():
+                for key in [k for k in opt.state if id(k) == old_id]:
+                    opt.state[new] = opt.state.pop(key)
+
+    def parameters(self):
+        seen = set()
+        for root in self.roots:
+            for name, p in root.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield self.param_names.get(id(p), name), p
+
+    # -- gradients -------------------------------------------------------------------------------------------
+    def finish_gradients(self) -> None:
+        """Reduce over replicas and apply gradients_mean (see the module docstring)."""
+        n = self.device_num
+        scale = (1.0 / n if self.gradients_mean else 1.0) * (n if self.loss_was_global else 1.0)
+        plain: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        for _, p in self.parameters():
+            if p.grad is None:
+                continue
+            if isinstance(p, DTensor):
+                if tuple(p.grad.placements) != tuple(p.placements):
+                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+            elif not getattr(p, "layerwise_parallel", False):
+                plain.append(p.grad)
+            grads.append(p.grad)
+        if plain and n > 1:
+            all_reduce_buckets(plain)
+        if scale != 1.0:
+            with torch.no_grad():
+                for g in grads:
+                    g.mul_(scale)
+
+    # -- strategy file -----------------------------------------------------------------------------------------
+    def layouts(self) -> dict[str, Layout]:
+        """Every parameter's layout (replicated parameters included)."""
+        out = {}
+        for name, p in self.parameters():
+            if isinstance(p, DTensor):
+                out[name] = self.param_layout[name][2] if name in self.param_layout else Layout.from_placements(
+                    p.placements, tuple(p.shape), tuple(p.device_mesh.shape))
+            elif not getattr(p, "layerwise_parallel", False):
+                out[name] = Layout.replicated(tuple(p.shape), self.device_num)
+        return out
+
+    def _after_first_forward(self) -> None:
+        self._remap_optimizers()
+        if self.strategy_save_file and not self._strategy_written:
+            self._strategy_written = True
+            save_strategy_file(self.strategy_save_file, self.layouts(), self.parameters())
+
+
+def dataset_layout(entry: Any, local_shape: tuple[int, ...]) -> Layout:
+    """The layout of a network input under a ``dataset_strategy`` entry (one split count per dimension; devices
+    beyond the product replicate, first axis, as for operator strategies). ``local_shape`` is what this rank
+    loaded: its slice."""
+    entry = tuple(int(v) for v in entry)
+    if len(entry) != len(local_shape):
+        raise StrategyError(f"dataset_strategy entry {entry} has {len(entry)} values but the input has rank "
+                            f"{len(local_shape)} (local shape {local_shape})")
+    n = world_size()
+    product = math.prod(entry)
+    if product > n or n % product:
+        raise StrategyError(f"dataset_strategy entry {entry} does not divide the {n} devices")
+    split_dims = [d for d, v in enumerate(entry) if v > 1]
+    matrix = (n // product,) + tuple(entry[d] for d in split_dims)
+    tmap = tuple(split_dims.index(d) + 1 if d in split_dims else -1 for d in range(len(entry)))
+    full = tuple(s * v for s, v in zip(local_shape, entry))
+    return Layout(matrix, tmap, full)
+
+
+def dataset_input(local: torch.Tensor, entry: Any) -> DTensor:
+    layout = dataset_layout(entry, tuple(local.shape))
+    return DTensor.from_local(local, world_mesh(), layout.placements(), run_check=False,
+                              shape=torch.Size(layout.full_shape), stride=_contiguous_strides(layout.full_shape))
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= size
+    return tuple(reversed(strides))
+
+
+def dataset_shard(entry: Any, rank: int | None = None) -> tuple[int, int]:
+    """(num_shards, shard_id) a rank should load along dimension 0 under a dataset_strategy entry."""
+    rank = dist.get_rank() if rank is None else rank
+    parts = int(entry[0])
+    layout = Layout((world_size() // parts, parts) if parts > 1 else (world_size(),),
+                    (1,) if parts > 1 else (-1,), (parts,))
+    return parts, layout.slice_index(rank)[0]
+
+
+def all_reduce_buckets(tensors: list[torch.Tensor], bucket_bytes: int = 25 * 2**20) -> None:
+    """Sum ``tensors`` over all ranks in place, a few flat buffers at a time (one collective per bucket)."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+
+    def flush():
+        if not bucket:
+            return
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        dist.all_reduce(flat)
+        offset = 0
+        for t in bucket:
+            t.copy_(flat[offset: offset + t.numel()].view_as(t))
+            offset += t.numel()
+        bucket.clear()
+
+    for t in tensors:
+        bucket.append(t)
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            flush()
+            size = 0
+    flush()
+
+
+STRATEGY_FORMAT = "autopar-strategy-1"
+
+
+def save_strategy_file(path: str, layouts: dict[str, Layout], named_params) -> None:
+    """JSON: for every parameter, full shape, device matrix, tensor map (axes counted from the left, -1 = not
+    split) and slice shape. Written by rank 0, atomically."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    params = {}
+    for name, p in named_params:
+        entry = layouts[name].to_dict() if name in layouts else {"full_shape": None, "slice_shape": list(p.shape)}
+        entry["dtype"] = str(p.dtype).replace("torch.", "")
+        entry["layerwise_parallel"] = bool(getattr(p, "layerwise_parallel", False))
+        params[name] = entry
+    doc = {"format": STRATEGY_FORMAT, "device_num": world_size(),
+           "tensor_map_convention": "per tensor dimension, the device-matrix axis (counted from the left) that "
+                                    "splits it; -1 = not split; ranks are row-major on the device matrix",
+           "parameters": params}
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, target)
+
+
+def load_strategy_file(path: str) -> dict[str, Layout]:
+    from autopar.errors import CheckpointError
+
+    try:
+        doc = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"strategy file not found: {path}") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"strategy file {path} is not readable JSON: {exc}") from None
+    if doc.get("format") != STRATEGY_FORMAT:
+        raise CheckpointError(f"{path} is not an autopar strategy file (format {doc.get('format')!r})")
+    try:
+        return {name: Layout.from_dict(e) for name, e in doc["parameters"].items() if e.get("full_shape") is not None}
+    except (KeyError, TypeError, StrategyError) as exc:
+        raise CheckpointError(f"strategy file {path} is malformed: {exc}") from None
+

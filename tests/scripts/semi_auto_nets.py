@@ -1,0 +1,277 @@
+"""Worker: the seeds' SemiAutoParallelNet and HybridParallelNet (imports changed only) against the unsharded math.
+
+argv: OUT_JSON CASES_JSON where CASES is a list of ["semi", strategy] / ["hybrid", null] / ["hybrid_model", null] /
+["conflict", null]. For each case every rank compares forward outputs, parameter gradients and parameters after 3
+SGD steps with plain torch on the whole batch in the same process; results (largest differences, the rank's
+parameter size, error messages) go to OUT_JSON.<rank>.
+"""
+import json
+import sys
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor
+
+import autopar as ms
+import autopar.dataset as ds
+import autopar.nn as nn
+import autopar.ops as ops
+from autopar import Parameter, Tensor
+from autopar.communication import get_group_size, get_rank, init
+from autopar.errors import StrategyError
+from autopar.parallel.api import finish_gradients, parallelize
+from autopar.train import Model
+
+
+class SemiAutoParallelNet(nn.Cell):
+    def __init__(self, weight_init, strategy):
+        super(SemiAutoParallelNet, self).__init__()
+        self.weight = Parameter(Tensor(weight_init))
+        self.fc = ops.MatMul().shard(strategy)
+        self.reduce = ops.ReduceSum()
+
+    def construct(self, x):
+        x = self.fc(x, self.weight)
+        x = self.reduce(x, -1)
+        return x
+
+
+class HybridParallelNet(nn.Cell):
+    def __init__(self, weight_init):
+        super(HybridParallelNet, self).__init__()
+        self.weight = Parameter(Tensor(weight_init), layerwise_parallel=True)
+        self.fc = ops.MatMul()
+        self.reduce = ops.ReduceSum()
+        self.allreduce = ops.AllReduce(op='sum')
+
+    def construct(self, x):
+        x = self.fc(x, self.weight)
+        x = self.reduce(x, -1)
+        x = self.allreduce(x)
+        return x
+
+
+class SharedWeightNet(nn.Cell):
+    """One parameter, two operators, two strategies: MindSpore's "shared parameter" error."""
+
+    def __init__(self, weight_init):
+        super().__init__()
+        self.weight = Parameter(Tensor(weight_init))
+        self.fc1 = ops.MatMul().shard(((1, 1), (1, 2)))
+        self.fc2 = ops.MatMul().shard(((2, 1), (1, 1)))
+
+    def construct(self, x):
+        return self.fc2(x, self.weight) + self.fc1(x, self.weight)
+
+
+class OpsNet(nn.Cell):
+    """Most shardable operators in a row, with strategies that force every kind of redistribution."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.w = Parameter(torch.randn(16, 8, generator=g) * 0.3)
+        self.b = Parameter(torch.randn(8, generator=g) * 0.1)
+        self.mm = ops.MatMul().shard(((2, 1), (1, 1)))
+        self.bias = ops.BiasAdd().shard(((2, 1), (1,)))
+        self.gelu = ops.GeLU().shard(((1, 2),))
+        self.mul = ops.Mul().shard(((2, 1), (2, 1)))
+        self.softmax = ops.Softmax().shard(((2, 1),))
+        self.add = ops.Add()
+        self.log = ops.Log()
+        self.transpose = ops.Transpose().shard(((1, 2),))
+        self.max = ops.ReduceMax(keep_dims=True).shard(((1, 2),))
+        self.sub = ops.Sub().shard(((1, 2), (1, 1)))
+        self.exp = ops.Exp()
+        self.reshape = ops.Reshape()
+        self.transpose3 = ops.Transpose()
+        self.bmm = ops.BatchMatMul().shard(((2, 1, 1), (2, 1, 1)))
+        self.mean = ops.ReduceMean().shard(((2, 1, 1),))
+        self.onehot = ops.OneHot().shard(((1, 2), (), ()))
+        self.mul2 = ops.Mul().shard(((1, 2), (1, 2)))
+        self.sum = ops.ReduceSum().shard(((1, 2),))
+        self.relu = ops.ReLU()
+        self.div = ops.RealDiv().shard(((2,), (2,)))
+
+    def construct(self, x, labels):
+        h = self.bias(self.mm(x, self.w), self.b)
+        h = self.mul(self.gelu(h), h)
+        soft = self.softmax(h)
+        r = self.transpose(self.log(self.add(soft, Tensor(0.1))), (1, 0))
+        e = self.exp(self.sub(r, self.max(r, -1)))
+        t = self.reshape(e, (8, 2, 4))
+        bm = self.mean(self.bmm(t, self.transpose3(t, (0, 2, 1))), (1, 2))
+        picked = self.sum(self.mul2(self.relu(h), self.onehot(labels, 8, Tensor(1.0), Tensor(0.0))), -1)
+        return self.div(bm + picked, picked + 2.0)
+
+
+class SquaredError(nn.Cell):
+    def construct(self, out, y):
+        return ((out - y) ** 2).mean()
+
+
+out_path, cases = sys.argv[1], json.loads(sys.argv[2])
+init()
+rank, n = get_rank(), get_group_size()
+rng = np.random.default_rng(0)
+batch = 8
+W = (rng.standard_normal((512, 128)) * 0.02).astype(np.float32)
+X = (rng.standard_normal((3, batch, 512)) * 0.1).astype(np.float32)
+Y = rng.standard_normal((3, batch)).astype(np.float32)
+cols = 128 // n
+results = {}
+
+
+def full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def unshard_columns(t):  # the layerwise weight's column slices, gathered
+    parts = [torch.empty_like(t) for _ in range(n)]
+    torch.distributed.all_gather(parts, t.contiguous())
+    return torch.cat(parts, dim=1)
+
+
+def reference_steps():
+    """Plain torch on the whole batch: outputs, gradients and weights of 3 SGD steps."""
+    w = torch.tensor(W, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+    outs, grads, weights = [], [], []
+    for step in range(3):
+        x, y = torch.tensor(X[step]), torch.tensor(Y[step])
+        out = (x @ w).sum(-1)
+        ((out - y) ** 2).mean().backward()
+        outs.append(out.detach().clone())
+        grads.append(w.grad.clone())
+        opt.step()
+        opt.zero_grad()
+        weights.append(w.detach().clone())
+    return outs, grads, weights
+
+
+REF = reference_steps()
+
+
+def run_direct(kind, strategy):
+    ms.reset_auto_parallel_context()
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel" if kind == "semi" else "hybrid_parallel",
+                                 gradients_mean=True)
+    if kind == "semi":
+        net = SemiAutoParallelNet(W, tuple(tuple(s) for s in strategy))
+        rows = slice(rank * batch // n, (rank + 1) * batch // n)  # each rank loads its slice of the batch
+        gather = full
+    else:
+        net = HybridParallelNet(W[:, rank * cols:(rank + 1) * cols])  # this rank's columns, as the seed's 128/2
+        rows = slice(0, batch)  # the explicit all-reduce needs the same samples on every rank
+        gather = unshard_columns
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    if kind == "semi":
+        parallelize(net, opt)
+    worst = {"out": 0.0, "grad": 0.0, "param": 0.0}
+    for step in range(3):
+        x, y = torch.tensor(X[step]), torch.tensor(Y[step])
+        out = net(x[rows])
+        ((out - y[rows]) ** 2).mean().backward()
+        if kind == "semi":
+            finish_gradients(net)
+        else:
+            net.weight.grad /= n  # what Model does for layerwise parameters with gradients_mean=True
+        worst["out"] = max(worst["out"], (out - REF[0][step][rows]).abs().max().item())
+        worst["grad"] = max(worst["grad"], (gather(net.weight.grad) - REF[1][step]).abs().max().item())
+        opt.step()
+        opt.zero_grad()
+        worst["param"] = max(worst["param"], (gather(net.weight.detach()) - REF[2][step]).abs().max().item())
+    w = net.weight
+    worst["local_numel"] = (w.to_local() if isinstance(w, DTensor) else w).numel()
+    worst["full_numel"] = W.size
+    return worst
+
+
+def run_hybrid_model():
+    """HybridParallelNet through Model.train (same data on every rank, gradients_mean=True)."""
+    ms.reset_auto_parallel_context()
+    ms.set_auto_parallel_context(parallel_mode="hybrid_parallel", gradients_mean=True)
+    net = HybridParallelNet(W[:, rank * cols:(rank + 1) * cols])
+    data = ds.NumpySlicesDataset({"x": X.reshape(-1, 512), "y": Y.reshape(-1)}, shuffle=False).batch(batch)
+    Model(net, SquaredError(), nn.SGD(net.parameters(), 0.1)).train(1, data)
+    return {"param": (unshard_columns(net.weight.detach()) - REF[2][-1]).abs().max().item()}
+
+
+def run_conflict():
+    ms.reset_auto_parallel_context()
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
+    net = SharedWeightNet(W[:, :128])
+    try:
+        net(torch.tensor(X[0][rank * batch // n:(rank + 1) * batch // n]))
+    except StrategyError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+def run_ops():
+    """Every operator of OpsNet sharded (full batch on every rank) vs the same Cell computed locally."""
+    ms.reset_auto_parallel_context()
+    # gradients_mean=False: each rank's loss is the sum of its rows, so the gradients are those of the whole sum
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", gradients_mean=False, full_batch=True)
+    x = torch.tensor(X[0][:, :16] * 10)
+    labels = torch.tensor(np.arange(8) % 8, dtype=torch.int32)
+    net, ref = OpsNet(), OpsNet()
+    out = net(x, labels)
+    out.sum().backward()
+    finish_gradients(net)
+    ref_out = ref.forward(x, labels)  # forward() bypasses the parallel runtime: plain local computation
+    ref_out.sum().backward()
+    rows = slice(rank * 8 // n, (rank + 1) * 8 // n)
+    return {"out": (out - ref_out[rows]).abs().max().item(),
+            "grad": max((full(net.w.grad) - ref.w.grad).abs().max().item(),
+                        (full(net.b.grad) - ref.b.grad).abs().max().item())}
+
+
+def run_strategy_file():
+    """strategy_ckpt_load_file: a parameter layout that disagrees with the network's strategy is an error."""
+    path = f"{out_path}.strategy.json"
+    ms.reset_auto_parallel_context()
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", strategy_ckpt_save_file=path)
+    SemiAutoParallelNet(W, ((1, 1), (1, 2)))(torch.tensor(X[0][:batch // n]))
+    torch.distributed.barrier()
+    ms.reset_auto_parallel_context()
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", strategy_ckpt_load_file=path)
+    SemiAutoParallelNet(W, ((1, 1), (1, 2)))(torch.tensor(X[0][:batch // n]))  # agrees: fine
+    try:
+        SemiAutoParallelNet(W, ((2, 1), (1, 1)))(torch.tensor(X[0][:batch // n]))
+    except StrategyError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+def run_dataset_strategy():
+    """dataset_strategy ((2, 1),) on 4 ranks: the batch is split in 2 only; each rank loads the slice
+    dataset_shard() names, the network still matches the whole-batch computation."""
+    from autopar.parallel.semi_auto.runtime import dataset_shard
+
+    ms.reset_auto_parallel_context()
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", gradients_mean=True, dataset_strategy=((2, 1),))
+    parts, shard = dataset_shard((2, 1))
+    net = SemiAutoParallelNet(W, ((1, 1), (1, 2)))
+    x = torch.tensor(X[0])
+    out = net(x[shard * batch // parts:(shard + 1) * batch // parts])
+    rows = slice(rank * batch // n, (rank + 1) * batch // n)  # the output is batch-split over every device
+    return {"out": (out - REF[0][0][rows]).abs().max().item(), "shard": [parts, shard]}
+
+
+for kind, strategy in cases:
+    key = kind + ("" if strategy is None else json.dumps(strategy))
+    if kind in ("semi", "hybrid"):
+        results[key] = run_direct(kind, strategy)
+    elif kind == "hybrid_model":
+        results[key] = run_hybrid_model()
+    elif kind == "ops":
+        results[key] = run_ops()
+    elif kind == "dataset_strategy":
+        results[key] = run_dataset_strategy()
+    elif kind == "strategy_file":
+        results[key] = run_strategy_file()
+    else:
+        results[key] = run_conflict()
+    print(f"RANK {rank} {key} {results[key]}", flush=True)
+json.dump(results, open(f"{out_path}.{rank}", "w"))
