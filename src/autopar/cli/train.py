@@ -26,6 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps-per-epoch", type=int, default=-1)
     p.add_argument("--print-every", type=int, default=1)
     p.add_argument("--eval", action="store_true", help="report test accuracy at the end")
+    p.add_argument("--ckpt-steps", type=int, default=0, help="save a checkpoint every N steps into LOG_DIR/ckpt_<rank>")
+    p.add_argument("--sliced", action="store_true", help="checkpoints hold each rank's slices (integrated_save=False)")
+    p.add_argument("--resume", action="store_true", help="continue after the newest checkpoint in LOG_DIR/ckpt_<rank>")
     p.add_argument("--log-dir", default="autopar_logs")
     p.add_argument("--port", type=int, default=None)
     p.set_defaults(func=run)
@@ -53,5 +56,9 @@ def run(args: argparse.Namespace) -> int:
                    "--steps-per-epoch", str(args.steps_per_epoch), "--print-every", str(args.print_every)]
     if args.eval:
         script_args.append("--eval")
+    if args.ckpt_steps or args.resume:
+        script_args += ["--ckpt-dir", str(Path(args.log_dir).resolve()), "--ckpt-steps", str(args.ckpt_steps)]
+        script_args += ["--sliced"] if args.sliced else []
+        script_args += ["--resume"] if args.resume else []
     return launch(LaunchConfig(nproc=args.nproc, script=resnet_cifar.__file__, script_args=script_args,
                                log_dir=args.log_dir, port=args.port))

@@ -14,6 +14,7 @@ gradients after backward. One object per mode; the training step never branches 
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager
 
@@ -95,7 +96,8 @@ def prepare(network: torch.nn.Module, loss_fn: torch.nn.Module | None = None,
     layerwise = _layerwise_names(network)
     if mode is ParallelMode.SEMI_AUTO_PARALLEL and layerwise:
         raise ConfigError(f"layerwise_parallel parameters {layerwise} need parallel_mode=hybrid_parallel")
-    if mode is ParallelMode.SEMI_AUTO_PARALLEL and (has_strategies(network, loss_fn) or ctx.strategy_ckpt_load_file):
+    if mode is ParallelMode.SEMI_AUTO_PARALLEL and (has_strategies(network, loss_fn) or ctx.strategy_ckpt_load_file
+                                                   or runtime_of(network) is not None):
         return _prepare_layouts(network, loss_fn, optimizer, mode, device, world, ctx)
     return _prepare_data_parallel(network, loss_fn, mode, device, world, ctx, layerwise)
 
@@ -161,3 +163,25 @@ def finish_gradients(network: torch.nn.Module) -> None:
     if runtime is None:
         raise ConfigError("finish_gradients: the network was not parallelized (autopar.parallelize(network))")
     runtime.finish_gradients()
+
+
+def apply_layouts(network: torch.nn.Module, layouts: Any) -> None:
+    """Lay the network's parameters out as ``layouts`` says ({name: Layout or its dict}, or a strategy file)
+    before anything runs -- what a checkpoint is loaded into. Replicated entries need nothing."""
+    from autopar.parallel.layout import Layout
+    from autopar.parallel.semi_auto.runtime import load_strategy_file
+
+    if isinstance(layouts, (str, os.PathLike)):
+        layouts = load_strategy_file(str(layouts))
+    layouts = {k: v if isinstance(v, Layout) else Layout.from_dict(v) for k, v in dict(layouts).items()}
+    sliced = {k: v for k, v in layouts.items() if not v.is_replicated()}
+    if not sliced:
+        return
+    if runtime_of(network) is None:
+        mode = _context.auto_parallel_context().parallel_mode
+        if mode not in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL):
+            raise ConfigError(f"sliced layouts need parallel_mode=semi_auto_parallel or auto_parallel (now {mode.value})")
+        parallelize(network)
+    runtime = runtime_of(network)
+    for name, layout in sliced.items():
+        runtime.preset_layout(name, layout)

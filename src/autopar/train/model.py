@@ -133,7 +133,11 @@ class Model:
 
     # -- training loop ------------------------------------------------------------------------------------------
     def train(self, epoch: int, train_dataset: Iterable, callbacks: Callback | list[Callback] | None = None,
-              dataset_sink_mode: bool = False, sink_size: int = -1, initial_epoch: int = 0) -> None:
+              dataset_sink_mode: bool = False, sink_size: int = -1, initial_epoch: int = 0,
+              resume_from: str | os.PathLike | None = None) -> None:
+        """Train ``epoch`` epochs. ``resume_from``: a ModelCheckpoint directory (``{rank}`` is replaced by the rank):
+        training continues after the newest checkpoint every rank completed, with its parameters, optimizer state,
+        RNG state and data position -- the remaining steps are those of an uninterrupted run."""
         if self._optimizer is None:
             raise ConfigError("Model.train needs an optimizer: Model(network, loss_fn, optimizer)")
         if not isinstance(epoch, int) or epoch < 1:
@@ -145,6 +149,20 @@ class Model:
             raise ConfigError("the training dataset is empty (0 batches per epoch)")
         cbs = list(callbacks) if isinstance(callbacks, (list, tuple)) else ([callbacks] if callbacks else [])
         rank = _comm.get_rank() if _comm.is_initialized() else 0
+        start = initial_epoch * per_epoch
+        if resume_from is not None:
+            from autopar.checkpoint.api import resolve_rank_path, resume_state
+            from autopar.train.checkpointing import ModelCheckpoint
+
+            where = resolve_rank_path(resume_from)
+            prefixes = {cb.prefix for cb in cbs if isinstance(cb, ModelCheckpoint)
+                        and resolve_rank_path(cb.directory).resolve() == where.resolve()}
+            meta = resume_state(where, self._network, self._optimizer, prefixes.pop() if len(prefixes) == 1 else None)
+            if meta is not None:
+                start = meta.global_step
+                self._micro_step = start
+                if rank == 0:
+                    print(f"[autopar] resumed from {where} after step {start} (epoch {meta.epoch})", flush=True)
         if rank == 0:
             cbs.append(MetricsRecorder(log_dir()))
             if sys.stdout.isatty():
@@ -152,19 +170,19 @@ class Model:
         cb_list = CallbackList(cbs)
         params = CallbackParams(
             train_network=self._network, optimizer=self._optimizer, loss_fn=self._loss_fn, epoch_num=epoch,
-            batch_num=per_epoch, cur_epoch_num=initial_epoch, cur_step_num=initial_epoch * per_epoch,
+            batch_num=per_epoch, cur_epoch_num=start // per_epoch, cur_step_num=start,
             net_outputs=None, parallel_mode=prepared.mode.value, device_number=prepared.world_size,
             train_dataset=train_dataset, dataset_sink_mode=dataset_sink_mode, mode="train", rank=rank,
             global_batch_size=0, steps_since_callback=1,
         )
         run_context = RunContext(params)
         self._network.train()
-        stream = self._stream(train_dataset, initial_epoch * per_epoch, dataset_steps)
+        stream = self._stream(train_dataset, start, dataset_steps)
         cb_list.on_train_begin(run_context)
-        for ep in range(initial_epoch, epoch):
+        for ep in range(start // per_epoch, epoch):
             params.cur_epoch_num = ep + 1
             cb_list.on_train_epoch_begin(run_context)
-            for i in range(per_epoch):
+            for i in range(start - ep * per_epoch if ep == start // per_epoch else 0, per_epoch):
                 batch = next(stream)
                 if not dataset_sink_mode:
                     cb_list.on_train_step_begin(run_context)
@@ -197,6 +215,24 @@ class Model:
                         next(it)
             yield from it
             epoch, offset = epoch + 1, 0
+
+    # -- layouts ------------------------------------------------------------------------------------------------
+    def infer_train_layout(self, train_dataset: Iterable, dataset_sink_mode: bool = True, sink_size: int = -1) -> dict:
+        """Every parameter's layout under the current parallel context, found by running the first batch (without
+        gradients, BatchNorm in eval mode): what ``load_distributed_checkpoint`` reshards a checkpoint into."""
+        prepared = self._prepare()
+        batch = next(_epoch_batches(train_dataset, 0))
+        inputs = self._to_device(batch)
+        was_training = self._network.training
+        self._network.eval()
+        with torch.no_grad():
+            self._forward_loss(inputs)
+        self._network.train(was_training)
+        if prepared.runtime is not None:
+            return prepared.runtime.layouts()
+        from autopar.parallel.layout import Layout
+
+        return {n: Layout.replicated(tuple(p.shape), prepared.world_size) for n, p in self._network.named_parameters()}
 
     # -- evaluation / prediction -------------------------------------------------------------------------------
     def eval(self, valid_dataset: Iterable, callbacks: Any = None, dataset_sink_mode: bool = False) -> dict[str, float]:

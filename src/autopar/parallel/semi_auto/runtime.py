@@ -289,6 +289,9 @@ class SemiAutoRuntime:
             raise StrategyError(f"parameter '{name}' is used by {prev[0]} and by {who}: one parameter must have one "
                                 f"strategy for all its operators (layouts {prev[2]} vs {layout})")
         if isinstance(param, DTensor):
+            if tuple(param.placements) != layout.placements():
+                raise StrategyError(f"parameter '{name}' is laid out as {self.param_layout[name][2]} but {who} needs "
+                                    f"{layout}")
             return param
         if id(param) in self.converted:
             return self.converted[id(param)]
@@ -302,6 +305,32 @@ class SemiAutoRuntime:
         self._remap_optimizers()
         return new
 
+    def preset_layout(self, name: str, layout: Layout) -> None:
+        """Lay parameter ``name`` out now (a strategy to load a checkpoint into, or one read from a file); the
+        operators that use it later must agree."""
+        owners = self.owners.get(name)
+        if not owners:
+            raise StrategyError(f"the strategy names parameter '{name}', which the network does not have")
+        module, attr = owners[0]
+        param = module._parameters[attr]
+        if tuple(param.shape) != tuple(layout.full_shape):
+            raise StrategyError(f"the strategy gives parameter '{name}' the shape {layout.full_shape} but the network "
+                                f"has {tuple(param.shape)}")
+        self.param_layout.setdefault(name, (f"the given strategy for '{name}'", layout.placements(), layout))
+        if self.param_layout[name][1] != layout.placements():
+            raise StrategyError(f"parameter '{name}' is already laid out as {self.param_layout[name][2]}, "
+                                f"the strategy asks for {layout}")
+        if isinstance(param, DTensor):
+            return
+        with torch.no_grad():
+            sharded = distribute_tensor(param.detach(), world_mesh(), layout.placements(), src_data_rank=0)
+        new = torch.nn.Parameter(sharded, requires_grad=param.requires_grad)
+        for mod, a in owners:
+            mod._parameters[a] = new
+        self.converted[id(param)] = new
+        self.param_names[id(new)] = name
+        self._remap_optimizers()
+
     def _remap_optimizers(self) -> None:
         for opt in self.optimizers:
             for group in opt.param_groups:
@@ -311,7 +340,12 @@ class SemiAutoRuntime:
                     group["foreach"] = False  # one foreach kernel cannot mix DTensors and plain tensors
             for old_id, new in self.converted.items():
                 for key in [k for k in opt.state if id(k) == old_id]:
-                    opt.state[new] = opt.state.pop(key)
+                    state = opt.state.pop(key)
+                    for name, value in state.items():  # e.g. a momentum buffer loaded whole: slice it like its param
+                        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and \
+                                tuple(value.shape) == tuple(new.shape):
+                            state[name] = distribute_tensor(value, new.device_mesh, new.placements, src_data_rank=None)
+                    opt.state[new] = state
 
     def parameters(self):
         seen = set()

@@ -18,7 +18,7 @@ import autopar.dataset.vision as vision
 from autopar.communication import get_group_size, get_rank, init
 from autopar.models import resnet50
 from autopar.nn import Momentum, SoftmaxCrossEntropyExpand
-from autopar.train import LossMonitor, Model, TimeMonitor
+from autopar.train import CheckpointConfig, LossMonitor, Model, ModelCheckpoint, TimeMonitor
 
 MEAN = (0.4465, 0.4822, 0.4914)
 STD = (0.2010, 0.1994, 0.2023)
@@ -61,6 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--print-every", type=int, default=1)
     p.add_argument("--eval", action="store_true", help="report test accuracy after training")
+    p.add_argument("--ckpt-dir", default=None, help="save checkpoints to CKPT_DIR/ckpt_<rank>")
+    p.add_argument("--ckpt-steps", type=int, default=0, help="save every N steps (and at the end)")
+    p.add_argument("--sliced", action="store_true", help="save each rank's slices (integrated_save=False)")
+    p.add_argument("--resume", action="store_true", help="continue after the newest checkpoint in --ckpt-dir")
     return p.parse_args(argv)
 
 
@@ -76,8 +80,15 @@ def main(argv=None) -> None:
     opt = Momentum(filter(lambda x: x.requires_grad, net.parameters()), args.lr, args.momentum)
     model = Model(net, loss_fn=loss, optimizer=opt, metrics={"acc"}, grad_accumulation_steps=args.grad_accumulation)
     sink = args.steps_per_epoch > 0
-    model.train(args.epochs, dataset, callbacks=[LossMonitor(args.print_every), TimeMonitor()],
-                dataset_sink_mode=sink, sink_size=args.steps_per_epoch)
+    callbacks = [LossMonitor(args.print_every), TimeMonitor()]
+    resume_from = None
+    if args.ckpt_dir:
+        directory = f"{args.ckpt_dir}/ckpt_{get_rank()}"
+        config = CheckpointConfig(save_checkpoint_steps=args.ckpt_steps, integrated_save=not args.sliced)
+        callbacks.append(ModelCheckpoint("resnet50", directory, config))
+        resume_from = directory if args.resume else None
+    model.train(args.epochs, dataset, callbacks=callbacks, dataset_sink_mode=sink, sink_size=args.steps_per_epoch,
+                resume_from=resume_from)
     if args.eval:
         test = create_dataset(args.data, args.batch_size, args.image_size, usage="test", augment=False)
         acc = model.eval(test)["acc"]

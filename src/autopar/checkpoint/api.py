@@ -1,0 +1,261 @@
+"""MindSpore's checkpoint functions on top of :mod:`autopar.checkpoint.store`.
+
+``save_checkpoint`` / ``load_checkpoint`` / ``load_param_into_net`` / ``load_distributed_checkpoint`` /
+``merge_sliced_checkpoints``, plus ``resume_state`` used by ``Model.train(resume_from=...)``.
+``load_checkpoint`` also reads MindSpore's own ``.ckpt`` files (protobuf), whose parameter names
+``load_param_into_net`` maps onto the module (``gamma``/``beta``/``moving_mean``/``moving_variance``).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from autopar.checkpoint import store
+from autopar.checkpoint.store import CheckpointMeta
+from autopar.errors import CheckpointError
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+# ------------------------------------------------------------------------------------------------------ saving
+def save_checkpoint(save_obj: torch.nn.Module, ckpt_file_name: str | os.PathLike, integrated_save: bool = True,
+                    async_save: bool = False, append_dict: dict | None = None, optimizer=None,
+                    meta: CheckpointMeta | None = None, **_: Any) -> None:
+    """Save a network (and optionally its optimizer). Integrated: one file of full tensors (call on every rank:
+    sliced parameters are gathered); sliced: this rank's slices as a directory."""
+    if not isinstance(save_obj, torch.nn.Module):
+        raise CheckpointError("save_checkpoint: save_obj must be the network (a torch.nn.Module)")
+    meta = meta or CheckpointMeta(rank=_rank(), world_size=_world())
+    meta.layouts = layouts_of(save_obj)
+    path = Path(ckpt_file_name)
+    if path.suffix != ".ckpt":
+        path = path.with_name(path.name + ".ckpt")
+    if integrated_save:
+        store.save_integrated(path, save_obj, optimizer, meta)
+    else:
+        store.save_sliced(path, save_obj, optimizer, meta)
+
+
+def layouts_of(network: torch.nn.Module) -> dict:
+    """Every parameter's Layout (as dicts) -- the strategy a checkpoint carries."""
+    runtime = getattr(network, "_autopar_runtime", None)
+    if runtime is not None:
+        return {k: v.to_dict() for k, v in runtime.layouts().items()}
+    from autopar.parallel.layout import Layout
+
+    return {n: Layout.replicated(tuple(p.shape), _world()).to_dict() for n, p in network.named_parameters()}
+
+
+# ----------------------------------------------------------------------------------------------------- loading
+def _is_mindspore_file(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    with open(path, "rb") as fh:
+        head = fh.read(4)
+    return head[:4] != b"PK\x03\x04"
+
+
+def load_checkpoint(ckpt_file_name: str | os.PathLike, net: torch.nn.Module | None = None,
+                    strict_load: bool = False, filter_prefix: Any = None, **_: Any) -> dict[str, torch.nn.Parameter]:
+    """name -> Parameter of full tensors, from an integrated autopar checkpoint, one rank's sliced checkpoint
+    whose slices are whole, or a MindSpore ``.ckpt``. With ``net``, also loads them into it."""
+    path = Path(ckpt_file_name)
+    if store.is_sliced(path):
+        tensors = _full_tensors_from_slices([path]).get("model", {})
+    elif _is_mindspore_file(path):
+        from autopar.checkpoint.mindspore_ckpt import read_mindspore_checkpoint
+
+        tensors = {k: torch.from_numpy(v.copy()) for k, v in read_mindspore_checkpoint(path).items()}
+    else:
+        tensors = store.read_integrated(path)["model"]
+    prefixes = (filter_prefix,) if isinstance(filter_prefix, str) else tuple(filter_prefix or ())
+    params = {k: torch.nn.Parameter(v.detach().clone(), requires_grad=v.is_floating_point())
+              for k, v in tensors.items() if not k.startswith(prefixes) or not prefixes}
+    if net is not None:
+        load_param_into_net(net, params, strict_load=strict_load)
+    return params
+
+
+def _full_tensors_from_slices(paths: list[Path]) -> dict[str, torch.Tensor]:
+    """Merge the ranks' slices into full tensors (one process, no network needed)."""
+    # As torch's own dcp_to_torch_save does: an empty state dict filled from the metadata (full tensors).
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from autopar.checkpoint.merged_reader import MergedReader
+
+    state: dict = {}
+    try:
+        with store.quiet_single_process():
+            _load_state_dict(state, storage_reader=MergedReader(paths), planner=_EmptyStateDictLoadPlanner(),
+                             no_dist=True)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"reading {paths[0]}: {str(exc).strip().splitlines()[0]}") from None
+    return state
+
+
+def _ms_names_mapped(net: torch.nn.Module, parameter_dict: dict) -> dict:
+    """MindSpore-named entries (gamma, moving_mean ...) under the module's own names."""
+    if not any(k.endswith((".gamma", ".beta", ".moving_mean", ".moving_variance")) for k in parameter_dict):
+        return parameter_dict
+    from autopar.checkpoint.mindspore_ckpt import mindspore_to_torch_state
+
+    arrays = {k: v.detach().cpu().numpy() for k, v in parameter_dict.items()}
+    model_state, _, _ = mindspore_to_torch_state(arrays, net, strict=False)
+    return model_state
+
+
+def load_param_into_net(net: torch.nn.Module, parameter_dict: dict, strict_load: bool = False) -> list[str]:
+    """Copy full tensors into the network's parameters and buffers (each rank keeps only its slice of a
+    sharded parameter). Returns the names of the network's parameters that were not in ``parameter_dict``;
+    ``strict_load=True`` makes missing or unexpected names an error listing them."""
+    entries = _ms_names_mapped(net, parameter_dict)
+    own = dict(net.named_parameters())
+    own.update({k: v for k, v in net.named_buffers() if k not in own})
+    missing = [k for k in own if k not in entries and not k.endswith("num_batches_tracked")]
+    unexpected = [k for k in entries if k not in own]
+    if strict_load and (missing or unexpected):
+        raise CheckpointError(f"load_param_into_net(strict_load=True): missing {missing or 'none'}; "
+                              f"unexpected {unexpected or 'none'}")
+    with torch.no_grad():
+        for name, target in own.items():
+            if name not in entries:
+                continue
+            value = entries[name].detach()
+            if tuple(value.shape) != tuple(target.shape):
+                raise CheckpointError(f"parameter '{name}': the checkpoint has shape {tuple(value.shape)} but the "
+                                      f"network has {tuple(target.shape)}")
+            value = value.to(target.dtype)
+            if isinstance(target, DTensor):
+                local = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+                target.to_local().copy_(local.to_local())
+            else:
+                target.copy_(value.to(target.device))
+    return [k for k in missing if k in dict(net.named_parameters())]
+
+
+def load_distributed_checkpoint(network: torch.nn.Module, checkpoint_filenames: list, predict_strategy: Any = None,
+                                train_strategy_filename: str | None = None, strict_load: bool = False,
+                                optimizer=None, **_: Any) -> None:
+    """Load the slices saved by N ranks onto this process's layout (M ranks under ``predict_strategy``, or one
+    process with full tensors when it is None). ``predict_strategy``: {name: Layout} (``Model.infer_train_layout``)
+    or a strategy file path."""
+    paths = [Path(p) for p in checkpoint_filenames]
+    if not paths:
+        raise CheckpointError("load_distributed_checkpoint: no checkpoint files given")
+    for p in paths:
+        if not p.exists():
+            raise CheckpointError(f"checkpoint not found: {p}")
+    if not all(store.is_sliced(p) for p in paths):
+        if len(paths) == 1:  # an integrated file holds everything
+            load_param_into_net(network, load_checkpoint(paths[0]), strict_load=strict_load)
+            return
+        raise CheckpointError(f"load_distributed_checkpoint takes the sliced checkpoints of the ranks; "
+                              f"{[str(p) for p in paths if not store.is_sliced(p)]} are not")
+    _check_ranks(paths)
+    if predict_strategy is not None:
+        from autopar.parallel.api import apply_layouts
+
+        apply_layouts(network, predict_strategy)
+    _check_names(network, paths, strict_load)
+    store.load_sliced_into(paths, network, optimizer, with_optimizer=optimizer is not None)
+
+
+def _check_ranks(paths: list[Path]) -> None:
+    metas = [store.read_meta(p) for p in paths]
+    world = metas[0].world_size
+    have = {m.rank for m in metas}
+    missing = sorted(set(range(world)) - have)
+    if missing and any(_has_sliced_params(m) for m in metas):
+        raise CheckpointError(f"the checkpoints were saved by {world} ranks under a sliced layout but the slices of "
+                              f"ranks {missing} are missing (given: {sorted(have)})")
+
+
+def _has_sliced_params(meta: CheckpointMeta) -> bool:
+    return any(any(a >= 0 for a in lay.get("tensor_map", [])) for lay in meta.layouts.values())
+
+
+def _check_names(network: torch.nn.Module, paths: list[Path], strict: bool) -> None:
+    from autopar.checkpoint.merged_reader import MergedReader
+
+    saved = {k[len("model."):] for k in MergedReader(paths).read_metadata().state_dict_metadata if k.startswith("model.")}
+    own = {k for k, _ in network.named_parameters()}
+    missing = sorted(own - saved)
+    extra = sorted(k for k in saved - own if not k.endswith("num_batches_tracked") and k not in dict(network.named_buffers()))
+    if missing:
+        raise CheckpointError(f"the checkpoint lacks parameters of the network: {missing}")
+    if strict and extra:
+        raise CheckpointError(f"the checkpoint has tensors the network does not: {extra}")
+
+
+def merge_sliced_checkpoints(checkpoint_filenames: list, out: str | os.PathLike) -> Path:
+    """The ranks' slices -> one integrated checkpoint file (model and optimizer state, full tensors)."""
+    paths = [Path(p) for p in checkpoint_filenames]
+    _check_ranks(paths)
+    state = _full_tensors_from_slices(paths)
+    meta = store.read_meta(paths[0])
+    meta.kind, meta.rank, meta.world_size = "integrated", 0, 1
+    model, optim = state.get("model", {}), state.get("optim") or {}
+    rngs = [torch.load(p / store.RNG_FILE, weights_only=False) for p in paths if (p / store.RNG_FILE).exists()]
+    from autopar.checkpoint.atomic import atomic_file
+    from dataclasses import asdict
+
+    with atomic_file(out) as tmp:
+        torch.save({"format": store.FORMAT, "kind": "integrated", "model": model, "optimizer": optim or None,
+                    "meta": asdict(meta), "rng": rngs}, tmp)
+    return Path(out)
+
+
+# ------------------------------------------------------------------------------------------------------ resume
+def resolve_rank_path(directory: str | os.PathLike) -> Path:
+    return Path(str(directory).replace("{rank}", str(_rank())))
+
+
+def resume_state(directory: str | os.PathLike, network: torch.nn.Module, optimizer=None,
+                 prefix: str | None = None) -> CheckpointMeta | None:
+    """Load the newest checkpoint (of ``prefix``, if given) that *every* rank has completed in its ``directory``
+    (``{rank}`` in the path is replaced by the rank). Returns its meta (the position to continue from), or None
+    when there is none yet."""
+    directory = resolve_rank_path(directory)
+    found = {(f.epoch, f.step): f for f in store.list_checkpoints(directory, prefix)}
+    keys = set(found)
+    if _world() > 1:
+        everyone = [None] * _world()
+        dist.all_gather_object(everyone, sorted(keys))
+        keys = set.intersection(*(set(map(tuple, k)) for k in everyone))
+    if not keys:
+        return None
+    chosen = found[max(keys)]
+    meta = store.read_meta(chosen.path)
+    if meta.world_size != _world():
+        raise CheckpointError(f"{chosen.path} was saved by {meta.world_size} ranks but this job has {_world()}: "
+                              f"reshard it with load_distributed_checkpoint (all ranks' slices) or merge it first")
+    if store.is_sliced(chosen.path):
+        if meta.layouts:
+            from autopar.parallel.api import apply_layouts
+
+            apply_layouts(network, {k: v for k, v in meta.layouts.items() if any(a >= 0 for a in v["tensor_map"])})
+        if meta.rank != _rank():
+            raise CheckpointError(f"{chosen.path} holds the slices of rank {meta.rank}, but rank {_rank()} reads it: "
+                                  f"resume each rank from its own directory ('{{rank}}' in resume_from)")
+        store.load_sliced_into([chosen.path], network, optimizer, own_slices_only=True)
+        store.set_rng_state(torch.load(chosen.path / store.RNG_FILE, weights_only=False))
+    else:
+        obj = store.read_integrated(chosen.path)
+        store.load_integrated_into(obj, network, optimizer)
+        rngs = obj.get("rng") or []
+        store.set_rng_state(rngs[_rank()] if _rank() < len(rngs) else (rngs[0] if rngs else None))
+    return meta

@@ -1,0 +1,211 @@
+"""The two on-disk forms of an autopar checkpoint, and how to find the newest complete one.
+
+- **integrated** (``integrated_save=True``): one file, ``torch.save`` of ``{"format", "kind", "model",
+  "optimizer", "meta", "rng"}`` with *full* tensors (sliced parameters gathered first -- a collective, so every rank
+  takes part even when only some write). Loads in a single process.
+- **sliced** (``integrated_save=False``): a directory holding one rank's DCP checkpoint (its slices only, written
+  without any collective), ``autopar.json`` (epoch/step, world size, rank, every parameter's Layout) and ``rng.pt``.
+  The slices of all ranks together load onto any layout or world size through
+  :class:`~autopar.checkpoint.merged_reader.MergedReader`.
+
+Both are written atomically (:mod:`autopar.checkpoint.atomic`). Names follow MindSpore:
+``{prefix}-{epoch}_{step}.ckpt`` (a directory in the sliced form).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import re
+import time
+import warnings
+import zipfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from autopar.checkpoint.atomic import TMP_MARK, atomic_dir, atomic_file
+from autopar.checkpoint.merged_reader import MergedReader
+from autopar.errors import CheckpointError
+
+FORMAT = "autopar-ckpt-1"
+META_FILE = "autopar.json"
+RNG_FILE = "rng.pt"
+NAME = re.compile(r"^(?P<prefix>.+)-(?P<epoch>\d+)_(?P<step>\d+)\.ckpt$")
+
+
+@dataclass
+class CheckpointMeta:
+    epoch: int = 0  # 1-based epoch the checkpoint was taken in (0: not from training)
+    step_in_epoch: int = 0
+    global_step: int = 0  # steps completed
+    steps_per_epoch: int = 0
+    rank: int = 0
+    world_size: int = 1
+    parallel_mode: str = "stand_alone"
+    kind: str = "integrated"
+    layouts: dict = field(default_factory=dict)  # parameter name -> Layout.to_dict() at save time
+    created: float = field(default_factory=time.time)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CheckpointMeta":
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+@contextlib.contextmanager
+def quiet_single_process():
+    """DCP warns that it "assumes a single process" whenever no_dist is used without a process group: that is
+    exactly the intent here (each rank reads/writes its own files)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
+# ------------------------------------------------------------------------------------------------------ RNG
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict | None) -> None:
+    if not state:
+        return
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _optimizers(optimizer) -> list:
+    return [] if optimizer is None else [optimizer]
+
+
+# --------------------------------------------------------------------------------------------------- writing
+def save_integrated(path: str | Path, network: torch.nn.Module, optimizer, meta: CheckpointMeta,
+                    write: bool = True) -> None:
+    """Gather full tensors (collective: call on every rank) and, where ``write``, save one file atomically."""
+    model_sd, optim_sd = get_state_dict(network, _optimizers(optimizer),
+                                        options=StateDictOptions(full_state_dict=True))
+    rngs = [rng_state()]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        rngs = [None] * dist.get_world_size()
+        dist.all_gather_object(rngs, rng_state())
+    if not write:
+        return
+    meta.kind = "integrated"
+    obj = {"format": FORMAT, "kind": "integrated", "model": model_sd, "optimizer": optim_sd if optimizer else None,
+           "meta": asdict(meta), "rng": rngs}
+    with atomic_file(path) as tmp:
+        torch.save(obj, tmp)
+
+
+def save_sliced(path: str | Path, network: torch.nn.Module, optimizer, meta: CheckpointMeta) -> None:
+    """This rank's slices, as a self-contained DCP checkpoint directory (no collective)."""
+    model_sd, optim_sd = get_state_dict(network, _optimizers(optimizer),
+                                        options=StateDictOptions(full_state_dict=False))
+    meta.kind = "sliced"
+    state = {"model": model_sd}
+    if optimizer is not None:
+        state["optim"] = optim_sd
+    with atomic_dir(path) as tmp, quiet_single_process():
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
+        torch.save(rng_state(), tmp / RNG_FILE)
+        (tmp / META_FILE).write_text(json.dumps({"format": FORMAT, **asdict(meta)}, indent=1))
+
+
+# --------------------------------------------------------------------------------------------------- reading
+def is_sliced(path: Path) -> bool:
+    return path.is_dir() and (path / META_FILE).exists()
+
+
+def read_meta(path: str | Path) -> CheckpointMeta:
+    path = Path(path)
+    if is_sliced(path):
+        try:
+            return CheckpointMeta.from_dict(json.loads((path / META_FILE).read_text()))
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint {path}: unreadable {META_FILE}: {exc}") from None
+    return CheckpointMeta.from_dict(read_integrated(path).get("meta") or {})
+
+
+def read_integrated(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    if path.is_dir():
+        raise CheckpointError(f"{path} is a directory without {META_FILE}: not a (complete) autopar checkpoint")
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(f"{path} is not an autopar checkpoint (truncated or corrupt, or another format)")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises many kinds on damaged archives
+        raise CheckpointError(f"{path} is truncated or corrupt: {str(exc).splitlines()[0]}") from None
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not an autopar checkpoint (no '{FORMAT}' marker)")
+    return obj
+
+
+def load_sliced_into(paths: list[Path], network: torch.nn.Module, optimizer=None, with_optimizer: bool = True,
+                     own_slices_only: bool = False) -> None:
+    """Read the ranks' slices (``paths``) into ``network`` (and ``optimizer``) in whatever layout they have now.
+
+    ``own_slices_only``: ``paths`` is this rank's own checkpoint and the layout is the one it was saved under
+    (resume), so this rank's slices are all it needs."""
+    model_sd, optim_sd = get_state_dict(network, _optimizers(optimizer),
+                                        options=StateDictOptions(full_state_dict=False))
+    state = {"model": model_sd}
+    if optimizer is not None and with_optimizer:
+        state["optim"] = optim_sd
+    try:
+        with quiet_single_process():
+            dcp.load(state, storage_reader=MergedReader(paths, require_complete=not own_slices_only), no_dist=True)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - DCP reports missing keys and bad files with assorted errors
+        raise CheckpointError(f"loading {', '.join(map(str, paths[:3]))}: {str(exc).strip().splitlines()[0]}") from None
+    set_state_dict(network, _optimizers(optimizer) if "optim" in state else [],
+                   model_state_dict=state["model"], optim_state_dict=state.get("optim", {}),
+                   options=StateDictOptions(full_state_dict=False))
+
+
+def load_integrated_into(obj: dict, network: torch.nn.Module, optimizer=None) -> None:
+    opts = _optimizers(optimizer) if optimizer is not None and obj.get("optimizer") else []
+    set_state_dict(network, opts, model_state_dict=obj["model"], optim_state_dict=obj.get("optimizer") or {},
+                   options=StateDictOptions(full_state_dict=True, strict=True))
+
+
+# ---------------------------------------------------------------------------------------------- discovery
+@dataclass(frozen=True, order=True)
+class Found:
+    epoch: int
+    step: int
+    mtime: float
+    path: Path
+
+
+def list_checkpoints(directory: str | Path, prefix: str | None = None) -> list[Found]:
+    """Complete checkpoints in ``directory``, oldest first (temporaries of interrupted saves are ignored)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    out = []
+    for entry in directory.iterdir():
+        if TMP_MARK in entry.name:
+            continue
+        m = NAME.match(entry.name)
+        if not m or (prefix is not None and m["prefix"] != prefix):
+            continue
+        if entry.is_dir() and not is_sliced(entry):
+            continue
+        out.append(Found(int(m["epoch"]), int(m["step"]), entry.stat().st_mtime, entry))
+    return sorted(out)

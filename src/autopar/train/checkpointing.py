@@ -1,0 +1,132 @@
+"""``CheckpointConfig`` and ``ModelCheckpoint``: MindSpore's checkpoint callback, on autopar's checkpoint store.
+
+Each rank saves into its own ``directory`` (as the tutorial's ``"./ckpt_" + str(get_rank())``); when ranks share
+one directory, an integrated checkpoint is written once (by rank 0) and sliced ones go to ``rank_<r>/``
+sub-directories, so ranks never overwrite each other. At most ``keep_checkpoint_max`` checkpoints of the prefix
+are kept. A checkpoint holds parameters, optimizer state, epoch/step, RNG state and every parameter's layout.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from autopar.checkpoint import store
+from autopar.checkpoint.api import layouts_of
+from autopar.checkpoint.atomic import remove_stale_temporaries
+from autopar.checkpoint.store import CheckpointMeta
+from autopar.errors import ConfigError
+from autopar.train.callbacks import Callback, RunContext, step_in_epoch
+
+
+class CheckpointConfig:
+    def __init__(self, save_checkpoint_steps: int = 1, save_checkpoint_seconds: float = 0,
+                 keep_checkpoint_max: int = 5, keep_checkpoint_per_n_minutes: float = 0,
+                 integrated_save: bool = True, async_save: bool = False, saved_network=None, append_info=None,
+                 **_: object):
+        if save_checkpoint_steps is not None and (not isinstance(save_checkpoint_steps, int) or save_checkpoint_steps < 0):
+            raise ConfigError(f"save_checkpoint_steps must be a non-negative int, got {save_checkpoint_steps!r}")
+        if not isinstance(keep_checkpoint_max, int) or keep_checkpoint_max < 1:
+            raise ConfigError(f"keep_checkpoint_max must be a positive int, got {keep_checkpoint_max!r}")
+        self.save_checkpoint_steps = save_checkpoint_steps or 0
+        self.save_checkpoint_seconds = float(save_checkpoint_seconds or 0)
+        self.keep_checkpoint_max = keep_checkpoint_max
+        self.integrated_save = integrated_save
+        self.saved_network = saved_network
+
+
+class ModelCheckpoint(Callback):
+    def __init__(self, prefix: str = "CKP", directory: str | os.PathLike | None = None,
+                 config: CheckpointConfig | None = None):
+        if not prefix or "/" in prefix:
+            raise ConfigError(f"invalid checkpoint prefix {prefix!r}")
+        self.prefix = prefix
+        self.directory = Path(directory) if directory is not None else Path(".")
+        self.config = config or CheckpointConfig()
+        self._last_time = time.monotonic()
+        self._last_step = -1
+        self._write = True
+        self.saved: list[Path] = []
+
+    # -- where -----------------------------------------------------------------------------------------------------
+    def on_train_begin(self, run_context: RunContext) -> None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if world > 1:
+            dirs = [None] * world
+            dist.all_gather_object(dirs, str(self.directory.resolve()))
+            if dirs.count(str(self.directory.resolve())) > 1:  # shared with another rank
+                if self.config.integrated_save:
+                    self._write = rank == 0
+                else:
+                    self.directory = self.directory / f"rank_{rank}"
+        self.directory.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(self.directory, self.prefix)
+        self._last_time = time.monotonic()
+
+    # -- when ------------------------------------------------------------------------------------------------------
+    def on_train_step_end(self, run_context: RunContext) -> None:
+        cb = run_context.original_args()
+        steps = self.config.save_checkpoint_steps
+        due = bool(steps) and cb.cur_step_num % steps == 0
+        if cb.dataset_sink_mode and steps:  # one callback per sink: save if a multiple fell inside it
+            due = cb.cur_step_num // steps != (cb.cur_step_num - cb.get("steps_since_callback", 1)) // steps
+        secs = self.config.save_checkpoint_seconds
+        if secs and time.monotonic() - self._last_time >= secs:
+            due = True
+        if secs:  # every rank must agree (integrated saves are collective)
+            due = _any_rank(due)
+        if due:
+            self.save(cb)
+
+    def on_train_end(self, run_context: RunContext) -> None:
+        cb = run_context.original_args()
+        if cb.cur_step_num != self._last_step and cb.cur_step_num > 0:  # MindSpore saves the final state too
+            self.save(cb)
+
+    # -- how -------------------------------------------------------------------------------------------------------
+    def save(self, cb) -> Path:
+        network = self.config.saved_network or cb.train_network
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        meta = CheckpointMeta(epoch=cb.cur_epoch_num, step_in_epoch=step_in_epoch(cb), global_step=cb.cur_step_num,
+                              steps_per_epoch=cb.batch_num, rank=dist.get_rank() if dist.is_initialized() else 0,
+                              world_size=world, parallel_mode=cb.parallel_mode, layouts=layouts_of(network))
+        path = self.directory / f"{self.prefix}-{cb.cur_epoch_num}_{step_in_epoch(cb)}.ckpt"
+        optimizer = cb.optimizer
+        if self.config.integrated_save:
+            store.save_integrated(path, network, optimizer, meta, write=self._write)
+        else:
+            store.save_sliced(path, network, optimizer, meta)
+        self._last_step = cb.cur_step_num
+        self._last_time = time.monotonic()
+        if self._write:
+            self.saved.append(path)
+            self._prune()
+        return path
+
+    def _prune(self) -> None:
+        existing = store.list_checkpoints(self.directory, self.prefix)
+        import shutil
+
+        for old in existing[: max(0, len(existing) - self.config.keep_checkpoint_max)]:
+            if old.path.is_dir():
+                shutil.rmtree(old.path, ignore_errors=True)
+            else:
+                old.path.unlink(missing_ok=True)
+
+    @property
+    def latest_ckpt_file_name(self) -> str | None:
+        found = store.list_checkpoints(self.directory, self.prefix)
+        return str(found[-1].path) if found else None
+
+
+def _any_rank(flag: bool) -> bool:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    import torch
+
+    t = torch.tensor([1 if flag else 0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
