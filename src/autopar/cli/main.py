@@ -14,7 +14,7 @@ import sys
 from autopar.errors import AutoparError
 
 # Sub-command modules, in the order ``autopar --help`` lists them.
-COMMANDS = ("launch", "train", "data", "ckpt")
+COMMANDS = ("launch", "train", "plan", "ckpt", "data")
 
 
 def build_parser() -> argparse.ArgumentParser:

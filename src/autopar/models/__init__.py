@@ -1,4 +1,7 @@
-"""Reference networks of the MindSpore tutorials, as plain ``torch.nn.Module`` s with MindSpore parameter names."""
+"""Reference networks: the MindSpore tutorials' ResNet-50 (plain ``torch.nn.Module`` with MindSpore parameter
+names), a wide MLP and a transformer block for the planner's benchmarks."""
+from autopar.models.mlp import mlp
 from autopar.models.resnet import ResidualBlock, ResidualBlockWithDown, ResNet, ResNetStage, resnet50
+from autopar.models.transformer import TransformerBlock
 
-__all__ = ["ResNet", "ResNetStage", "ResidualBlock", "ResidualBlockWithDown", "resnet50"]
+__all__ = ["ResNet", "ResNetStage", "ResidualBlock", "ResidualBlockWithDown", "TransformerBlock", "mlp", "resnet50"]

@@ -18,7 +18,9 @@ def _needs_layouts(cell: torch.nn.Module) -> bool:
     from autopar.parallel.api import has_strategies
     from autopar.parallel.semi_auto.runtime import active_runtime
 
-    return active_runtime() is None and has_strategies(cell)
+    if active_runtime() is not None:
+        return False
+    return mode is context.ParallelMode.AUTO_PARALLEL or has_strategies(cell)
 
 
 class Cell(torch.nn.Module):
@@ -36,7 +38,7 @@ class Cell(torch.nn.Module):
         if "_autopar_runtime" not in self.__dict__ and _needs_layouts(self):
             from autopar.parallel.api import parallelize
 
-            parallelize(self)
+            parallelize(self, sample=list(args))
         return super().__call__(*args, **kwargs)
 
     # MindSpore spellings of torch.nn.Module methods ---------------------------------------------------------

@@ -77,7 +77,9 @@ def _loss_caller(module: torch.nn.Module, loss_fn: torch.nn.Module | None) -> Ca
 
 
 def prepare(network: torch.nn.Module, loss_fn: torch.nn.Module | None = None,
-            optimizer: torch.optim.Optimizer | None = None, mode: ParallelMode | None = None) -> Prepared:
+            optimizer: torch.optim.Optimizer | None = None, mode: ParallelMode | None = None,
+            sample: list | None = None) -> Prepared:
+    """``sample``: one batch (inputs..., label), needed by AUTO_PARALLEL to plan on real shapes."""
     ctx = _context.auto_parallel_context()
     mode = mode or ctx.parallel_mode
     if mode is not ParallelMode.STAND_ALONE and not _comm.is_initialized():
@@ -89,11 +91,19 @@ def prepare(network: torch.nn.Module, loss_fn: torch.nn.Module | None = None,
     world = _comm.get_group_size() if _comm.is_initialized() else 1
     if mode is ParallelMode.STAND_ALONE:
         return Prepared(mode, network, device, world, _loss_caller(network, loss_fn))
-    if mode is ParallelMode.AUTO_PARALLEL:
-        from autopar.parallel.auto.api import plan_network  # noqa: F401  (issue: planner)
-
-        raise NotImplementedError("parallel_mode=auto_parallel is not implemented yet")
     layerwise = _layerwise_names(network)
+    if mode is ParallelMode.AUTO_PARALLEL:
+        if layerwise:
+            raise ConfigError(f"layerwise_parallel parameters {layerwise} need parallel_mode=hybrid_parallel")
+        if runtime_of(network) is None:
+            if sample is None:
+                raise ConfigError("AUTO_PARALLEL plans on a batch: give Model.train a dataset (or call the network)")
+            from autopar.parallel.auto.api import plan_and_apply
+
+            plan_and_apply(network, loss_fn, sample)
+        if has_strategies(network, loss_fn) or runtime_of(network) is not None:
+            return _prepare_layouts(network, loss_fn, optimizer, mode, device, world, ctx)
+        return _prepare_data_parallel(network, loss_fn, mode, device, world, ctx, layerwise)
     if mode is ParallelMode.SEMI_AUTO_PARALLEL and layerwise:
         raise ConfigError(f"layerwise_parallel parameters {layerwise} need parallel_mode=hybrid_parallel")
     if mode is ParallelMode.SEMI_AUTO_PARALLEL and (has_strategies(network, loss_fn) or ctx.strategy_ckpt_load_file
@@ -147,10 +157,18 @@ def runtime_of(module: torch.nn.Module):
     return getattr(module, "_autopar_runtime", None)
 
 
-def parallelize(network: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> torch.nn.Module:
+def parallelize(network: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                sample: list | None = None) -> torch.nn.Module:
     """Make ``network`` run under the current SEMI_AUTO/AUTO context when called directly (``Model`` does this
-    itself). Returns the network; ``finish_gradients(network)`` completes gradients after a backward."""
+    itself). AUTO_PARALLEL plans on ``sample`` (the network's inputs). Returns the network;
+    ``finish_gradients(network)`` completes gradients after a backward."""
     ctx = _context.auto_parallel_context()
+    if ctx.parallel_mode is ParallelMode.AUTO_PARALLEL and runtime_of(network) is None:
+        if sample is None:
+            raise ConfigError("AUTO_PARALLEL plans on real shapes: parallelize(network, sample=[inputs...])")
+        from autopar.parallel.auto.api import plan_and_apply
+
+        plan_and_apply(network, None, sample)
     if runtime_of(network) is None:
         _prepare_layouts(network, None, optimizer, ctx.parallel_mode, _comm.device(), _comm.get_group_size(), ctx)
     elif optimizer is not None:

@@ -85,16 +85,19 @@ class Layout:
         return all(a < 0 for a in self.tensor_map)
 
     # -- DTensor ------------------------------------------------------------------------------------------------
-    def placements(self):
-        """DTensor placements of this layout on the world mesh."""
+    def placements(self, mesh_shape: tuple[int, ...] | None = None):
+        """DTensor placements of this layout on the world mesh (or on the mesh of ``mesh_shape``, for planning)."""
         from torch.distributed.tensor import Replicate, Shard
 
-        from autopar.parallel.mesh import axes_of_device_matrix, mesh_shape
+        from autopar.parallel.mesh import axes_of_device_matrix
+        from autopar.parallel.mesh import mesh_shape as current
 
-        out = [Replicate() for _ in mesh_shape()]
+        shape = current() if mesh_shape is None else mesh_shape
+        groups = axes_of_device_matrix(self.device_matrix, shape)
+        out = [Replicate() for _ in shape]
         for dim, axis in enumerate(self.tensor_map):
             if axis >= 0:
-                for m in axes_of_device_matrix(self.device_matrix)[axis]:
+                for m in groups[axis]:
                     out[m] = Shard(dim)
         return tuple(out)
 

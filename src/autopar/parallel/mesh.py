@@ -53,9 +53,15 @@ def mesh_shape() -> tuple[int, ...]:
     return tuple(world_mesh().shape)
 
 
-def axes_of_device_matrix(device_matrix: tuple[int, ...]) -> list[tuple[int, ...]]:
+def mesh_shape_for(device_num: int) -> tuple[int, ...]:
+    """The world mesh of ``device_num`` devices (also for planning a job that is not running)."""
+    return prime_factors(device_num) or (1,)
+
+
+def axes_of_device_matrix(device_matrix: tuple[int, ...], shape: tuple[int, ...] | None = None
+                          ) -> list[tuple[int, ...]]:
     """For each device-matrix axis, the consecutive mesh axes it covers (row-major order on both sides)."""
-    shape = mesh_shape()
+    shape = mesh_shape() if shape is None else shape
     if math.prod(device_matrix) != math.prod(shape):
         raise StrategyError(f"device matrix {device_matrix} does not cover the {math.prod(shape)} devices")
     out, m = [], 0

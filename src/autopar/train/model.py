@@ -94,15 +94,20 @@ class Model:
         return self._optimizer
 
     # -- preparation ----------------------------------------------------------------------------------------------
-    def _prepare(self):
+    def _prepare(self, sample: Any = None):
         if self._prepared is None:
             from autopar.parallel.api import prepare
 
-            self._prepared = prepare(self._network, self._loss_fn, self._optimizer)
+            if sample is not None:
+                sample = [t.to(_comm.device()) if isinstance(t, torch.Tensor) and _comm.is_initialized() else t
+                          for t in (sample if isinstance(sample, (tuple, list)) else [sample])]
+                if self._loss_fn is not None:
+                    sample = sample[:-1] + [_class_indices(sample[-1])]
+            self._prepared = prepare(self._network, self._loss_fn, self._optimizer, sample=sample)
         return self._prepared
 
     def _to_device(self, batch: Any) -> list:
-        device = self._prepare().device
+        device = self._prepare(batch).device
         items = batch if isinstance(batch, (tuple, list)) else [batch]
         return [t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in items]
 
@@ -142,8 +147,11 @@ class Model:
             raise ConfigError("Model.train needs an optimizer: Model(network, loss_fn, optimizer)")
         if not isinstance(epoch, int) or epoch < 1:
             raise ConfigError(f"epoch must be a positive integer, got {epoch!r}")
-        prepared = self._prepare()
         dataset_steps = _steps_per_epoch(train_dataset)
+        auto = _context.auto_parallel_context().parallel_mode is _context.ParallelMode.AUTO_PARALLEL
+        if self._prepared is None and auto:  # AUTO_PARALLEL plans on real shapes: give it the first batch
+            self._prepare(next(_epoch_batches(train_dataset, 0)))
+        prepared = self._prepare()
         per_epoch = sink_size if dataset_sink_mode and sink_size and sink_size > 0 else dataset_steps
         if per_epoch < 1:
             raise ConfigError("the training dataset is empty (0 batches per epoch)")
@@ -220,8 +228,8 @@ class Model:
     def infer_train_layout(self, train_dataset: Iterable, dataset_sink_mode: bool = True, sink_size: int = -1) -> dict:
         """Every parameter's layout under the current parallel context, found by running the first batch (without
         gradients, BatchNorm in eval mode): what ``load_distributed_checkpoint`` reshards a checkpoint into."""
-        prepared = self._prepare()
         batch = next(_epoch_batches(train_dataset, 0))
+        prepared = self._prepare(batch)
         inputs = self._to_device(batch)
         was_training = self._network.training
         self._network.eval()

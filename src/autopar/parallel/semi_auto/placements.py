@@ -27,9 +27,10 @@ def placements_for(layout: Layout, partial_axes: tuple[int, ...] = (), reduction
     return tuple(out)
 
 
-def output_placements(device_matrix, output_map, partial_axes, reduction):
-    out = [Replicate() for _ in mesh_shape()]
-    groups = axes_of_device_matrix(device_matrix)
+def output_placements(device_matrix, output_map, partial_axes, reduction, shape: tuple[int, ...] | None = None):
+    shape = mesh_shape() if shape is None else shape
+    out = [Replicate() for _ in shape]
+    groups = axes_of_device_matrix(device_matrix, shape)
     for dim, axis in enumerate(output_map):
         if axis >= 0:
             for m in groups[axis]:

@@ -1,0 +1,156 @@
+"""``plan_network``: from a network (and its loss and a sample batch) to a chosen, explained, applicable plan."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from autopar.parallel.auto.costs import NodeCosts, graph_costs
+from autopar.parallel.auto.graph import Graph, capture
+from autopar.parallel.auto.machine import MachineModel
+from autopar.parallel.auto.search import Problem, search
+from autopar.parallel.layout import Layout
+
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass
+class Totals:
+    compute: float
+    comm: float  # exposed communication
+    memory: float
+
+    @property
+    def step(self) -> float:
+        return self.compute + self.comm
+
+
+@dataclass
+class Plan:
+    graph: Graph
+    costs: list[NodeCosts]
+    problem: Problem
+    choice: list[int]
+    device_num: int
+    search_mode: str
+    search_seconds: float
+    totals: Totals
+    dp_totals: Totals | None
+    pure_data_parallel: bool
+    reason: str
+
+    def chosen(self, n: int):
+        return self.costs[n].choices[self.choice[n]]
+
+    # -- running it -------------------------------------------------------------------------------------------
+    def apply(self) -> None:
+        """Annotate the network's operators/modules with the chosen strategies (nothing for pure data parallel,
+        which then runs on DDP). A strategy the user gave is left as it was."""
+        if self.pure_data_parallel:
+            return
+        from autopar.parallel.modules import shard
+
+        for node, n in zip(self.graph.nodes, range(len(self.choice))):
+            if node.fixed is None:
+                strategy = self.chosen(n).strategy
+                shard(node.target, strategy[:2] if node.kind in ("linear", "conv") else strategy)
+
+    def layouts(self) -> dict[str, Layout]:
+        out = {}
+        for n, node in enumerate(self.graph.nodes):
+            plan = self.chosen(n).plan
+            for i, name in enumerate(node.param_names):
+                if name is not None:
+                    out[name] = plan.inputs[i]
+        return out
+
+    # -- explaining it ------------------------------------------------------------------------------------------
+    def explain(self) -> str:
+        rows = []
+        for n, node in enumerate(self.graph.nodes):
+            c = self.chosen(n)
+            comm = c.grad_comm + c.act_comm + self.costs[n].boundary_cost(c, self.problem.machine)
+            shapes = " ".join("x".join(map(str, s)) for s in node.shapes[:2]) + " -> " + "x".join(map(str, node.out_shape))
+            rows.append((node.name, node.kind, shapes, str(c.strategy), c.label, c.compute * 1e3, comm * 1e3,
+                         c.memory / 2**20))
+        widths = [max(len(str(r[i])) for r in rows + [("operator", "kind", "shapes", "strategy", "layout")])
+                  for i in range(5)]
+        head = (f"{'operator':<{widths[0]}}  {'kind':<{widths[1]}}  {'shapes':<{widths[2]}}  {'strategy':<{widths[3]}}  "
+                f"{'layout':<{widths[4]}}  {'compute ms':>10}  {'comm ms':>8}  {'mem MiB':>8}")
+        lines = [f"AUTO_PARALLEL plan on {self.device_num} devices ({self.search_mode}, search {self.search_seconds:.3f}"
+                 f" s, graph capture {self.graph.seconds:.2f} s); machine: {self.problem.machine.source}", head]
+        for r in rows:
+            lines.append(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]:<{widths[3]}}  "
+                         f"{r[4]:<{widths[4]}}  {r[5]:>10.2f}  {r[6]:>8.2f}  {r[7]:>8.1f}")
+        t = self.totals
+        lines.append(f"plan total: step {t.step * 1e3:.1f} ms = compute {t.compute * 1e3:.1f} + communication "
+                     f"{t.comm * 1e3:.1f}; memory {t.memory / 2**20:.1f} MiB per device"
+                     + (f" (limit {self.problem.memory_limit / 2**20:.1f})" if self.problem.memory_limit else ""))
+        if self.dp_totals is not None:
+            d = self.dp_totals
+            lines.append(f"data parallel: step {d.step * 1e3:.1f} ms = compute {d.compute * 1e3:.1f} + exposed "
+                         f"communication {d.comm * 1e3:.1f}; memory {d.memory / 2**20:.1f} MiB per device")
+        else:
+            lines.append("data parallel: not possible for this network on this many devices")
+        lines.append(f"chosen: {self.reason}")
+        return "\n".join(lines)
+
+
+def _other_param_bytes(network: torch.nn.Module, graph: Graph) -> float:
+    covered = {p for node in graph.nodes for p in node.param_names if p}
+    return float(sum(p.numel() * p.element_size() for n, p in network.named_parameters() if n not in covered))
+
+
+def _totals(p: Problem, choice: list[int], other_compute: float) -> Totals:
+    compute = other_compute + sum(p.costs[n].choices[s].compute for n, s in enumerate(choice))
+    return Totals(compute, p.total(choice) - (compute - other_compute), p.used_memory(choice))
+
+
+def _dp_totals(p: Problem, dp: list[int], other_compute: float, other_grad_bytes: float) -> Totals:
+    """Pure data parallel on DDP: gradients all-reduced in buckets while the backward pass runs."""
+    machine, n = p.machine, p.costs[0].device_num
+    grad_bytes = other_grad_bytes + sum(
+        p.costs[k].choices[s].plan.inputs[i].slice_shape and
+        math.prod(p.costs[k].choices[s].plan.inputs[i].slice_shape) * p.graph.nodes[k].itemsize
+        for k, s in enumerate(dp) for i, name in enumerate(p.graph.nodes[k].param_names) if name)
+    buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
+    allreduce = buckets * machine.collective("all_reduce", grad_bytes / buckets, n)
+    compute = other_compute + sum(p.costs[k].choices[s].compute for k, s in enumerate(dp))
+    backward = sum(p.costs[k].choices[s].backward for k, s in enumerate(dp))
+    others = sum(p.costs[k].choices[s].act_comm + p.costs[k].boundary_cost(p.costs[k].choices[s], machine)
+                 for k, s in enumerate(dp))
+    return Totals(compute, max(0.0, allreduce - backward) + others, p.used_memory(dp))
+
+
+def plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sample: tuple, device_num: int,
+                 machine: MachineModel, search_mode: str = "dynamic_programming",
+                 memory_limit: float | None = None) -> Plan:
+    """Capture, cost, search, compare with data parallelism; the result can ``apply()`` and ``explain()``."""
+    graph = capture(network, loss_fn, sample)
+    costs = graph_costs(graph, machine, device_num)
+    other_params = _other_param_bytes(network, graph)
+    const_memory = graph.other_activation_bytes / device_num + other_params * 3
+    problem = Problem(graph, costs, machine, const_memory, memory_limit)
+    choice, seconds = search(problem, search_mode)
+    other_compute = machine.compute("other", 3.0 * graph.other_flops / device_num)
+    searched = _totals(problem, choice, other_compute)
+    dp = problem.dp_choice()
+    dp_totals = _dp_totals(problem, dp, other_compute, other_params) if dp is not None else None
+    user_given = any(node.fixed is not None for node in graph.nodes)
+    totals, pure = searched, dp is not None and choice == dp
+    if pure:
+        totals = dp_totals
+        reason = "the search itself chose data parallel for every operator"
+    elif user_given:
+        reason = "the searched plan around the strategies the user gave (kept as given)"
+    elif dp_totals is not None and problem.fits(dp) and dp_totals.step <= searched.step:
+        choice, totals, pure = dp, dp_totals, True
+        reason = (f"data parallel ({dp_totals.step * 1e3:.1f} ms per step, its gradient all-reduce overlapped by the "
+                  f"backward pass) beats the best sharded plan ({searched.step * 1e3:.1f} ms)")
+    elif dp_totals is None:
+        reason = "the searched plan (data parallel is not possible here)"
+    else:
+        why = "does not fit in memory" if not problem.fits(dp) else f"takes {dp_totals.step * 1e3:.1f} ms per step"
+        reason = f"the searched plan ({searched.step * 1e3:.1f} ms per step); data parallel {why}"
+    return Plan(graph, costs, problem, choice, device_num, search_mode, seconds, totals, dp_totals, pure, reason)

@@ -1,0 +1,100 @@
+"""AUTO_PARALLEL: the planner's choices on fixed machine constants (deterministic), and a real job that plans with
+a calibrated machine, trains, and equals the unsharded network."""
+import json
+import time
+
+import pytest
+import torch
+from procutil import SCRIPTS, autopar_cmd
+
+from autopar.cli.main import main as cli
+from autopar.errors import StrategyError
+from autopar.models import mlp, resnet50
+from autopar.nn import SoftmaxCrossEntropyExpand
+from autopar.parallel.auto.machine import MachineModel
+from autopar.parallel.auto.plan import plan_network
+from autopar.parallel.modules import shard
+
+
+def plan_resnet(n, mode="dynamic_programming"):
+    b = 32 * n  # the tutorial's 32 images per device
+    sample = (torch.randn(b, 3, 32, 32), torch.randint(0, 10, (b,), dtype=torch.int32))
+    return plan_network(resnet50(num_classes=10), SoftmaxCrossEntropyExpand(sparse=True), sample, n,
+                        MachineModel(device_num=n), mode)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_resnet50_plan_is_pure_data_parallel(n):
+    plan = plan_resnet(n)
+    assert plan.pure_data_parallel, plan.explain()
+    assert len(plan.graph.nodes) == 54  # 53 convolutions + the dense layer
+    assert plan.search_seconds < 2.0
+    assert "data parallel" in plan.reason
+
+
+def test_wide_mlp_with_small_batch_shards_the_weights():
+    plan = plan_network(mlp(4096, 4), torch.nn.MSELoss(), (torch.randn(8, 4096), torch.randn(8, 4096)), 2,
+                        MachineModel(device_num=2))
+    assert not plan.pure_data_parallel
+    labels = [plan.chosen(i).label for i in range(4)]
+    assert labels == ["out 2", "contract 2", "out 2", "contract 2"], labels  # Megatron column / row, found
+    assert plan.totals.step < plan.dp_totals.step
+    assert plan.totals.memory < plan.dp_totals.memory / 1.9
+    text = plan.explain()
+    assert "data parallel: step" in text and "chosen: the searched plan" in text and "contract 2" in text
+
+
+def test_memory_limit_forces_sharding_and_an_infeasible_one_is_a_clear_error():
+    sample = (torch.randn(256, 1024), torch.randn(256, 1024))
+    free = plan_network(mlp(1024, 4), torch.nn.MSELoss(), sample, 2, MachineModel(device_num=2))
+    limited = plan_network(mlp(1024, 4), torch.nn.MSELoss(), sample, 2, MachineModel(device_num=2),
+                           memory_limit=free.dp_totals.memory * 0.7)
+    assert free.pure_data_parallel and not limited.pure_data_parallel
+    assert limited.totals.memory <= free.dp_totals.memory * 0.7
+    with pytest.raises(StrategyError, match=r"no plan fits the memory limit of 1.0 MiB per device on 2 devices; "
+                                            r"the smallest plan found needs [\d.]+ MiB"):
+        plan_network(mlp(1024, 4), torch.nn.MSELoss(), sample, 2, MachineModel(device_num=2), memory_limit=2**20)
+
+
+def test_search_modes_and_user_strategies():
+    sample = (torch.randn(8, 4096), torch.randn(8, 4096))
+    greedy = plan_network(mlp(4096, 4), torch.nn.MSELoss(), sample, 2, MachineModel(device_num=2),
+                          "recursive_programming")
+    exact = plan_network(mlp(4096, 4), torch.nn.MSELoss(), sample, 2, MachineModel(device_num=2))
+    assert greedy.totals.step >= exact.totals.step - 1e-9  # the exact optimum is never beaten
+    assert greedy.totals.step < greedy.dp_totals.step
+    net = mlp(4096, 4)
+    shard(net[0], ((1, 1), (2, 1)))  # the user fixes the first layer: column split
+    propagated = plan_network(net, torch.nn.MSELoss(), sample, 2, MachineModel(device_num=2), "sharding_propagation")
+    assert propagated.chosen(0).strategy[:2] == ((1, 1), (2, 1))
+    assert propagated.chosen(1).label == "contract 2"  # its neighbour follows: a row split reshards nothing
+    assert "kept as given" in propagated.reason
+
+
+def test_plan_cli_prints_the_table_and_writes_a_strategy_file(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert cli(["plan", "mlp", "-n", "2", "--batch", "4", "--width", "1024", "--no-calibrate", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "operator" in text and "plan total: step" in text and "data parallel: step" in text
+    params = json.loads(out.read_text())["parameters"]
+    assert params["0.weight"]["tensor_map"] == [1, -1] and params["2.weight"]["tensor_map"] == [-1, 1]
+
+
+def test_auto_parallel_job_calibrates_plans_and_trains_like_one_process(procs, tmp_path):
+    env = procs.env(AUTOPAR_CACHE_DIR=str(tmp_path / "cache"))
+    res = procs.run(autopar_cmd("launch", "-n", "2", "--log-dir", str(tmp_path / "logs"),
+                                str(SCRIPTS / "auto_train.py"), str(tmp_path / "out")), env, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    log = (tmp_path / "logs" / "worker_0.log").read_text()
+    assert "AUTO_PARALLEL: the searched plan" in log and "data parallel does not fit in memory" in log, log
+    cache = list((tmp_path / "cache").glob("machine-gloo-n2-*.json"))
+    assert len(cache) == 1
+    calibrated = json.loads(cache[0].read_text())
+    assert calibrated["source"].startswith("calibrated") and calibrated["collectives"]["all_reduce"][1] > 0
+    for rank in range(2):
+        r = json.load(open(tmp_path / f"out.{rank}"))
+        assert r["diff"] <= 1e-5 and r["sharded"], r
+        assert r["local_params"] < r["full_params"] * 0.75
+    assert "AUTO_PARALLEL plan on 2 devices" in (tmp_path / "logs" / "auto_parallel_plan.txt").read_text()
+    strategy = json.loads((tmp_path / "out.strategy.json").read_text())["parameters"]
+    assert any(-1 != a for e in strategy.values() for a in e["tensor_map"])

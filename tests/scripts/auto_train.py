@@ -1,0 +1,55 @@
+"""Worker: AUTO_PARALLEL picks the plan (with a real calibration of this machine) for an MLP whose weights do not
+fit the per-device memory limit under data parallelism; the plan trains 3 steps and must equal the unsharded MLP
+trained in one process. argv: OUT_JSON"""
+import json
+import sys
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor
+
+import autopar
+import autopar.dataset as ds
+from autopar.communication import get_group_size, get_rank, init
+from autopar.nn import Momentum
+from autopar.train import Model
+
+out = sys.argv[1]
+# 4 x Linear(512, 512): 4 MiB of weights, x3 with gradients and momentum = 12 MiB under data parallel
+autopar.set_auto_parallel_context(parallel_mode="auto_parallel", gradients_mean=True, max_device_memory="9MB",
+                                  strategy_ckpt_save_file=out + ".strategy.json")
+init()
+rank, n = get_rank(), get_group_size()
+
+
+def make():
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(512, 512), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+rng = np.random.default_rng(0)
+X = rng.standard_normal((48, 512)).astype(np.float32)
+Y = rng.standard_normal((48, 512)).astype(np.float32)
+net = make()
+data = ds.NumpySlicesDataset({"x": X, "y": Y}, shuffle=False, num_shards=n, shard_id=rank).batch(8)
+model = Model(net, torch.nn.MSELoss(), Momentum(net.parameters(), 0.01, 0.9))
+model.train(1, data, dataset_sink_mode=True, sink_size=3)
+
+ref = make()
+opt = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
+for step in range(3):
+    idx = np.arange(step * 8 * n, (step + 1) * 8 * n)  # the ranks' interleaved shards = the next 8n samples
+    loss = torch.nn.functional.mse_loss(ref(torch.tensor(X[idx])), torch.tensor(Y[idx]))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in net.state_dict().items()}
+diff = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in net.parameters())
+sharded = [k for k, p in net.named_parameters() if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)]
+json.dump({"diff": diff, "local_params": local, "full_params": sum(p.numel() for p in ref.parameters()),
+           "sharded": sharded}, open(f"{out}.{rank}", "w"))
+print(f"RANK {rank} diff {diff} local {local} sharded {sharded}", flush=True)
