@@ -217,19 +217,22 @@ def run_context() -> _RunContext:
 
 
 def set_ps_context(**kwargs: Any) -> None:
-    """Accepted for MindSpore compatibility. ``enable_ssl=True`` is refused: see README "Security" for what is
-    and is not protected (the rendezvous admits only processes holding the job token, but traffic is not
-    encrypted)."""
+    """Accepted for MindSpore compatibility (the CPU tutorial calls ``set_ps_context(enable_ssl=False)``).
+
+    ``enable_ssl=True`` is accepted but encrypts nothing, and says so once on stderr: the rendezvous admits only
+    processes holding the job token (an HMAC, the token itself never crosses the wire), but the store's keys and
+    all gloo/NCCL traffic travel in clear. See README, "Security"."""
     for key, value in kwargs.items():
         if key not in _KNOWN_PS_KEYS:
             raise ConfigError(f"set_ps_context got an unknown key {key!r}; valid keys: {', '.join(sorted(_KNOWN_PS_KEYS))}")
         if key == "enable_ssl":
-            if value:
-                raise ConfigError(
-                    "enable_ssl=True is not supported: autopar's rendezvous and gloo/NCCL traffic are not encrypted; "
-                    "run multi-host jobs on a trusted network (see README, Security)"
-                )
-            _ps.enable_ssl = False
+            if value and not _ps.enable_ssl:
+                import sys
+
+                print("autopar: warning: enable_ssl=True is accepted but NOT applied: the job token keeps stray "
+                      "processes out, yet rendezvous and gloo/NCCL traffic are unencrypted; run multi-host jobs on "
+                      "a trusted network (README, Security)", file=sys.stderr, flush=True)
+            _ps.enable_ssl = bool(value)
 
 
 def get_ps_context(key: str) -> Any:

@@ -1,4 +1,4 @@
-"""``autopar launch -n N [--log-dir DIR] [--port P] script.py [args...]``"""
+"""``autopar launch -n N [options] script.py [args...]``"""
 from __future__ import annotations
 
 import argparse
@@ -7,15 +7,27 @@ import argparse
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "launch",
-        help="start a scheduler and N workers on this host (MindSpore dynamic-cluster contract)",
-        description="Start the scheduler and N worker processes of SCRIPT on this host, as a MindSpore run.sh "
-        "would (MS_ROLE/MS_WORKER_NUM/MS_SCHED_HOST/MS_SCHED_PORT), write per-rank logs, stream rank 0, "
-        "and stop every process if one fails.",
+        help="start a job's processes on this host (MindSpore dynamic cluster, several hosts, or a rank table)",
+        description="Start this host's processes of a job and supervise them: a scheduler and N workers "
+        "(MS_ROLE/MS_WORKER_NUM/MS_SCHED_HOST/MS_SCHED_PORT, as a MindSpore run.sh), this node's workers of a "
+        "multi-node job, or one process per device of a rank table's server. Per-rank logs, rank 0 streamed, every "
+        "process stopped if one fails.",
     )
-    p.add_argument("-n", "--nproc", type=int, required=True, help="number of worker processes")
+    p.add_argument("-n", "--nproc", type=int, default=1, help="worker processes on this host (default 1)")
     p.add_argument("--log-dir", default="autopar_logs", help="directory for scheduler.log, worker_I.log, env_I.log")
-    p.add_argument("--port", type=int, default=None, help="scheduler port (default: a free port)")
-    p.add_argument("--host", default="127.0.0.1", help="address the scheduler listens on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="scheduler port on one node (default: a free port)")
+    p.add_argument("--host", default="127.0.0.1", help="address the one-node scheduler listens on")
+    multi = p.add_argument_group("several hosts")
+    multi.add_argument("--nnodes", type=int, default=1, help="number of hosts")
+    multi.add_argument("--node-rank", type=int, default=None, help="this host's index (0 runs the scheduler)")
+    multi.add_argument("--master-addr", default=None, help="address of node 0's scheduler (it listens there)")
+    multi.add_argument("--master-port", type=int, default=None, help="port of node 0's scheduler")
+    multi.add_argument("--token", default=None, help="the job token node 0 printed (or AUTOPAR_JOB_TOKEN)")
+    multi.add_argument("--hostfile", default=None, help="'host slots=N' lines describing the job (mpirun style)")
+    table = p.add_argument_group("rank table")
+    table.add_argument("--rank-table", default=None, help="a MindSpore rank table (r1.x or r0.2 JSON)")
+    table.add_argument("--server-id", default=None, help="this host's server_id in the rank table")
+    p.add_argument("--max-restarts", type=int, default=0, help="run the job again up to K times after a failure")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     p.set_defaults(func=run)
@@ -24,13 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from autopar.cluster.launcher import LaunchConfig, launch
 
-    return launch(
-        LaunchConfig(
-            nproc=args.nproc,
-            script=args.script,
-            script_args=list(args.script_args),
-            log_dir=args.log_dir,
-            port=args.port,
-            host=args.host,
-        )
-    )
+    return launch(LaunchConfig(
+        nproc=args.nproc, script=args.script, script_args=list(args.script_args), log_dir=args.log_dir,
+        port=args.port, host=args.host, nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+        master_port=args.master_port, token=args.token, hostfile=args.hostfile, rank_table=args.rank_table,
+        server_id=args.server_id, max_restarts=args.max_restarts,
+    ))

@@ -1,29 +1,35 @@
-"""``autopar launch``: start the scheduler and N workers of the MindSpore contract on this host and supervise them.
+"""``autopar launch``: start this host's share of a job and supervise it.
 
-The launcher uses exactly the environment a hand-written ``run.sh`` would (``MS_ROLE``, ``MS_WORKER_NUM``,
-``MS_SCHED_HOST``, ``MS_SCHED_PORT``), so the two are interchangeable. What it adds: a race-free port (the
-listening socket is handed to the scheduler), a random job token, per-rank log files, rank 0 streamed to the
-console, a failure report naming the rank, how it ended and the tail of its log, and the guarantee that no process
-outlives the job (every child is in its own session and dies with the launcher via PR_SET_PDEATHSIG).
+Two ways to form the job, both exactly what a hand-written script would do:
+
+- the **MindSpore dynamic cluster** (default): node 0 runs the scheduler (``MS_ROLE=MS_SCHED``) and every node
+  its workers (``MS_ROLE=MS_WORKER``, ``MS_WORKER_NUM``, ``MS_SCHED_HOST``, ``MS_SCHED_PORT``), so a ``run.sh`` is
+  interchangeable with it. One node: the scheduler listens on 127.0.0.1, on a port reserved race-free (the bound
+  socket is handed to it). Several nodes (``--nnodes/--node-rank/--master-addr/--master-port`` or a
+  ``--hostfile``): it listens on the master address; workers get consecutive ranks per node.
+- a **rank table** (``--rank-table FILE --server-id ID``): one process per device of this server, with
+  ``RANK_TABLE_FILE``/``RANK_ID``/``DEVICE_ID``/``RANK_SIZE`` as the tutorials' run.sh; no scheduler.
+
+Every job carries a random token (``AUTOPAR_JOB_TOKEN``; give the same ``--token`` on every node): the scheduler
+admits no process without it. Logs go to ``LOG_DIR/{scheduler,worker_<rank>,env_<rank>}.log`` and rank 0 is
+streamed. ``--max-restarts K`` runs the whole job again after a failure (scripts resume from their newest
+checkpoint, e.g. ``Model.train(resume_from=...)``; ``AUTOPAR_RESTART`` tells them which attempt it is).
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import secrets
 import signal
-import subprocess
+import socket
 import sys
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from autopar.cluster.netutil import bind_listener
-from autopar.cluster.protocol import EXIT_ABORTED
+from autopar.cluster.supervisor import Streamer, Supervisor, describe_exit, tail  # noqa: F401 (re-exported)
 from autopar.errors import ClusterError
 
-POLL = 0.1
+DEFAULT_MASTER_PORT = 29500
 
 
 @dataclass
@@ -38,234 +44,184 @@ class LaunchConfig:
     stream_rank: int | None = 0
     grace: float = 10.0  # seconds between SIGTERM and SIGKILL when stopping the job
     extra_env: dict[str, str] = field(default_factory=dict)
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    if code == EXIT_ABORTED:
-        return "stopped because another rank failed"
-    return f"exited with code {code}"
-
-
-def tail(path: Path, lines: int = 20) -> list[str]:
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - 64 * 1024))
-            return fh.read().decode(errors="replace").splitlines()[-lines:]
-    except OSError:
-        return []
-
-
-class _Streamer(threading.Thread):
-    """Copies a growing log file to the console (rank 0's output)."""
-
-    def __init__(self, path: Path):
-        super().__init__(name="autopar-stream", daemon=True)
-        self.path = path
-        self.stop_event = threading.Event()
-        self.pos = 0
-
-    def pump(self) -> None:
-        try:
-            with open(self.path, "rb") as fh:
-                fh.seek(self.pos)
-                data = fh.read()
-        except OSError:
-            return
-        if data:
-            self.pos += len(data)
-            sys.stdout.write(data.decode(errors="replace"))
-            sys.stdout.flush()
-
-    def run(self) -> None:
-        while not self.stop_event.wait(0.2):
-            self.pump()
-
-    def finish(self) -> None:
-        self.stop_event.set()
-        self.join(timeout=2)
-        self.pump()
+    # several hosts
+    nnodes: int = 1
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    token: str | None = None
+    hostfile: str | None = None
+    # rank table
+    rank_table: str | None = None
+    server_id: str | None = None
+    # faults
+    max_restarts: int = 0
 
 
 @dataclass
-class _Proc:
-    name: str
-    rank: int | None
-    popen: subprocess.Popen
-    log: Path
+class _Layout:
+    """This host's share: which ranks it runs, how many in total, and where the rendezvous is."""
+
+    world: int
+    ranks: list[int]
+    master_addr: str
+    master_port: int | None
+    host_id: str
+    scheduler_here: bool
+    rank_table: object | None = None
+
+
+def _resolve(cfg: LaunchConfig) -> _Layout:
+    if cfg.rank_table:
+        from autopar.cluster.ranktable import load_rank_table
+
+        if not cfg.server_id:
+            raise ClusterError("--rank-table needs --server-id (this host's server_id in the table)")
+        table = load_rank_table(cfg.rank_table)
+        ranks = list(table.ranks_on(cfg.server_id))
+        addr = cfg.master_addr or os.environ.get("MASTER_ADDR") or table.master_addr
+        port = cfg.master_port or int(os.environ.get("MASTER_PORT") or DEFAULT_MASTER_PORT)
+        return _Layout(table.world_size, ranks, addr, port, cfg.server_id, False, table)
+    if cfg.hostfile:
+        from autopar.cluster.hostfile import load_hostfile, node_rank_of, rank_range, world_size
+
+        hosts = load_hostfile(cfg.hostfile)
+        node = cfg.node_rank if cfg.node_rank is not None else _find_self(hosts, node_rank_of)
+        if not 0 <= node < len(hosts):
+            raise ClusterError(f"--node-rank {node} is outside the {len(hosts)} hosts of {cfg.hostfile}")
+        ranks = list(rank_range(hosts, node))
+        addr = cfg.master_addr or hosts[0].host
+        return _Layout(world_size(hosts), ranks, addr, cfg.master_port or cfg.port, f"{hosts[node].host}/{node}",
+                       node == 0)
+    node = cfg.node_rank or 0
+    if cfg.nproc < 1:
+        raise ClusterError(f"-n must be a positive number of workers, got {cfg.nproc}")
+    if cfg.nnodes < 1 or not 0 <= node < cfg.nnodes:
+        raise ClusterError(f"--node-rank {node} is outside 0..{cfg.nnodes - 1} (--nnodes {cfg.nnodes})")
+    if cfg.nnodes > 1 and not (cfg.master_addr and cfg.master_port):
+        raise ClusterError("several nodes need --master-addr and --master-port (where node 0's scheduler listens)")
+    first = node * cfg.nproc
+    addr = cfg.master_addr or cfg.host
+    host_id = f"{socket.gethostname()}/{node}"
+    return _Layout(cfg.nnodes * cfg.nproc, list(range(first, first + cfg.nproc)), addr, cfg.master_port or cfg.port,
+                   host_id, node == 0)
+
+
+def _find_self(hosts, node_rank_of) -> int:
+    names = [socket.gethostname(), socket.getfqdn(), "localhost", "127.0.0.1"]
+    for name in names:
+        try:
+            return node_rank_of(hosts, name)
+        except ClusterError:
+            continue
+    raise ClusterError(f"this host ({socket.gethostname()}) is not in the hostfile: give --node-rank")
 
 
 class Launcher:
     def __init__(self, cfg: LaunchConfig):
-        if cfg.nproc < 1:
-            raise ClusterError(f"-n must be a positive number of workers, got {cfg.nproc}")
         if not Path(cfg.script).is_file():
             raise ClusterError(f"script not found: {cfg.script}")
         self.cfg = cfg
         self.log_dir = Path(cfg.log_dir).resolve()
-        self.procs: list[_Proc] = []
+        self.layout = _resolve(cfg)
+        self.token = cfg.token or os.environ.get("AUTOPAR_JOB_TOKEN") or None
+        if self.token is None and self.layout.rank_table is None:
+            if cfg.nnodes > 1 and not self.layout.scheduler_here:
+                raise ClusterError("this node joins another node's job: give the job's --token (printed by node 0)")
+            self.token = secrets.token_hex(16)
+            if cfg.nnodes > 1 or cfg.hostfile:
+                print(f"[autopar] job token: {self.token} (give --token {self.token} on the other nodes)", flush=True)
         self._interrupted: int | None = None
 
-    # -- process control -----------------------------------------------------------------------------------------
-    def _env(self, port: int, token: str) -> dict[str, str]:
+    # -- environment ---------------------------------------------------------------------------------------------
+    def _base_env(self, attempt: int) -> dict[str, str]:
         env = dict(os.environ)
-        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RANK_TABLE_FILE", "MINDSPORE_HCCL_CONFIG_PATH"):
-            env.pop(var, None)  # the MindSpore contract takes over; stale variables would only confuse
-        env.update(
-            MS_WORKER_NUM=str(self.cfg.nproc),
-            MS_SCHED_HOST=self.cfg.host,
-            MS_SCHED_PORT=str(port),
-            AUTOPAR_JOB_TOKEN=token,
-            AUTOPAR_LOG_DIR=str(self.log_dir),
-            PYTHONUNBUFFERED="1",
-        )
+        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RANK_TABLE_FILE", "MINDSPORE_HCCL_CONFIG_PATH", "MS_ROLE",
+                    "RANK_ID", "DEVICE_ID", "RANK_SIZE", "OMPI_COMM_WORLD_RANK"):
+            env.pop(var, None)  # the contract of this launch takes over; stale variables would only confuse
+        local = len(self.layout.ranks)
+        env.update(AUTOPAR_LOG_DIR=str(self.log_dir), PYTHONUNBUFFERED="1", AUTOPAR_RESTART=str(attempt),
+                   AUTOPAR_HOST_ID=self.layout.host_id)
         if "OMP_NUM_THREADS" not in os.environ:  # share the cores between local workers unless the user chose
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.cfg.nproc))
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // local))
         env.update(self.cfg.extra_env)
         return env
 
-    def _spawn(self, name: str, rank: int | None, env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> _Proc:
-        log = self.log_dir / f"{name}.log"
-        with open(log, "wb") as fh:
-            popen = subprocess.Popen(
-                [self.cfg.python, self.cfg.script, *self.cfg.script_args],
-                env=env,
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                pass_fds=pass_fds,
-                preexec_fn=_die_with_parent,
-            )
-        proc = _Proc(name, rank, popen, log)
-        self.procs.append(proc)
-        return proc
+    def _write_env(self, rank: int, env: dict[str, str]) -> None:
+        (self.log_dir / f"env_{rank}.log").write_text("".join(f"{k}={v}\n" for k, v in sorted(env.items())))
 
-    def _stop_all(self) -> None:
-        """SIGTERM every live process group, then SIGKILL whatever is left after the grace period."""
-        live = [p for p in self.procs if p.popen.poll() is None]
-        for p in live:
-            _signal_group(p.popen.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.cfg.grace
-        while time.monotonic() < deadline and any(p.popen.poll() is None for p in live):
-            time.sleep(POLL)
-        for p in self.procs:
-            _signal_group(p.popen.pid, signal.SIGKILL)  # also reaps grandchildren left in the session
-            if p.popen.poll() is None:
-                p.popen.wait()
-
-    def _on_signal(self, signum, frame) -> None:
-        self._interrupted = signum
-
-    # -- the job -------------------------------------------------------------------------------------------------
-    def run(self) -> int:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        listener = bind_listener(self.cfg.host, self.cfg.port or 0)
-        port = listener.getsockname()[1]
-        token = secrets.token_hex(16)
-        env = self._env(port, token)
-        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        streamer = None
+    # -- one attempt --------------------------------------------------------------------------------------------
+    def _start(self, sup: Supervisor, attempt: int) -> str:
+        lay, env = self.layout, self._base_env(attempt)
+        if lay.rank_table is not None:
+            env.update(RANK_TABLE_FILE=str(Path(self.cfg.rank_table).resolve()), RANK_SIZE=str(lay.world),
+                       MASTER_ADDR=lay.master_addr, MASTER_PORT=str(lay.master_port))
+            for rank in lay.ranks:
+                wenv = {**env, "RANK_ID": str(rank), "DEVICE_ID": str(lay.rank_table.entry(rank).device_id)}
+                self._write_env(rank, wenv)
+                sup.spawn(f"worker_{rank}", rank, wenv)
+            return f"rank table {self.cfg.rank_table}, server {self.cfg.server_id}, rendezvous at " \
+                   f"{lay.master_addr}:{lay.master_port}"
+        env.update(MS_WORKER_NUM=str(lay.world), MS_SCHED_HOST=lay.master_addr, AUTOPAR_JOB_TOKEN=self.token)
+        listener = None
+        if lay.scheduler_here:
+            listener = bind_listener(lay.master_addr, lay.master_port or 0)
+            port = listener.getsockname()[1]
+        else:
+            port = lay.master_port
+        env["MS_SCHED_PORT"] = str(port)
         try:
-            fd = listener.fileno()
-            self._spawn("scheduler", None, {**env, "MS_ROLE": "MS_SCHED", "AUTOPAR_SCHED_LISTEN_FD": str(fd)}, (fd,))
-            listener.close()
-            for rank in range(self.cfg.nproc):
-                wenv = {**env, "MS_ROLE": "MS_WORKER", "AUTOPAR_RANK": str(rank)}
-                (self.log_dir / f"env_{rank}.log").write_text("".join(f"{k}={v}\n" for k, v in sorted(wenv.items())))
-                self._spawn(f"worker_{rank}", rank, wenv)
-            print(
-                f"[autopar] launched {self.cfg.nproc} workers + scheduler on {self.cfg.host}:{port}; "
-                f"logs in {self.log_dir}",
-                flush=True,
-            )
-            if self.cfg.stream_rank is not None:
-                streamer = _Streamer(self.log_dir / f"worker_{self.cfg.stream_rank}.log")
-                streamer.start()
-            code = self._supervise()
+            if listener is not None:
+                fd = listener.fileno()
+                sup.spawn("scheduler", None, {**env, "MS_ROLE": "MS_SCHED", "AUTOPAR_SCHED_LISTEN_FD": str(fd)}, (fd,))
         finally:
-            listener.close()
-            self._stop_all()
+            if listener is not None:
+                listener.close()
+        for rank in lay.ranks:
+            wenv = {**env, "MS_ROLE": "MS_WORKER", "AUTOPAR_RANK": str(rank)}
+            self._write_env(rank, wenv)
+            sup.spawn(f"worker_{rank}", rank, wenv)
+        where = "scheduler" if lay.scheduler_here else "joining the scheduler"
+        return f"{where} on {lay.master_addr}:{port}"
+
+    def _attempt(self, attempt: int) -> int:
+        command = [self.cfg.python, self.cfg.script, *self.cfg.script_args]
+        sup = Supervisor(command, self.log_dir, self.cfg.grace)
+        self.supervisor = sup
+        streamer = None
+        old = {s: signal.signal(s, lambda signum, frame: setattr(sup, "interrupted", signum))
+               for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            where = self._start(sup, attempt)
+            print(f"[autopar] launched ranks {_span(self.layout.ranks)} of {self.layout.world} ({where}); "
+                  f"logs in {self.log_dir}", flush=True)
+            if self.cfg.stream_rank is not None and self.cfg.stream_rank in self.layout.ranks:
+                streamer = Streamer(self.log_dir / f"worker_{self.cfg.stream_rank}.log")
+                streamer.start()
+            code = sup.watch()
+        finally:
+            sup.stop_all()
             if streamer is not None:
                 streamer.finish()
             for s, handler in old.items():
                 signal.signal(s, handler)
         if code != 0:
-            self._report_failure()
+            sup.report()
         return code
 
-    def _supervise(self) -> int:
-        workers = [p for p in self.procs if p.rank is not None]
-        scheduler = self.procs[0]
-        first_abort: float | None = None
-        while True:
-            if self._interrupted is not None:
-                print(f"[autopar] {signal.Signals(self._interrupted).name} received: stopping the job", file=sys.stderr)
-                return 130 if self._interrupted == signal.SIGINT else 143
-            codes = {p.rank: p.popen.poll() for p in workers}
-            failed = [p for p in workers if codes[p.rank] not in (None, 0)]
-            if failed:
-                root = [p for p in failed if codes[p.rank] != EXIT_ABORTED]
-                if not root and first_abort is None:
-                    first_abort = time.monotonic()
-                # A rank stopped only because another failed: give the root cause a moment to show its exit code.
-                if root or time.monotonic() - first_abort > 5.0:
-                    self.failed = failed
-                    return _exit_status(codes[(root or failed)[0].rank])
-            if all(c == 0 for c in codes.values()):
-                try:
-                    scheduler.popen.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    pass
-                return 0 if scheduler.popen.returncode in (0, None) else scheduler.popen.returncode
-            if scheduler.popen.poll() not in (None, 0):
-                # the scheduler gives up when a worker failed: name that worker if it ends within the grace
-                deadline = time.monotonic() + 5.0
-                while time.monotonic() < deadline and any(p.popen.poll() is None for p in workers):
-                    time.sleep(POLL)
-                codes = {p.rank: p.popen.poll() for p in workers}
-                root = [p for p in workers if codes[p.rank] not in (None, 0, EXIT_ABORTED)]
-                self.failed = root or [scheduler]
-                return _exit_status(codes[root[0].rank]) if root else (scheduler.popen.returncode or 1)
-            time.sleep(POLL)
-
-    def _report_failure(self) -> None:
-        failed = getattr(self, "failed", [])
-        if not failed:
-            return
-        root = [p for p in failed if p.popen.returncode != EXIT_ABORTED] or failed
-        for p in root:
-            who = f"rank {p.rank}" if p.rank is not None else "the scheduler"
-            print(f"autopar: error: {who} failed: {describe_exit(p.popen.returncode)}", file=sys.stderr)
-            lines = tail(p.log)
-            if lines:
-                print(f"----- last {len(lines)} lines of {p.log} -----", file=sys.stderr)
-                for line in lines:
-                    print(f"  {line}", file=sys.stderr)
-        sys.stderr.flush()
+    def run(self) -> int:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for attempt in range(self.cfg.max_restarts + 1):
+            code = self._attempt(attempt)
+            if code == 0 or code in (130, 143) or attempt == self.cfg.max_restarts:
+                return code
+            print(f"[autopar] the job failed ({describe_exit(code) if code < 128 else f'exit {code}'}); "
+                  f"restart {attempt + 1} of {self.cfg.max_restarts}", file=sys.stderr, flush=True)
+        return code
 
 
-def _exit_status(code: int) -> int:
-    return 128 - code if code < 0 else code
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+def _span(ranks: list[int]) -> str:
+    return f"{ranks[0]}..{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
 
 
 def launch(cfg: LaunchConfig) -> int:

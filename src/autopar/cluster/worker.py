@@ -25,13 +25,28 @@ def host_id() -> str:
 
 
 def connect(cenv: ClusterEnv, timeout: float) -> dist.TCPStore:
-    try:
-        return dist.TCPStore(cenv.master_addr, cenv.master_port, None, False, timeout=P.seconds(timeout))
-    except Exception:
-        raise ClusterError(
-            f"cannot reach the scheduler at {cenv.master_addr}:{cenv.master_port} within {timeout:.0f} s "
-            f"(is it started, and are MS_SCHED_HOST/MS_SCHED_PORT right?)"
-        ) from None
+    """Connect to the scheduler's store, waiting up to ``timeout`` for it to come up.
+
+    Workers may legitimately start before the scheduler, so this waits; but it tries in short slices and says
+    once on stderr that it is waiting, so that a mistyped port is visible long before the timeout.
+    """
+    deadline = time.monotonic() + timeout
+    announced = False
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return dist.TCPStore(cenv.master_addr, cenv.master_port, None, False,
+                                 timeout=P.seconds(max(1.0, min(left, 5.0))))
+        except Exception:
+            if time.monotonic() >= deadline:
+                raise ClusterError(
+                    f"cannot reach the scheduler at {cenv.master_addr}:{cenv.master_port} within {timeout:.0f} s "
+                    f"(is it started, and are MS_SCHED_HOST/MS_SCHED_PORT right?)"
+                ) from None
+            if not announced:
+                announced = True
+                print(f"autopar: waiting for the scheduler at {cenv.master_addr}:{cenv.master_port} "
+                      f"(up to {timeout:.0f} s, AUTOPAR_CLUSTER_TIMEOUT)", file=sys.stderr, flush=True)
 
 
 def _optional_int(name: str) -> int | None:
@@ -110,9 +125,11 @@ class Watchdog:
         self.cenv = cenv
         self.rank = rank
         self.failure: str | None = None
+        self.abort_reason: str | None = None
         self._stop = threading.Event()
         self._reported = False
         self._lock = threading.Lock()
+        self._io = threading.Lock()  # one store client, two threads (watchdog, main at exit): one call at a time
         # A connection of its own: the main thread may be blocked in the store (e.g. process-group setup).
         self.store = connect(cenv, 30.0)
         self.thread = threading.Thread(target=self._loop, name="autopar-watchdog", daemon=True)
@@ -126,29 +143,33 @@ class Watchdog:
         limit = heartbeat_timeout()
         while not self._stop.wait(P.HEARTBEAT_INTERVAL):
             try:
-                self.store.add(P.hb_key(self.rank), 1)
-                aborted = self.store.check([P.ABORT])
+                with self._io:
+                    self.store.add(P.hb_key(self.rank), 1)
+                    aborted = self.store.check([P.ABORT])
+                    reason = self.store.get(P.ABORT).decode() if aborted else None
                 last_ok = time.monotonic()
             except Exception:
                 if time.monotonic() - last_ok > min(limit, 5.0) and not self._stop.is_set():
-                    self._die(f"lost the scheduler at {self.cenv.master_addr}:{self.cenv.master_port}; stopping")
+                    self._die(self._lost_scheduler())
                 continue
-            if aborted and not self._stop.is_set():
-                reason = self.store.get(P.ABORT).decode()
+            if reason is not None and not self._stop.is_set():
+                self.abort_reason = reason
                 self._report("aborted", f"aborted: {reason}")
                 self._die(f"job aborted ({reason}); rank {self.rank} stops")
 
     def wait_for_abort(self, timeout: float) -> str | None:
-        """After a collective failed: did the job abort because of another rank? (the reason, or None)."""
+        """After a collective failed: did the job abort because of another rank, or lose its scheduler?
+
+        The watchdog thread alone talks to the store (a TCPStore client is not safe to share between threads):
+        this waits for its verdict. On an abort or a lost scheduler the watchdog reports and exits the process
+        itself, naming the root cause; None means nothing happened within ``timeout`` -- this rank's own fault.
+        """
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if self.store.check([P.ABORT]):
-                    return self.store.get(P.ABORT).decode()
-            except Exception:
-                return None
-            time.sleep(0.2)
-        return None
+        while time.monotonic() < deadline and self.thread.is_alive():
+            if self.abort_reason is not None:
+                return self.abort_reason
+            time.sleep(0.1)
+        return self.abort_reason
 
     def stop_as_secondary(self, reason: str) -> None:
         """This rank failed only because another did: say so, report "aborted", and exit with EXIT_ABORTED."""
@@ -156,9 +177,16 @@ class Watchdog:
         self._report("aborted", f"aborted: {reason}")
         self._die(f"job aborted ({reason}); rank {self.rank} stops")
 
+    def _lost_scheduler(self) -> str:
+        return f"lost the scheduler at {self.cenv.master_addr}:{self.cenv.master_port}; stopping"
+
     def _die(self, message: str) -> None:
-        print(f"autopar: error: {message}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
+        try:
+            sys.stdout.flush()
+        except Exception:
+            pass
+        # Straight to fd 2: sys.stderr may be mid-write in another thread, or gone during interpreter shutdown.
+        os.write(2, f"autopar: error: {message}\n".encode())
         os._exit(P.EXIT_ABORTED)
 
     def _report(self, status: str, detail: str | None) -> None:
@@ -167,7 +195,8 @@ class Watchdog:
                 return
             self._reported = True
             try:
-                self.store.set(P.done_key(self.rank), P.dumps({"status": status, "detail": detail}))
+                with self._io:
+                    self.store.set(P.done_key(self.rank), P.dumps({"status": status, "detail": detail}))
             except Exception:
                 pass  # the scheduler is gone; nobody is left to tell
 

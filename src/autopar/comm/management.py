@@ -57,8 +57,9 @@ def _install_excepthook() -> None:
 
     def hook(exc_type, exc, tb):
         watchdog = _state.watchdog
-        if watchdog is not None and issubclass(exc_type, CommError):
-            # A collective failing is usually the echo of another rank's death: let the scheduler tell.
+        if watchdog is not None and issubclass(exc_type, CommError) and "timed out" not in str(exc).lower():
+            # A collective losing its connection is usually the echo of another rank's death: let the scheduler
+            # tell (a timeout, on the other hand, is this rank's own verdict).
             from autopar.cluster.env import heartbeat_timeout
 
             reason = watchdog.wait_for_abort(heartbeat_timeout() + 2.0)

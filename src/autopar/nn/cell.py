@@ -1,12 +1,31 @@
 """``Cell``: MindSpore's network base class as a ``torch.nn.Module`` whose ``forward`` calls ``construct``."""
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Any, Iterator
 
 import torch
 
 
+_managed = threading.local()
+
+
+@contextlib.contextmanager
+def managed():
+    """Calls made by autopar itself (a training step, the planner's trace): Cells inside are already taken care
+    of and must not parallelize themselves on the side."""
+    depth = getattr(_managed, "depth", 0)
+    _managed.depth = depth + 1
+    try:
+        yield
+    finally:
+        _managed.depth = depth
+
+
 def _needs_layouts(cell: torch.nn.Module) -> bool:
+    if getattr(_managed, "depth", 0):
+        return False
     from autopar import context
     from autopar.comm import management
 

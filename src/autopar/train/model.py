@@ -7,6 +7,7 @@ post-backward hook, optimizer step.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import Any, Iterable, Iterator
@@ -16,6 +17,7 @@ import torch
 from autopar import context as _context
 from autopar.comm import management as _comm
 from autopar.errors import ConfigError, TrainingError
+from autopar.nn.cell import managed
 from autopar.train.callbacks import (
     Callback,
     CallbackList,
@@ -116,7 +118,8 @@ class Model:
             if len(inputs) < 2:
                 raise ConfigError("with a loss_fn the dataset must yield (inputs..., label)")
             inputs = inputs[:-1] + [_class_indices(inputs[-1])]
-        return self._prepare().forward_loss(inputs)
+        with managed():  # the network and loss are prepared by Model: no Cell parallelizes itself on the side
+            return self._prepare().forward_loss(inputs)
 
     # -- one step ----------------------------------------------------------------------------------------------
     def _train_step(self, batch: Any) -> torch.Tensor:
@@ -256,11 +259,13 @@ class Model:
         with torch.no_grad():
             for batch in _epoch_batches(valid_dataset, 0):
                 inputs = self._to_device(batch)
-                logits = network(*inputs[:-1])
+                with managed() if prepared.runtime is None else contextlib.nullcontext():
+                    logits = network(*inputs[:-1])
                 inputs[-1] = _class_indices(inputs[-1])
                 if full_batch:  # every rank loaded the whole batch; the network returned this rank's share
                     inputs[-1] = inputs[-1].chunk(prepared.world_size)[_comm.get_rank()]
-                loss = self._loss_fn(logits, inputs[-1]) if self._loss_fn is not None else None
+                with managed():
+                    loss = self._loss_fn(logits, inputs[-1]) if self._loss_fn is not None else None
                 for metric in self._metrics.values():
                     if isinstance(metric, Loss):
                         metric.update(logits, inputs[-1], loss)
@@ -273,7 +278,7 @@ class Model:
         network = self._network
         was_training = network.training
         network.eval()
-        with torch.no_grad():
+        with torch.no_grad(), (managed() if self._prepare().runtime is None else contextlib.nullcontext()):
             out = network(*self._to_device(list(predict_data)))
         network.train(was_training)
         return out

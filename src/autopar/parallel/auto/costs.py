@@ -10,6 +10,9 @@ For a node under a strategy (all seconds per training step, on one device):
   layout of the data-parallel operators around it -- forward collective plus its backward dual
   (all-gather <-> reduce-scatter, Replicate -> Shard costs an all-gather in backward, all-to-all both ways);
 - **memory**: the parameter slice times (1 + gradient + optimizer slots) plus the activations kept for backward.
+
+Compute is a roofline: the slower of the arithmetic (FLOPs / calibrated rate) and streaming the operands through
+memory (a small-batch layer is bound by reading its weights), plus the optimizer step's memory traffic.
 """
 from __future__ import annotations
 
@@ -160,13 +163,12 @@ class NodeCosts:
         splits = {label: plan.device_matrix[axis] for label, axis in plan.label_axis}
         parts = math.prod(splits.values()) if splits else 1
         kind = "conv" if node.kind == "conv" else "matmul"
-        compute = machine.compute(kind, 3.0 * node.flops / parts)
-        backward = compute * 2.0 / 3.0
         grad_comm = act_comm = 0.0
-        memory = 0.0
+        memory = moved = 0.0
         for i, (shape, pname) in enumerate(zip(node.shapes, node.param_names)):
             layout: Layout = plan.inputs[i]
             local = nbytes(layout.slice_shape, node.itemsize)
+            moved += local
             group = math.prod(plan.device_matrix[a] for a in plan.absent_axes(i)) if plan.absent_axes(i) else 1
             if pname is not None:
                 grad_comm += machine.collective("all_reduce", local, group)
@@ -176,6 +178,12 @@ class NodeCosts:
                 memory += local
         out_split = math.prod(plan.device_matrix[a] for a in plan.output_map if a >= 0) if plan.output_map else 1
         memory += nbytes(node.out_shape, node.itemsize) / out_split
+        moved += nbytes(node.out_shape, node.itemsize) / out_split
+        compute = machine.compute(kind, 3.0 * node.flops / parts, 3.0 * moved)  # forward + 2x backward
+        backward = compute * 2.0 / 3.0
+        # the optimizer step streams parameter, gradient and state (read) and parameter and state (written)
+        params = sum(nbytes(plan.inputs[i].slice_shape, node.itemsize) for i, n in enumerate(node.param_names) if n)
+        compute += (3 + 2 * OPTIMIZER_SLOTS) * params / machine.memory_bandwidth
         in_pl = tuple(plan.inputs[i].placements(mesh) for i in range(len(node.shapes)))
         out_pl = output_placements(plan.device_matrix, plan.output_map, plan.partial_axes, "sum"
                                    if plan.reduction == "avg" else plan.reduction, mesh)

@@ -85,12 +85,17 @@ class _Recorder(TorchFunctionMode):
     def __init__(self, tracer: "Tracer"):
         super().__init__()
         self.tracer = tracer
+        self.busy = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.tracer.depth == 0:
-            self.tracer.functional(func, args, kwargs, out)
+        if self.tracer.depth == 0 and not self.busy:
+            self.busy = True  # the bookkeeping itself calls torch functions (t.dim() ...): do not record those
+            try:
+                self.tracer.functional(func, args, kwargs, out)
+            finally:
+                self.busy = False
         return out
 
 
@@ -251,8 +256,11 @@ def capture(network: torch.nn.Module, loss_fn: torch.nn.Module | None, inputs: t
     was_training = root.training
     root.eval()  # no BatchNorm statistics are touched by the trace
     tracer = Tracer(root)
+    from autopar.nn.cell import managed
+
     try:
-        tracer.run(root, *inputs)
+        with managed():
+            tracer.run(root, *inputs)
     finally:
         root.train(was_training)
     batch = int(inputs[0].shape[0]) if inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() else 1

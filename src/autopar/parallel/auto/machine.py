@@ -9,7 +9,8 @@ Collective time for a tensor of S bytes on a group of n devices (ring algorithms
 
 ``alpha`` (latency) and ``beta`` (seconds per byte) are fitted per collective by least squares from a short
 micro-benchmark on the job's own backend and world size (every rank takes part, so it sees the real contention);
-compute rates (FLOP/s per device for matmuls, convolutions and everything else) come from the same run. The
+compute rates (FLOP/s per device for matmuls, convolutions and everything else) and the memory bandwidth (a
+layer is costed as the slower of its arithmetic and streaming its operands) come from the same run. The
 result is cached on disk per (backend, world size, host, threads per process), so calibration runs once.
 """
 from __future__ import annotations
@@ -40,6 +41,7 @@ class MachineModel:
     collectives: dict = field(default_factory=lambda: {k: (1e-4, 1e-9) for k in RING})  # (alpha s, beta s/byte)
     backend: str = "gloo"
     source: str = "default constants (not calibrated)"
+    memory_bandwidth: float = 1.0e10  # bytes/s one device streams (weights of a small-batch layer are memory-bound)
     memory_per_device: float | None = None  # bytes available to one process
 
     def collective(self, kind: str, nbytes: float, n: int) -> float:
@@ -48,8 +50,9 @@ class MachineModel:
         alpha, beta = self.collectives[kind]
         return alpha + RING[kind](n) * nbytes * beta
 
-    def compute(self, kind: str, flops: float) -> float:
-        return flops / self.flops.get(kind, self.flops["other"])
+    def compute(self, kind: str, flops: float, moved_bytes: float = 0.0) -> float:
+        """Roofline: the slower of doing the arithmetic and streaming the operands through memory."""
+        return max(flops / self.flops.get(kind, self.flops["other"]), moved_bytes / self.memory_bandwidth)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -144,6 +147,8 @@ def calibrate(sizes: tuple[int, ...] = (2**14, 2**18, 2**21, 2**23)) -> MachineM
     model.flops["conv"] = _rate(lambda: torch.nn.functional.conv2d(x, w, padding=1), 2 * 8 * 64 * 16 * 16 * 64 * 9)
     y = torch.randn(1 << 20, device=device)
     model.flops["other"] = _rate(lambda: torch.relu(y * 1.5 + 1.0), 3 * (1 << 20))
+    big, dst = torch.randn(16 << 20, device=device), torch.empty(16 << 20, device=device)
+    model.memory_bandwidth = _rate(lambda: dst.copy_(big), 2 * 4 * (16 << 20))  # read + write, in bytes/s
     return model
 
 

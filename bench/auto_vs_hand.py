@@ -1,0 +1,71 @@
+"""The AUTO_PARALLEL plan against hand strategies: measured step time and the cost model's predicted ranking.
+
+Models: ResNet-50 (32x32, 32 images per device), a wide MLP (4 x 4096, 8 samples per device), a transformer block
+(d 512, 8 heads, sequence 128, 4 sequences per device); N in {2, 4} local processes (1 thread each). Strategies:
+auto, dp, megatron (column / row), sharded (every layer column-split; ResNet: every convolution's output
+channels). Prints JSON: per case the measured and predicted step time of each, whether auto is within 10% of the
+best hand strategy, and whether the predicted ranking matches the measured one.
+
+    python bench/auto_vs_hand.py [--nproc 2 4] [--models resnet50 mlp transformer] [--steps 10]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dp_throughput import WORK, _run  # noqa: E402
+
+STRATEGIES = {"resnet50": ("auto", "dp", "sharded"), "mlp": ("auto", "dp", "megatron", "sharded"),
+              "transformer": ("auto", "dp", "megatron", "sharded")}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--models", nargs="+", default=["resnet50", "mlp", "transformer"])
+    p.add_argument("--steps", type=int, default=10)
+    args = p.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="autopar-auto-"))
+    report = {}
+    for n in args.nproc:
+        # calibrate this (backend, N) once, outside the timed runs
+        subprocess.run([sys.executable, "-m", "autopar.cli.main", "plan", "mlp", "-n", str(n), "--width", "256"],
+                       check=True, capture_output=True)
+        for model in args.models:
+            case = {}
+            for strategy in STRATEGIES[model]:
+                logs = tmp / f"{model}-{strategy}-{n}"
+                logs.mkdir()
+                cmd = [sys.executable, "-m", "autopar.cli.main", "launch", "-n", str(n), "--log-dir", str(logs),
+                       str(WORK / "auto_vs_hand.py"), "--model", model, "--strategy", strategy, "--steps",
+                       str(args.steps)]
+                try:
+                    rows = _run(cmd, 1, logs)
+                except SystemExit as exc:
+                    case[strategy] = {"error": str(exc).splitlines()[0][:200]}
+                    continue
+                measured = max(r["steady_step_s"] for r in rows)
+                case[strategy] = {"measured_step_s": round(measured, 4),
+                                  "predicted_step_s": round(rows[0]["predicted_step_s"], 4)}
+                print(f"[bench] {model} n={n} {strategy}: {case[strategy]}", file=sys.stderr, flush=True)
+            hands = {k: v for k, v in case.items() if k != "auto" and "measured_step_s" in v}
+            if "measured_step_s" in case.get("auto", {}) and hands:
+                best = min(v["measured_step_s"] for v in hands.values())
+                case["auto_vs_best_hand"] = round(case["auto"]["measured_step_s"] / best, 3)
+                case["auto_within_10pct"] = case["auto_vs_best_hand"] <= 1.10
+                ok = {k: v for k, v in case.items() if isinstance(v, dict) and "measured_step_s" in v and k != "auto"}
+                measured_rank = sorted(ok, key=lambda k: ok[k]["measured_step_s"])
+                predicted_rank = sorted(ok, key=lambda k: ok[k]["predicted_step_s"])
+                case["measured_ranking"], case["predicted_ranking"] = measured_rank, predicted_rank
+                case["ranking_matches"] = measured_rank == predicted_rank
+            report[f"{model}/n{n}"] = case
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

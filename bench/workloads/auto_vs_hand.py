@@ -1,0 +1,88 @@
+"""Benchmark workload: one model under one strategy (auto | dp | megatron | sharded), timed; rank 0 prints the
+measured steady step time and the cost model's prediction for the same assignment (one JSON line)."""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch  # noqa: E402
+from common import StepClock  # noqa: E402
+
+import autopar  # noqa: E402
+from autopar.communication import get_group_size, get_rank, init  # noqa: E402
+from autopar.models import TransformerBlock, mlp, resnet50  # noqa: E402
+from autopar.nn import Momentum, SoftmaxCrossEntropyExpand  # noqa: E402
+from autopar.train import Callback, Model  # noqa: E402
+
+MODELS = {
+    "resnet50": lambda: (resnet50(num_classes=10), SoftmaxCrossEntropyExpand(sparse=True), 32,
+                         lambda b: (torch.randn(b, 3, 32, 32), torch.randint(0, 10, (b,), dtype=torch.int32))),
+    "mlp": lambda: (mlp(4096, 4), torch.nn.MSELoss(), 8, lambda b: (torch.randn(b, 4096), torch.randn(b, 4096))),
+    "transformer": lambda: (TransformerBlock(512, 8, 2048), torch.nn.MSELoss(), 4,
+                            lambda b: (torch.randn(b, 128, 512), torch.randn(b, 128, 512))),
+}
+
+
+def hand_annotate(name: str, net: torch.nn.Module, strategy: str, n: int) -> None:
+    col, row = ((1, 1), (n, 1)), ((1, n), (1, n))
+    if name == "mlp":
+        for i, layer in enumerate(net):
+            if isinstance(layer, torch.nn.Linear):
+                autopar.shard(layer, col if strategy == "sharded" or i % 4 == 0 else row)
+    elif name == "transformer":
+        c3, r3 = ((1, 1, 1), (n, 1)), ((1, 1, n), (1, n))
+        for mod in (net.q, net.k, net.v, net.ff1):
+            autopar.shard(mod, c3)
+        for mod in (net.proj, net.ff2):
+            autopar.shard(mod, c3 if strategy == "sharded" else r3)
+    else:  # resnet50: split every convolution's output channels (model parallel)
+        for mod in net.modules():
+            if isinstance(mod, torch.nn.Conv2d):
+                autopar.shard(mod, ((1, 1, 1, 1), (n, 1, 1, 1)))
+        autopar.shard(net.fc, ((1, 1), (1, 1)))
+
+
+def predicted(name, strategy, n):
+    """The cost model's step time for the assignment this run uses (same machine model as the planner)."""
+    from autopar.parallel.auto.machine import load_or_calibrate
+    from autopar.parallel.auto.plan import plan_network
+
+    net, loss, per_device, make = MODELS[name]()
+    if strategy in ("megatron", "sharded"):
+        hand_annotate(name, net, strategy, n)
+    mode = "sharding_propagation" if strategy in ("megatron", "sharded") else "dynamic_programming"
+    plan = plan_network(net, loss, make(per_device * n), n, load_or_calibrate(), mode)
+    if strategy == "dp":
+        return plan.dp_totals.step
+    return plan.totals.step
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", choices=sorted(MODELS), required=True)
+    p.add_argument("--strategy", choices=("auto", "dp", "megatron", "sharded"), required=True)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    args = p.parse_args()
+    mode = {"auto": "auto_parallel", "dp": "data_parallel"}.get(args.strategy, "semi_auto_parallel")
+    autopar.set_auto_parallel_context(parallel_mode=mode, gradients_mean=True)
+    init()
+    n, rank = get_group_size(), get_rank()
+    net, loss, per_device, make = MODELS[args.model]()
+    if args.strategy in ("megatron", "sharded"):
+        hand_annotate(args.model, net, args.strategy, n)
+    torch.manual_seed(rank)
+    batches = [make(per_device) for _ in range(args.steps)]
+    clock = StepClock(args.warmup)
+
+    class Tick(Callback):
+        def on_train_step_end(self, run_context):
+            clock.tick()
+
+    Model(net, loss, Momentum(net.parameters(), 1e-4, 0.9)).train(1, batches, callbacks=[Tick()])
+    pred = predicted(args.model, args.strategy, n)
+    clock.report(f"{args.model}/{args.strategy}", rank, n, per_device, predicted_step_s=pred)
+
+
+if __name__ == "__main__":
+    main()

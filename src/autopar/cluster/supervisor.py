@@ -1,0 +1,187 @@
+"""Running the processes of one job on this host: spawn, watch, stop, report.
+
+Every child gets its own session (so a signal to the launcher's terminal never reaches it directly and its whole
+process group can be killed) and ``PR_SET_PDEATHSIG`` (so it dies with the launcher even if the launcher is killed
+with SIGKILL). The first failure stops everything: SIGTERM, a grace period, SIGKILL. The report names the failed
+rank, how it ended and the tail of its log; ranks that only stopped because another failed (``EXIT_ABORTED``) are
+not mistaken for the cause.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from autopar.cluster.protocol import EXIT_ABORTED
+
+POLL = 0.1
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    if code == EXIT_ABORTED:
+        return "stopped because another rank failed"
+    return f"exited with code {code}"
+
+
+def exit_status(code: int) -> int:
+    return 128 - code if code < 0 else code
+
+
+def tail(path: Path, lines: int = 20) -> list[str]:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 64 * 1024))
+            return fh.read().decode(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return []
+
+
+class Streamer(threading.Thread):
+    """Copies a growing log file to the console (rank 0's output)."""
+
+    def __init__(self, path: Path):
+        super().__init__(name="autopar-stream", daemon=True)
+        self.path = path
+        self.stop_event = threading.Event()
+        self.pos = 0
+
+    def pump(self) -> None:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.pos)
+                data = fh.read()
+        except OSError:
+            return
+        if data:
+            self.pos += len(data)
+            sys.stdout.write(data.decode(errors="replace"))
+            sys.stdout.flush()
+
+    def run(self) -> None:
+        while not self.stop_event.wait(0.2):
+            self.pump()
+
+    def finish(self) -> None:
+        self.stop_event.set()
+        self.join(timeout=2)
+        self.pump()
+
+
+@dataclass
+class Proc:
+    name: str
+    rank: int | None  # None for the scheduler
+    popen: subprocess.Popen
+    log: Path
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class Supervisor:
+    """The processes of one attempt of the job on this host."""
+
+    def __init__(self, command: list[str], log_dir: Path, grace: float = 10.0):
+        self.command = command
+        self.log_dir = log_dir
+        self.grace = grace
+        self.procs: list[Proc] = []
+        self.failed: list[Proc] = []
+        self.interrupted: int | None = None
+
+    def spawn(self, name: str, rank: int | None, env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> Proc:
+        log = self.log_dir / f"{name}.log"
+        with open(log, "wb") as fh:
+            popen = subprocess.Popen(self.command, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=pass_fds,
+                                     preexec_fn=_die_with_parent)
+        proc = Proc(name, rank, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        """SIGTERM every live process group, then SIGKILL whatever is left after the grace period."""
+        live = [p for p in self.procs if p.popen.poll() is None]
+        for p in live:
+            _signal_group(p.popen.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace
+        while time.monotonic() < deadline and any(p.popen.poll() is None for p in live):
+            time.sleep(POLL)
+        for p in self.procs:
+            _signal_group(p.popen.pid, signal.SIGKILL)  # also reaps grandchildren left in the session
+            if p.popen.poll() is None:
+                p.popen.wait()
+
+    def watch(self) -> int:
+        """Until every worker ended (0) or one failed (its exit status); the scheduler's failure counts too."""
+        workers = [p for p in self.procs if p.rank is not None]
+        scheduler = next((p for p in self.procs if p.rank is None), None)
+        first_abort: float | None = None
+        while True:
+            if self.interrupted is not None:
+                print(f"[autopar] {signal.Signals(self.interrupted).name} received: stopping the job", file=sys.stderr)
+                return 130 if self.interrupted == signal.SIGINT else 143
+            codes = {p.rank: p.popen.poll() for p in workers}
+            failed = [p for p in workers if codes[p.rank] not in (None, 0)]
+            if failed:
+                root = [p for p in failed if codes[p.rank] != EXIT_ABORTED]
+                if not root and first_abort is None:
+                    first_abort = time.monotonic()
+                # a rank that stopped only because another failed: give the cause a moment to show its exit code
+                if root or time.monotonic() - first_abort > 5.0:
+                    self.failed = root or failed + ([scheduler] if scheduler else [])
+                    return exit_status(codes[(root or failed)[0].rank])
+            if all(c == 0 for c in codes.values()):
+                if scheduler is not None:
+                    try:
+                        scheduler.popen.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        pass
+                    if scheduler.popen.returncode not in (0, None):
+                        self.failed = [scheduler]
+                        return scheduler.popen.returncode
+                return 0
+            if scheduler is not None and scheduler.popen.poll() not in (None, 0):
+                # the scheduler gives up when a worker failed: name that worker if it ends within the grace
+                deadline = time.monotonic() + 5.0
+                while time.monotonic() < deadline and any(p.popen.poll() is None for p in workers):
+                    time.sleep(POLL)
+                codes = {p.rank: p.popen.poll() for p in workers}
+                root = [p for p in workers if codes[p.rank] not in (None, 0, EXIT_ABORTED)]
+                self.failed = root or [scheduler]
+                return exit_status(codes[root[0].rank]) if root else (scheduler.popen.returncode or 1)
+            time.sleep(POLL)
+
+    def report(self) -> None:
+        for p in self.failed:
+            who = f"rank {p.rank}" if p.rank is not None else "the scheduler"
+            print(f"autopar: error: {who} failed: {describe_exit(p.popen.returncode)}", file=sys.stderr)
+            lines = tail(p.log)
+            if lines:
+                print(f"----- last {len(lines)} lines of {p.log} -----", file=sys.stderr)
+                for line in lines:
+                    print(f"  {line}", file=sys.stderr)
+        sys.stderr.flush()
