@@ -1,18 +1,24 @@
 """autopar DATA_PARALLEL vs plain torch DDP on the same workload, interleaved in one run (prints JSON).
 
-ResNet-50 (the tutorial's), 32x32, batch 32 per worker, SGD momentum:
-- ``autopar_dp``   : ``autopar launch -n 2`` of the tutorial path (Cifar10Dataset pipeline + Model.train), 1 thread
-                     per worker (the launcher's default on 2 cores);
-- ``torch_ddp``    : ``torchrun --nproc-per-node 2`` of a hand-written DDP loop on in-memory batches, 1 thread each;
-- ``torch_single`` : one process with 2 threads (the scaling baseline);
-- ``data_pipeline``: the autopar input pipeline alone, one process (its rate must exceed training's by >= 5x).
-Configurations alternate round by round, so machine noise hits all of them alike; medians over rounds.
+ResNet-50 (the tutorial's), 32x32, batch 32 per worker, SGD momentum, 2 workers x 1 thread:
+- ``autopar_dp``     : ``autopar launch -n 2`` of the tutorial path (Cifar10Dataset pipeline + Model.train) with
+                       autopar's defaults;
+- ``autopar_nocomm`` : the same, each rank stand-alone (no gradient all-reduce): its difference is the exposed
+                       communication;
+- ``torch_ddp``      : ``torchrun`` of a hand-written DDP loop on in-memory batches (plain DDP, torch's defaults);
+- ``torch_nocomm``   : the same processes without DDP: pure compute;
+- ``torch_single``   : one process with 2 threads (the scaling baseline);
+- optional ``autopar_dp_graph`` (``--graph-mode``, torch.compile) and ``autopar_dp_O1`` (``--amp-level O1``);
+- ``data_pipeline``  : the autopar input pipeline alone, one process.
+Also: the split of an autopar step (compute / exposed communication / data / framework), the issue's targets,
+and rank 0's per-step loss curve. Configurations alternate round by round; medians over rounds.
 
-    python bench/dp_throughput.py [--rounds 2] [--steps 40] [--image-size 32]
+    python bench/dp_throughput.py [--rounds 3] [--steps 40] [--image-size 32] [--graph-mode] [--amp-level O1]
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -74,6 +80,49 @@ def pipeline_rate(data: str, image_size: int, batches: int = 60) -> float:
     return float(re.search(r"RATE ([\d.]+)", out.stdout).group(1))
 
 
+def _autopar(logs: str, common: list[str]) -> list[str]:
+    return [sys.executable, "-m", "autopar.cli.main", "launch", "-n", "2", "--log-dir", logs,
+            str(WORK / "autopar_dp.py"), *common]
+
+
+def _torchrun(common: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0",
+            str(WORK / "torch_ddp.py"), *common]
+
+
+def _split(summary: dict, results: dict) -> dict:
+    """Where an autopar step goes: compute (no gradient sync), exposed communication (the difference the all-reduce
+    makes), waiting for data (measured in the loop), and the rest of the framework (Model loop, callbacks)."""
+    step = summary["autopar_dp"]["steady_step_s"]
+    nocomm = summary["autopar_nocomm"]["steady_step_s"]
+    waits = [r["data_wait_s"] for rows in results["autopar_dp"] for r in rows if r.get("data_wait_s") is not None]
+    data = statistics.median(waits) if waits else 0.0
+    torch_compute = summary["torch_nocomm"]["steady_step_s"]
+    return {
+        "step_s": round(step, 4),
+        "compute_s": round(torch_compute, 4),
+        "communication_exposed_s": round(step - nocomm, 4),
+        "data_wait_s": round(data, 4),
+        "framework_s": round(nocomm - torch_compute - data, 4),
+        "communication_exposed_pct": round(100 * (step - nocomm) / step, 2),
+        "torch_ddp_communication_exposed_pct": round(
+            100 * (summary["torch_ddp"]["steady_step_s"] - torch_compute) / summary["torch_ddp"]["steady_step_s"], 2),
+    }
+
+
+def _targets(summary: dict) -> dict:
+    a, t = summary["autopar_dp"], summary["torch_ddp"]
+    ratio = a["images_per_s"] / t["images_per_s"]
+    launch = a["launch_to_first_step_s"] - t["launch_to_first_step_s"]
+    memory = a["peak_rss_mb_per_process"] / t["peak_rss_mb_per_process"] - 1
+    return {
+        "speed_vs_torch_ddp": round(ratio, 3), "speed_target_1.10x_met": ratio >= 1.10,
+        "communication_exposed_below_3pct": summary["split"]["communication_exposed_pct"] < 3.0,
+        "launch_extra_s": round(launch, 2), "launch_within_1s": launch <= 1.0,
+        "memory_extra_pct": round(100 * memory, 1), "memory_within_5pct": memory <= 0.05,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=2)
@@ -81,6 +130,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--graph-mode", action="store_true", help="also run autopar in GRAPH_MODE (torch.compile)")
+    p.add_argument("--amp-level", default="O0", help="also run autopar at this amp_level (O1/O2)")
     args = p.parse_args()
     from autopar.dataset.synth import write_synthetic_cifar10
 
@@ -88,22 +139,26 @@ def main() -> None:
     data = str(write_synthetic_cifar10(tmp / "data").parent)
     common = ["--data", data, "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
               "--image-size", str(args.image_size)]
-    results: dict[str, list[list[dict]]] = {"autopar_dp": [], "torch_ddp": [], "torch_single": []}
+    logs_placeholder = "{logs}"  # each run's own log folder, filled in per round
+    configs: dict[str, tuple[list[str], int]] = {
+        "autopar_dp": (_autopar(logs_placeholder, common), 1),
+        "autopar_nocomm": (_autopar(logs_placeholder, common + ["--no-comm"]), 1),
+        "torch_ddp": (_torchrun(common), 1),
+        "torch_nocomm": (_torchrun(common + ["--no-ddp"]), 1),
+        "torch_single": ([sys.executable, str(WORK / "torch_ddp.py"), *common], 2),
+    }
+    if args.graph_mode:
+        configs["autopar_dp_graph"] = (_autopar(logs_placeholder, common + ["--graph-mode"]), 1)
+    if args.amp_level != "O0":
+        configs[f"autopar_dp_{args.amp_level}"] = (_autopar(logs_placeholder, common + ["--amp-level", args.amp_level]), 1)
+    results: dict[str, list[list[dict]]] = {name: [] for name in configs}
     for rnd in range(args.rounds):
-        for name in results:
+        for name, (cmd, threads) in configs.items():
             logs = tmp / f"{name}-{rnd}"
             logs.mkdir()
-            if name == "autopar_dp":
-                cmd = [sys.executable, "-m", "autopar.cli.main", "launch", "-n", "2", "--log-dir", str(logs),
-                       str(WORK / "autopar_dp.py"), *common]
-                threads = 1
-            elif name == "torch_ddp":
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                       str(_port()), str(WORK / "torch_ddp.py"), *common]
-                threads = 1
-            else:
-                cmd = [sys.executable, str(WORK / "torch_ddp.py"), *common]
-                threads = 2
+            cmd = [c.replace("{logs}", str(logs)) for c in cmd]
+            if "--master-port" in cmd:
+                cmd[cmd.index("--master-port") + 1] = str(_port())
             results[name].append(_run(cmd, threads, logs))
             print(f"[bench] round {rnd + 1} {name}: {min(r['images_per_s'] for r in results[name][-1]):.1f} images/s",
                   file=sys.stderr, flush=True)
@@ -111,7 +166,12 @@ def main() -> None:
     train_rate = summary["autopar_dp"]["images_per_s"]
     pipe = pipeline_rate(data, args.image_size)
     summary["data_pipeline"] = {"images_per_s": round(pipe, 1), "vs_training_rate": round(pipe / train_rate, 2)}
-    summary["ratio_autopar_vs_torch_ddp"] = round(train_rate / summary["torch_ddp"]["images_per_s"], 4)
+    summary["split"] = _split(summary, results)
+    summary["targets"] = _targets(summary)
+    rank0 = [r for r in results["autopar_dp"][0] if r["rank"] == 0][0]
+    summary["loss_curve"] = {"autopar_dp_rank0": rank0.get("losses"),
+                             "mindspore": "not importable here: run bench/dp_throughput.py where mindspore is installed"
+                             if importlib.util.find_spec("mindspore") is None else "see bench/convergence.py"}
     summary["config"] = {"model": "resnet50 (tutorial)", "image_size": args.image_size, "batch_per_worker": args.batch,
                          "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds}
     print(json.dumps(summary, indent=2))

@@ -13,6 +13,7 @@ class StepClock:
 
     def __init__(self, warmup: int):
         self.warmup = warmup
+        self.start = time.perf_counter()  # when the workload was ready to train (first step = start .. ends[0])
         self.ends: list[float] = []
         self.first_step_wall: float | None = None
 
@@ -34,7 +35,13 @@ class StepClock:
             "launch_to_first_step_s": self.first_step_wall - t0, "peak_rss_mb": peak_rss_mb(),
             "threads": int(os.environ.get("OMP_NUM_THREADS", "0") or 0), **extra,
         }
-        print("BENCH " + json.dumps(out), flush=True)
+        emit(out)
+
+
+def emit(row: dict) -> None:
+    """One ``BENCH {json}`` line in a single write: ranks share the launcher's stdout, and print() writes the
+    newline separately, which lets two ranks' lines interleave."""
+    os.write(1, ("BENCH " + json.dumps(row) + "\n").encode())
 
 
 def peak_rss_mb() -> float:

@@ -34,6 +34,7 @@ def main():
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--no-ddp", action="store_true", help="the same processes without DDP: compute only")
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -41,7 +42,7 @@ def main():
         dist.init_process_group("gloo")
     torch.manual_seed(1)
     net = resnet50(args.batch, 10)
-    model = torch.nn.parallel.DistributedDataParallel(net) if world > 1 else net
+    model = torch.nn.parallel.DistributedDataParallel(net) if world > 1 and not args.no_ddp else net
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     batches = load_batches(args.data, rank, world, args.batch, args.steps, args.image_size)
     clock = StepClock(args.warmup)
@@ -52,7 +53,8 @@ def main():
         opt.step()
         loss.item()
         clock.tick()
-    clock.report("torch_ddp" if world > 1 else "torch_single", rank, world, args.batch,
+    name = "torch_single" if world == 1 else "torch_nocomm" if args.no_ddp else "torch_ddp"
+    clock.report(name, rank, world, args.batch,
                  torch_threads=torch.get_num_threads())
     if world > 1:
         dist.destroy_process_group()

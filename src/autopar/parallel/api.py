@@ -49,6 +49,8 @@ class Prepared:
     no_sync: Callable[[], ContextManager] = field(default=contextlib.nullcontext)
     after_backward: Callable[[], None] = field(default=lambda: None)
     runtime: Any = None  # the SemiAutoRuntime, in the layout modes
+    channels_last: bool = False  # feed 4-D inputs in channels-last memory format (parallel.tuning)
+    compiled: bool = False  # GRAPH_MODE: the forward runs through torch.compile
 
 
 def has_strategies(*modules: torch.nn.Module | None) -> bool:
@@ -90,7 +92,7 @@ def prepare(network: torch.nn.Module, loss_fn: torch.nn.Module | None = None,
         loss_fn.to(device)
     world = _comm.get_group_size() if _comm.is_initialized() else 1
     if mode is ParallelMode.STAND_ALONE:
-        return Prepared(mode, network, device, world, _loss_caller(network, loss_fn))
+        return _tuned(Prepared(mode, network, device, world, _loss_caller(network, loss_fn)), network, optimizer)
     layerwise = _layerwise_names(network)
     if mode is ParallelMode.AUTO_PARALLEL:
         if layerwise:
@@ -103,13 +105,29 @@ def prepare(network: torch.nn.Module, loss_fn: torch.nn.Module | None = None,
             plan_and_apply(network, loss_fn, sample)
         if has_strategies(network, loss_fn) or runtime_of(network) is not None:
             return _prepare_layouts(network, loss_fn, optimizer, mode, device, world, ctx)
-        return _prepare_data_parallel(network, loss_fn, mode, device, world, ctx, layerwise)
+        return _tuned(_prepare_data_parallel(network, loss_fn, mode, device, world, ctx, layerwise), network, optimizer)
     if mode is ParallelMode.SEMI_AUTO_PARALLEL and layerwise:
         raise ConfigError(f"layerwise_parallel parameters {layerwise} need parallel_mode=hybrid_parallel")
     if mode is ParallelMode.SEMI_AUTO_PARALLEL and (has_strategies(network, loss_fn) or ctx.strategy_ckpt_load_file
                                                    or runtime_of(network) is not None):
         return _prepare_layouts(network, loss_fn, optimizer, mode, device, world, ctx)
-    return _prepare_data_parallel(network, loss_fn, mode, device, world, ctx, layerwise)
+    return _tuned(_prepare_data_parallel(network, loss_fn, mode, device, world, ctx, layerwise), network, optimizer)
+
+
+def _tuned(prepared: Prepared, network: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> Prepared:
+    """The measured speed defaults (``parallel.tuning``) and GRAPH_MODE, for the modes that run the user's modules
+    as they are (stand-alone, data and hybrid parallel). The layout modes run operators on DTensor shards through
+    hooks, which neither channels-last nor torch.compile's graph capture are known to keep exact: they stay eager."""
+    from autopar.parallel import tuning
+
+    prepared.channels_last = tuning.tune_network(network)
+    tuning.tune_optimizer(optimizer)
+    if _context.run_context().mode == _context.GRAPH_MODE:
+        from autopar.parallel.graph_mode import compile_forward
+
+        prepared.forward_loss = compile_forward(prepared.forward_loss)
+        prepared.compiled = True
+    return prepared
 
 
 def _prepare_data_parallel(network, loss_fn, mode, device, world, ctx, layerwise) -> Prepared:
@@ -118,8 +136,10 @@ def _prepare_data_parallel(network, loss_fn, mode, device, world, ctx, layerwise
     ignored = set(layerwise)
     trainable = [n for n, p in network.named_parameters() if p.requires_grad and n not in ignored]
     if trainable:
+        from autopar.parallel.tuning import current
+
         ddp = wrap_data_parallel(network, gradients_mean=ctx.gradients_mean, parameter_broadcast=ctx.parameter_broadcast,
-                                 device=device, ignore=ignored)
+                                 device=device, ignore=ignored, bucket_cap_mb=current().bucket_mb)
         module, no_sync = ddp, ddp.no_sync
     else:
         module, no_sync = network, contextlib.nullcontext

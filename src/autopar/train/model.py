@@ -73,7 +73,12 @@ class Model:
         self._optimizer = optimizer
         self._metrics = build_metrics(metrics)
         self._eval_network = eval_network
-        self._amp_level = amp_level
+        from autopar.train.precision import LEVELS
+
+        if str(amp_level).upper() not in LEVELS:
+            raise ConfigError(f"amp_level must be one of {', '.join(LEVELS)}, got {amp_level!r}")
+        self._amp_level = str(amp_level).upper()
+        self._precision = None
         steps = (grad_accumulation_steps if grad_accumulation_steps is not None
                  else _context.auto_parallel_context().grad_accumulation_step)
         if not isinstance(steps, int) or steps < 1:
@@ -105,21 +110,32 @@ class Model:
                           for t in (sample if isinstance(sample, (tuple, list)) else [sample])]
                 if self._loss_fn is not None:
                     sample = sample[:-1] + [_class_indices(sample[-1])]
+            from autopar.train.precision import make_precision
+
+            device = _comm.device() if _comm.is_initialized() else torch.device("cpu")
+            self._precision = make_precision(self._amp_level, device, self._network)
             self._prepared = prepare(self._network, self._loss_fn, self._optimizer, sample=sample)
         return self._prepared
 
     def _to_device(self, batch: Any) -> list:
-        device = self._prepare(batch).device
+        prepared = self._prepare(batch)
         items = batch if isinstance(batch, (tuple, list)) else [batch]
-        return [t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in items]
+        items = [t.to(prepared.device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in items]
+        if prepared.channels_last:
+            from autopar.parallel.tuning import channels_last_inputs
+
+            items = channels_last_inputs(items)
+        return self._precision.cast_inputs(items)
 
     def _forward_loss(self, inputs: list) -> torch.Tensor:
         if self._loss_fn is not None:
             if len(inputs) < 2:
                 raise ConfigError("with a loss_fn the dataset must yield (inputs..., label)")
             inputs = inputs[:-1] + [_class_indices(inputs[-1])]
-        with managed():  # the network and loss are prepared by Model: no Cell parallelizes itself on the side
-            return self._prepare().forward_loss(inputs)
+        prepared = self._prepare()
+        # the network and loss are prepared by Model: no Cell parallelizes itself on the side
+        with managed(), self._precision.autocast():
+            return prepared.forward_loss(inputs)
 
     # -- one step ----------------------------------------------------------------------------------------------
     def _train_step(self, batch: Any) -> torch.Tensor:
@@ -132,10 +148,10 @@ class Model:
             loss = self._forward_loss(inputs)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TrainingError(f"the loss must be a scalar tensor, got {getattr(loss, 'shape', loss)!r}")
-            (loss / self._accumulation if self._accumulation > 1 else loss).backward()
+            self._precision.backward(loss / self._accumulation if self._accumulation > 1 else loss)
         if last:
             prepared.after_backward()
-            self._optimizer.step()
+            self._precision.step(self._optimizer)
             self._optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
@@ -259,7 +275,7 @@ class Model:
         with torch.no_grad():
             for batch in _epoch_batches(valid_dataset, 0):
                 inputs = self._to_device(batch)
-                with managed() if prepared.runtime is None else contextlib.nullcontext():
+                with managed() if prepared.runtime is None else contextlib.nullcontext(), self._precision.autocast():
                     logits = network(*inputs[:-1])
                 inputs[-1] = _class_indices(inputs[-1])
                 if full_batch:  # every rank loaded the whole batch; the network returned this rank's share
@@ -278,7 +294,9 @@ class Model:
         network = self._network
         was_training = network.training
         network.eval()
-        with torch.no_grad(), (managed() if self._prepare().runtime is None else contextlib.nullcontext()):
+        prepared = self._prepare()
+        with torch.no_grad(), (managed() if prepared.runtime is None else contextlib.nullcontext()), \
+                self._precision.autocast():
             out = network(*self._to_device(list(predict_data)))
         network.train(was_training)
         return out
