@@ -12,7 +12,8 @@ MindSpore's levels and what they become here:
 
 The low-precision dtype is bfloat16 on the CPU, and on a GPU bfloat16 where the device supports it, float16
 otherwise (``AUTOPAR_AMP_DTYPE=float16|bfloat16`` overrides). On a CPU without native bf16 arithmetic
-(no AVX512-BF16/AMX) autocast is slower than float32: the bench says how much, and O0 stays the default.
+(no AVX512-BF16/AMX) autocast is much slower than float32 (ResNet-50 on this 2-core AVX2 EPYC: 26 s vs
+0.6 s per step), so O0 stays the default.
 """
 from __future__ import annotations
 
