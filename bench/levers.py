@@ -31,7 +31,11 @@ CONFIGS = {
     "foreach_optimizer": ["--optimizer", "foreach"],
     "fused_optimizer": ["--optimizer", "fused"],
     "channels_last": ["--channels-last", "1"],
-    "autopar_defaults": ["--view", "1", "--broadcast-buffers", "0", "--optimizer", "fused"],
+    "small_conv": ["--small-conv", "1"],
+    "autopar_defaults": ["--view", "1", "--broadcast-buffers", "0", "--optimizer", "fused", "--small-conv", "1"],
+    "defaults_no_comm": ["--ddp", "none", "--optimizer", "fused", "--small-conv", "1"],
+    "defaults_bf16_grads": ["--view", "1", "--broadcast-buffers", "0", "--optimizer", "fused", "--small-conv", "1",
+                            "--compress", "bf16"],
 }
 
 

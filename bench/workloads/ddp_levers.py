@@ -29,6 +29,9 @@ def main():
     p.add_argument("--channels-last", type=int, default=0)
     p.add_argument("--optimizer", choices=["default", "foreach", "fused"], default="default")
     p.add_argument("--flush-denormal", type=int, default=0)
+    p.add_argument("--compress", choices=["none", "bf16", "fp16"], default="none",
+                   help="torch's DDP gradient compression hooks (change results beyond float tolerance: not a default)")
+    p.add_argument("--small-conv", type=int, default=0, help="autopar.parallel.small_conv: tiny-map convs as GEMMs")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch", type=int, default=32)
@@ -43,11 +46,20 @@ def main():
     net = resnet50(args.batch, 10)
     fmt = torch.channels_last if args.channels_last else torch.contiguous_format
     net = net.to(memory_format=fmt)
+    if args.small_conv:
+        from autopar.parallel.small_conv import install
+
+        install(net)
     model = net
     if args.ddp == "ddp" and world > 1:
         model = torch.nn.parallel.DistributedDataParallel(
             net, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=bool(args.view),
             broadcast_buffers=bool(args.broadcast_buffers), static_graph=bool(args.static_graph))
+    if args.compress != "none" and model is not net:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = default_hooks.bf16_compress_hook if args.compress == "bf16" else default_hooks.fp16_compress_hook
+        model.register_comm_hook(None, hook)
     kw = {"foreach": True} if args.optimizer == "foreach" else {"fused": True} if args.optimizer == "fused" else {}
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, **kw)
     g = torch.Generator().manual_seed(rank)

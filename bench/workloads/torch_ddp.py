@@ -35,6 +35,8 @@ def main():
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--no-ddp", action="store_true", help="the same processes without DDP: compute only")
+    p.add_argument("--autopar-levers", action="store_true",
+                   help="apply autopar's speed defaults (parallel.tuning) to this hand loop: autopar's compute alone")
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -44,6 +46,11 @@ def main():
     net = resnet50(args.batch, 10)
     model = torch.nn.parallel.DistributedDataParallel(net) if world > 1 and not args.no_ddp else net
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    if args.autopar_levers:
+        from autopar.parallel import tuning
+
+        tuning.tune_network(net)
+        tuning.tune_optimizer(opt)
     batches = load_batches(args.data, rank, world, args.batch, args.steps, args.image_size)
     clock = StepClock(args.warmup)
     for x, y in batches:
@@ -54,6 +61,7 @@ def main():
         loss.item()
         clock.tick()
     name = "torch_single" if world == 1 else "torch_nocomm" if args.no_ddp else "torch_ddp"
+    name += "_tuned" if args.autopar_levers else ""
     clock.report(name, rank, world, args.batch,
                  torch_threads=torch.get_num_threads())
     if world > 1:

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopar.checkpoint import store
 from autopar.checkpoint.store import CheckpointMeta
@@ -139,7 +138,9 @@ def load_param_into_net(net: torch.nn.Module, parameter_dict: dict, strict_load:
                 raise CheckpointError(f"parameter '{name}': the checkpoint has shape {tuple(value.shape)} but the "
                                       f"network has {tuple(target.shape)}")
             value = value.to(target.dtype)
-            if isinstance(target, DTensor):
+            if _is_dtensor(target):
+                from torch.distributed.tensor import distribute_tensor
+
                 local = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
                 target.to_local().copy_(local.to_local())
             else:
@@ -259,3 +260,11 @@ def resume_state(directory: str | os.PathLike, network: torch.nn.Module, optimiz
         rngs = obj.get("rng") or []
         store.set_rng_state(rngs[_rank()] if _rank() < len(rngs) else (rngs[0] if rngs else None))
     return meta
+
+
+def _is_dtensor(t: Any) -> bool:
+    """Without importing DTensor (about 1 s of start-up) when nothing has: no DTensor can exist before that."""
+    import sys
+
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)

@@ -27,11 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from autopar.checkpoint.atomic import TMP_MARK, atomic_dir, atomic_file
-from autopar.checkpoint.merged_reader import MergedReader
 from autopar.errors import CheckpointError
 
 FORMAT = "autopar-ckpt-1"
@@ -91,11 +88,20 @@ def _optimizers(optimizer) -> list:
 
 
 # --------------------------------------------------------------------------------------------------- writing
+def _state_dict_api():
+    """torch.distributed.checkpoint, imported when a checkpoint is touched: it pulls in DTensor and sympy (about
+    1 s), which a training run that never saves should not pay at start-up."""
+    from torch.distributed.checkpoint import state_dict
+
+    return state_dict
+
+
 def save_integrated(path: str | Path, network: torch.nn.Module, optimizer, meta: CheckpointMeta,
                     write: bool = True) -> None:
     """Gather full tensors (collective: call on every rank) and, where ``write``, save one file atomically."""
-    model_sd, optim_sd = get_state_dict(network, _optimizers(optimizer),
-                                        options=StateDictOptions(full_state_dict=True))
+    sd = _state_dict_api()
+    model_sd, optim_sd = sd.get_state_dict(network, _optimizers(optimizer),
+                                           options=sd.StateDictOptions(full_state_dict=True))
     rngs = [rng_state()]
     if dist.is_initialized() and dist.get_world_size() > 1:
         rngs = [None] * dist.get_world_size()
@@ -111,13 +117,16 @@ def save_integrated(path: str | Path, network: torch.nn.Module, optimizer, meta:
 
 def save_sliced(path: str | Path, network: torch.nn.Module, optimizer, meta: CheckpointMeta) -> None:
     """This rank's slices, as a self-contained DCP checkpoint directory (no collective)."""
-    model_sd, optim_sd = get_state_dict(network, _optimizers(optimizer),
-                                        options=StateDictOptions(full_state_dict=False))
+    sd = _state_dict_api()
+    model_sd, optim_sd = sd.get_state_dict(network, _optimizers(optimizer),
+                                           options=sd.StateDictOptions(full_state_dict=False))
     meta.kind = "sliced"
     state = {"model": model_sd}
     if optimizer is not None:
         state["optim"] = optim_sd
     with atomic_dir(path) as tmp, quiet_single_process():
+        import torch.distributed.checkpoint as dcp
+
         dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
         torch.save(rng_state(), tmp / RNG_FILE)
         (tmp / META_FILE).write_text(json.dumps({"format": FORMAT, **asdict(meta)}, indent=1))
@@ -161,27 +170,33 @@ def load_sliced_into(paths: list[Path], network: torch.nn.Module, optimizer=None
 
     ``own_slices_only``: ``paths`` is this rank's own checkpoint and the layout is the one it was saved under
     (resume), so this rank's slices are all it needs."""
-    model_sd, optim_sd = get_state_dict(network, _optimizers(optimizer),
-                                        options=StateDictOptions(full_state_dict=False))
+    sd = _state_dict_api()
+    model_sd, optim_sd = sd.get_state_dict(network, _optimizers(optimizer),
+                                           options=sd.StateDictOptions(full_state_dict=False))
     state = {"model": model_sd}
     if optimizer is not None and with_optimizer:
         state["optim"] = optim_sd
     try:
         with quiet_single_process():
+            import torch.distributed.checkpoint as dcp
+
+            from autopar.checkpoint.merged_reader import MergedReader
+
             dcp.load(state, storage_reader=MergedReader(paths, require_complete=not own_slices_only), no_dist=True)
     except CheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001 - DCP reports missing keys and bad files with assorted errors
         raise CheckpointError(f"loading {', '.join(map(str, paths[:3]))}: {str(exc).strip().splitlines()[0]}") from None
-    set_state_dict(network, _optimizers(optimizer) if "optim" in state else [],
-                   model_state_dict=state["model"], optim_state_dict=state.get("optim", {}),
-                   options=StateDictOptions(full_state_dict=False))
+    sd.set_state_dict(network, _optimizers(optimizer) if "optim" in state else [],
+                      model_state_dict=state["model"], optim_state_dict=state.get("optim", {}),
+                      options=sd.StateDictOptions(full_state_dict=False))
 
 
 def load_integrated_into(obj: dict, network: torch.nn.Module, optimizer=None) -> None:
     opts = _optimizers(optimizer) if optimizer is not None and obj.get("optimizer") else []
-    set_state_dict(network, opts, model_state_dict=obj["model"], optim_state_dict=obj.get("optimizer") or {},
-                   options=StateDictOptions(full_state_dict=True, strict=True))
+    sd = _state_dict_api()
+    sd.set_state_dict(network, opts, model_state_dict=obj["model"], optim_state_dict=obj.get("optimizer") or {},
+                      options=sd.StateDictOptions(full_state_dict=True, strict=True))
 
 
 # ---------------------------------------------------------------------------------------------- discovery

@@ -103,23 +103,30 @@ def _mindspore(env: Mapping[str, str]) -> ClusterEnv:
     )
 
 
-def _torchrun(env: Mapping[str, str]) -> ClusterEnv:
-    world = parse_int(env, "WORLD_SIZE", minimum=1)
-    rank = parse_int(env, "RANK")
+def _rank_variables(env: Mapping[str, str], contract: str, names: tuple[str, str, str, str],
+                    default_port: int) -> ClusterEnv:
+    """A launcher that sets rank, world size, local rank and local size in four variables (torchrun, OpenMPI);
+    ``names`` = (world, rank, local rank, local size). The rendezvous is MASTER_ADDR:MASTER_PORT."""
+    world_var, rank_var, local_rank_var, local_size_var = names
+    world = parse_int(env, world_var, minimum=1)
+    rank = parse_int(env, rank_var)
     if rank >= world:
-        raise ClusterError(f"RANK={rank} is beyond the world size WORLD_SIZE={world}")
-    local_rank = parse_int(env, "LOCAL_RANK") if env.get("LOCAL_RANK") else rank
-    local_size = parse_int(env, "LOCAL_WORLD_SIZE", minimum=1) if env.get("LOCAL_WORLD_SIZE") else world
+        raise ClusterError(f"{rank_var}={rank} is beyond the world size {world_var}={world}")
     return ClusterEnv(
-        contract="torchrun",
+        contract=contract,
         role="worker",
         world_size=world,
         rank=rank,
-        local_rank=local_rank,
-        local_size=local_size,
+        local_rank=parse_int(env, local_rank_var) if env.get(local_rank_var) else rank,
+        local_size=parse_int(env, local_size_var, minimum=1) if env.get(local_size_var) else world,
         master_addr=env.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR,
-        master_port=parse_port(env, "MASTER_PORT", DEFAULT_MASTER_PORT),
+        master_port=parse_port(env, "MASTER_PORT", default_port),
     )
+
+
+def _torchrun(env: Mapping[str, str]) -> ClusterEnv:
+    return _rank_variables(env, "torchrun", ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+                           DEFAULT_MASTER_PORT)
 
 
 def mpi_default_port(env: Mapping[str, str]) -> int:
@@ -136,24 +143,9 @@ def mpi_default_port(env: Mapping[str, str]) -> int:
 
 
 def _openmpi(env: Mapping[str, str]) -> ClusterEnv:
-    world = parse_int(env, "OMPI_COMM_WORLD_SIZE", minimum=1)
-    rank = parse_int(env, "OMPI_COMM_WORLD_RANK")
-    if rank >= world:
-        raise ClusterError(f"OMPI_COMM_WORLD_RANK={rank} is beyond OMPI_COMM_WORLD_SIZE={world}")
-    local_rank = parse_int(env, "OMPI_COMM_WORLD_LOCAL_RANK") if env.get("OMPI_COMM_WORLD_LOCAL_RANK") else rank
-    local_size = (
-        parse_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", minimum=1) if env.get("OMPI_COMM_WORLD_LOCAL_SIZE") else world
-    )
-    return ClusterEnv(
-        contract="openmpi",
-        role="worker",
-        world_size=world,
-        rank=rank,
-        local_rank=local_rank,
-        local_size=local_size,
-        master_addr=env.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR,
-        master_port=parse_port(env, "MASTER_PORT", mpi_default_port(env)),
-    )
+    return _rank_variables(env, "openmpi", ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
+                                            "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+                           mpi_default_port(env))
 
 
 def _ranktable(env: Mapping[str, str]) -> ClusterEnv | None:

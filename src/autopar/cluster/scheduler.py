@@ -21,6 +21,7 @@ from autopar.cluster.netutil import bind_listener
 from autopar.errors import ClusterError
 
 POLL = 0.2
+ADMIT_POLL = 0.02  # while workers join (on the path from launch to the first step): answer them quickly
 
 
 def _log(msg: str) -> None:
@@ -154,7 +155,7 @@ class Scheduler:
                 self.store.set(P.ABORT, reason)
                 print(f"autopar: error: {reason}", file=sys.stderr, flush=True)
                 return False
-            time.sleep(POLL)
+            time.sleep(ADMIT_POLL)
         hosts = [self.admission.hosts[r] for r in range(self.world_size)]
         self.store.set(P.READY, P.dumps({"hosts": hosts}))
         _log(f"all {self.world_size} workers joined")

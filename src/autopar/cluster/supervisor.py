@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from autopar.cluster.protocol import EXIT_ABORTED
 
@@ -86,11 +87,38 @@ class Streamer(threading.Thread):
         self.pump()
 
 
+class ForkedChild:
+    """The part of ``subprocess.Popen`` the supervisor uses, for a child forked from the launcher itself."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self.returncode = -signal.SIGKILL
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+
 @dataclass
 class Proc:
     name: str
     rank: int | None  # None for the scheduler
-    popen: subprocess.Popen
+    popen: subprocess.Popen | ForkedChild
     log: Path
 
 
@@ -119,6 +147,39 @@ class Supervisor:
                                      stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=pass_fds,
                                      preexec_fn=_die_with_parent)
         proc = Proc(name, rank, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def fork(self, name: str, rank: int | None, target: Callable[[], int]) -> Proc:
+        """Run ``target`` in a child forked from this process (already past its imports, so it is ready at once)
+        with the same session, parent-death and log rules as :meth:`spawn`; the child exits with target's code."""
+        log = self.log_dir / f"{name}.log"
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child; coverage does not follow forks
+            code = 1
+            try:
+                os.setsid()
+                _die_with_parent()
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    signal.signal(sig, signal.SIG_DFL)
+                fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                os.close(fd)
+                code = target()
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+            except BaseException as exc:  # noqa: BLE001 - reported in the log, never returns into the launcher
+                print(f"autopar: error: {name}: {exc}", file=sys.stderr)
+            finally:
+                try:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                finally:
+                    os._exit(code)
+        proc = Proc(name, rank, ForkedChild(pid), log)
         self.procs.append(proc)
         return proc
 

@@ -129,28 +129,41 @@ def _raw_all_to_all(x: torch.Tensor, split_dim: int, concat_dim: int, group) -> 
 
 # ---------------------------------------------------------------------------------------------------------------
 # autograd wrappers
+def _remember_reduction(ctx, x, y, op, group) -> None:
+    ctx.op, ctx.group = op, group
+    if op in (ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PROD):
+        ctx.save_for_backward(x, y)
+
+
+def _reduction_backward(ctx, g, spread, whole):
+    """Gradient of ``y = reduce_op(x over the ranks)`` (all-reduce, or reduce-scatter when ``y`` is a slice).
+
+    ``spread(t)`` brings a result-shaped gradient back to every rank's input shape (all-reduce SUM, or all-gather);
+    ``whole(y)`` is the full reduced value (``y`` itself, or its all-gather). SUM/MEAN pass the gradient through,
+    MAX/MIN route it to the inputs that won, PROD scales it by the product of the others (``y / x``)."""
+    op, group = ctx.op, ctx.group
+    if op is ReduceOp.PROD:
+        x, y = ctx.saved_tensors
+        return spread(g * y) / x, None, None
+    dx = spread(g)
+    if op is ReduceOp.MEAN:
+        dx = dx / _size(group)
+    elif op in (ReduceOp.MAX, ReduceOp.MIN):
+        x, y = ctx.saved_tensors
+        dx = dx * (x == whole(y)).to(dx.dtype)
+    return dx, None, None
+
+
 class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, op, group):
         y = _raw_all_reduce(x, op, group)
-        ctx.op, ctx.group = op, group
-        if op in (ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PROD):
-            ctx.save_for_backward(x, y)
+        _remember_reduction(ctx, x, y, op, group)
         return y
 
     @staticmethod
     def backward(ctx, g):
-        op, group = ctx.op, ctx.group
-        if op is ReduceOp.PROD:
-            x, y = ctx.saved_tensors
-            return _raw_all_reduce(g * y, ReduceOp.SUM, group) / x, None, None
-        dx = _raw_all_reduce(g, ReduceOp.SUM, group)
-        if op is ReduceOp.MEAN:
-            dx = dx / _size(group)
-        elif op in (ReduceOp.MAX, ReduceOp.MIN):
-            x, y = ctx.saved_tensors
-            dx = dx * (x == y).to(dx.dtype)
-        return dx, None, None
+        return _reduction_backward(ctx, g, lambda t: _raw_all_reduce(t, ReduceOp.SUM, ctx.group), lambda y: y)
 
 
 class _AllGather(torch.autograd.Function):
@@ -168,24 +181,13 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, op, group):
         y = _raw_reduce_scatter(x, op, group)
-        ctx.op, ctx.group = op, group
-        if op in (ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PROD):
-            ctx.save_for_backward(x, y)
+        _remember_reduction(ctx, x, y, op, group)
         return y
 
     @staticmethod
     def backward(ctx, g):
-        op, group = ctx.op, ctx.group
-        if op is ReduceOp.PROD:
-            x, y = ctx.saved_tensors
-            return _raw_all_gather(g * y, group) / x, None, None
-        dx = _raw_all_gather(g, group)
-        if op is ReduceOp.MEAN:
-            dx = dx / _size(group)
-        elif op in (ReduceOp.MAX, ReduceOp.MIN):
-            x, y = ctx.saved_tensors
-            dx = dx * (x == _raw_all_gather(y, group)).to(dx.dtype)
-        return dx, None, None
+        gather = lambda t: _raw_all_gather(t, ctx.group)  # noqa: E731
+        return _reduction_backward(ctx, g, gather, gather)
 
 
 class _Broadcast(torch.autograd.Function):

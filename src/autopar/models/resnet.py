@@ -67,11 +67,16 @@ class SameConv2d(nn.Conv2d):
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1) -> None:
         super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=0, bias=False)
 
+    def padding_for(self, x: torch.Tensor) -> tuple[int, int, int, int]:
+        """(top, bottom, left, right) zero padding of input ``x``."""
+        top, bottom = same_padding(x.shape[-2], self.kernel_size[0], self.stride[0])
+        left, right = same_padding(x.shape[-1], self.kernel_size[1], self.stride[1])
+        return top, bottom, left, right
+
     def _conv_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # Overriding _conv_forward (not forward) keeps nn.Conv2d's contract: anything that calls the convolution
         # with other weights (autopar.shard's local shards) gets the SAME padding too.
-        top, bottom = same_padding(x.shape[-2], self.kernel_size[0], self.stride[0])
-        left, right = same_padding(x.shape[-1], self.kernel_size[1], self.stride[1])
+        top, bottom, left, right = self.padding_for(x)
         if top == bottom and left == right:  # symmetric: let the convolution pad (no extra copy)
             return F.conv2d(x, weight, bias, self.stride, (top, left))
         return F.conv2d(F.pad(x, (left, right, top, bottom)), weight, bias, self.stride)

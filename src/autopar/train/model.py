@@ -112,6 +112,7 @@ class Model:
                     sample = sample[:-1] + [_class_indices(sample[-1])]
             from autopar.train.precision import make_precision
 
+            # before prepare(): O3 casts the parameters, which must happen before DDP builds its buckets on them
             device = _comm.device() if _comm.is_initialized() else torch.device("cpu")
             self._precision = make_precision(self._amp_level, device, self._network)
             self._prepared = prepare(self._network, self._loss_fn, self._optimizer, sample=sample)
