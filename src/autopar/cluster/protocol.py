@@ -74,6 +74,9 @@ def auth_ok(token: str | None, n: int, code: str | None) -> bool:
     return code is not None and hmac.compare_digest(auth_code(token, n) or "", code)
 
 
+STORE_OP_TIMEOUT_S = 5.0  # a worker's store calls give up after this long (so a lost scheduler is noticed)
+
+
 def seconds(value: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=value)
 

@@ -36,7 +36,7 @@ def connect(cenv: ClusterEnv, timeout: float) -> dist.TCPStore:
         left = deadline - time.monotonic()
         try:
             return dist.TCPStore(cenv.master_addr, cenv.master_port, None, False,
-                                 timeout=P.seconds(max(1.0, min(left, 5.0))))
+                                 timeout=P.seconds(max(1.0, min(left, P.STORE_OP_TIMEOUT_S))))
         except Exception:
             if time.monotonic() >= deadline:
                 raise ClusterError(
@@ -204,8 +204,14 @@ class Watchdog:
                 pass  # the scheduler is gone; nobody is left to tell
 
     def report_exit(self) -> None:
-        """atexit: tell the scheduler whether this rank ended cleanly (an unhandled exception counts as failed)."""
+        """atexit: tell the scheduler whether this rank ended cleanly (an unhandled exception counts as failed).
+
+        The watchdog thread is joined first: a daemon thread still inside a store call when the interpreter
+        finalizes is killed by a forced unwind through C++ frames, and the process aborts ("terminate called
+        without an active exception", SIGABRT) after it had finished cleanly."""
         self._stop.set()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout=P.STORE_OP_TIMEOUT_S + 1.0)
         if self.failure:
             self._report("failed", self.failure)
         else:
