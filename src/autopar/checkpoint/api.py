@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -264,7 +265,5 @@ def resume_state(directory: str | os.PathLike, network: torch.nn.Module, optimiz
 
 def _is_dtensor(t: Any) -> bool:
     """Without importing DTensor (about 1 s of start-up) when nothing has: no DTensor can exist before that."""
-    import sys
-
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)

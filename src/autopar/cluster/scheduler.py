@@ -220,8 +220,7 @@ class Scheduler:
 
 def run_scheduler(cenv: ClusterEnv) -> "NoReturn":  # noqa: F821
     """Entry of ``init()`` in the scheduler role: never returns to user code."""
-    fd = os.environ.get("AUTOPAR_SCHED_LISTEN_FD")
-    scheduler = Scheduler(cenv, listen_fd=int(fd) if fd else None, token=os.environ.get("AUTOPAR_JOB_TOKEN") or None)
+    scheduler = Scheduler(cenv, token=os.environ.get("AUTOPAR_JOB_TOKEN") or None)
     code = scheduler.run()
     sys.stdout.flush()
     sys.exit(code)

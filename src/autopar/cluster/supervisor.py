@@ -140,11 +140,11 @@ class Supervisor:
         self.failed: list[Proc] = []
         self.interrupted: int | None = None
 
-    def spawn(self, name: str, rank: int | None, env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> Proc:
+    def spawn(self, name: str, rank: int | None, env: dict[str, str]) -> Proc:
         log = self.log_dir / f"{name}.log"
         with open(log, "wb") as fh:
             popen = subprocess.Popen(self.command, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=pass_fds,
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
                                      preexec_fn=_die_with_parent)
         proc = Proc(name, rank, popen, log)
         self.procs.append(proc)
