@@ -10,12 +10,14 @@ ResNet-50 (the tutorial's), 32x32, batch 32 per worker, SGD momentum, 2 workers 
 - ``torch_nocomm_tuned``: that hand loop with autopar's speed defaults applied (``parallel.tuning``): autopar's
                        compute, the baseline of the split;
 - ``torch_single``   : one process with 2 threads (the scaling baseline);
-- optional ``autopar_dp_graph`` (``--graph-mode``, torch.compile) and ``autopar_dp_O1`` (``--amp-level O1``);
+- optional ``autopar_dp_graph`` (``--graph-mode``, torch.compile), ``autopar_dp_O1`` (``--amp-level O1``) and
+  ``autopar_dp_no_<lever>`` (``--ablate malloc``: that lever of ``parallel.tuning`` switched off);
 - ``data_pipeline``  : the autopar input pipeline alone, one process.
 Also: the split of an autopar step (compute / exposed communication / data / framework), the issue's targets,
 and rank 0's per-step loss curve. Configurations alternate round by round; medians over rounds.
 
     python bench/dp_throughput.py [--rounds 3] [--steps 40] [--image-size 32] [--graph-mode] [--amp-level O1]
+                                  [--ablate malloc] [--ablate small_conv]
 """
 from __future__ import annotations
 
@@ -42,8 +44,9 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _run(cmd: list[str], threads: int, log_dir: Path) -> list[dict]:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), BENCH_T0=repr(time.time()), PYTHONUNBUFFERED="1")
+def _run(cmd: list[str], threads: int, log_dir: Path, extra_env: dict[str, str] | None = None) -> list[dict]:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), BENCH_T0=repr(time.time()), PYTHONUNBUFFERED="1",
+               **(extra_env or {}))
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     text = res.stdout + res.stderr
     for log in sorted(log_dir.glob("worker_*.log")):
@@ -137,6 +140,8 @@ def main() -> None:
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--graph-mode", action="store_true", help="also run autopar in GRAPH_MODE (torch.compile)")
     p.add_argument("--amp-level", default="O0", help="also run autopar at this amp_level (O1/O2)")
+    p.add_argument("--ablate", action="append", default=[], metavar="LEVER",
+                   help="also run autopar_dp with AUTOPAR_<LEVER>=0 (e.g. malloc, small_conv, fused_optimizer)")
     args = p.parse_args()
     from autopar.dataset.synth import write_synthetic_cifar10
 
@@ -145,27 +150,30 @@ def main() -> None:
     common = ["--data", data, "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
               "--image-size", str(args.image_size)]
     logs_placeholder = "{logs}"  # each run's own log folder, filled in per round
-    configs: dict[str, tuple[list[str], int]] = {
-        "autopar_dp": (_autopar(logs_placeholder, common), 1),
-        "autopar_nocomm": (_autopar(logs_placeholder, common + ["--no-comm"]), 1),
-        "torch_ddp": (_torchrun(common), 1),
-        "torch_nocomm": (_torchrun(common + ["--no-ddp"]), 1),
-        "torch_nocomm_tuned": (_torchrun(common + ["--no-ddp", "--autopar-levers"]), 1),
-        "torch_single": ([sys.executable, str(WORK / "torch_ddp.py"), *common], 2),
+    configs: dict[str, tuple[list[str], int, dict[str, str]]] = {
+        "autopar_dp": (_autopar(logs_placeholder, common), 1, {}),
+        "autopar_nocomm": (_autopar(logs_placeholder, common + ["--no-comm"]), 1, {}),
+        "torch_ddp": (_torchrun(common), 1, {}),
+        "torch_nocomm": (_torchrun(common + ["--no-ddp"]), 1, {}),
+        "torch_nocomm_tuned": (_torchrun(common + ["--no-ddp", "--autopar-levers"]), 1, {}),
+        "torch_single": ([sys.executable, str(WORK / "torch_ddp.py"), *common], 2, {}),
     }
     if args.graph_mode:
-        configs["autopar_dp_graph"] = (_autopar(logs_placeholder, common + ["--graph-mode"]), 1)
+        configs["autopar_dp_graph"] = (_autopar(logs_placeholder, common + ["--graph-mode"]), 1, {})
     if args.amp_level != "O0":
-        configs[f"autopar_dp_{args.amp_level}"] = (_autopar(logs_placeholder, common + ["--amp-level", args.amp_level]), 1)
+        configs[f"autopar_dp_{args.amp_level}"] = (
+            _autopar(logs_placeholder, common + ["--amp-level", args.amp_level]), 1, {})
+    for lever in args.ablate:
+        configs[f"autopar_dp_no_{lever}"] = (_autopar(logs_placeholder, common), 1, {f"AUTOPAR_{lever.upper()}": "0"})
     results: dict[str, list[list[dict]]] = {name: [] for name in configs}
     for rnd in range(args.rounds):
-        for name, (cmd, threads) in configs.items():
+        for name, (cmd, threads, extra_env) in configs.items():
             logs = tmp / f"{name}-{rnd}"
             logs.mkdir()
             cmd = [c.replace("{logs}", str(logs)) for c in cmd]
             if "--master-port" in cmd:
                 cmd[cmd.index("--master-port") + 1] = str(_port())
-            results[name].append(_run(cmd, threads, logs))
+            results[name].append(_run(cmd, threads, logs, extra_env))
             print(f"[bench] round {rnd + 1} {name}: {min(r['images_per_s'] for r in results[name][-1]):.1f} images/s",
                   file=sys.stderr, flush=True)
     summary = {name: _summary(rows) for name, rows in results.items()}

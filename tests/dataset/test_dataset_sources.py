@@ -83,6 +83,45 @@ def test_cifar10_truncated_and_corrupt_files(tmp_path, cifar_small):
         ds.Cifar10Dataset(tmp_path)
 
 
+def test_cifar10_gather_any_order_duplicates_and_file_boundaries(cifar_small):
+    from autopar.dataset.sources import Cifar10Source
+
+    bindir = cifar_small / "cifar-10-batches-bin"
+    rec = np.concatenate([read_records(bindir / f"data_batch_{i}.bin") for i in range(1, 6)])
+    source = Cifar10Source(cifar_small)
+    rng = np.random.default_rng(0)
+    for idx in (rng.permutation(320), np.array([63, 64, 65, 63, 0, 319, 319]), np.arange(0, 320, 3), np.arange(60, 70)):
+        rows = source.gather(idx)
+        np.testing.assert_array_equal(rows["label"], rec[idx, 0])
+        np.testing.assert_array_equal(rows["image"], rec[idx, 1:].reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
+    assert source.gather(np.array([], dtype=np.int64))["image"].shape == (0, 32, 32, 3)
+    with pytest.raises(IndexError, match="outside 0..319"):
+        source.gather(np.array([320]))
+
+
+def _resident_file_mb() -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith("RssFile:"):
+            return int(line.split()[1]) / 1024
+    pytest.skip("no RssFile in /proc/self/status")
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_cifar10_epoch_does_not_pull_the_files_into_the_resident_set(tmp_path):
+    """Full-size files (154 MB): opening them and reading a shuffled epoch keeps this process's file-backed resident
+    memory nearly flat (a memory map held the whole dataset in every rank)."""
+    from autopar.dataset.synth import write_synthetic_cifar10
+
+    write_synthetic_cifar10(tmp_path, records_per_file=10000, seed=1)
+    before = _resident_file_mb()
+    data = ds.Cifar10Dataset(tmp_path, shuffle=True).batch(256)
+    n = 0
+    for img, _ in data.create_tuple_iterator(output_numpy=True):
+        n += img.shape[0]
+    assert n == 50000
+    assert _resident_file_mb() - before < 20
+
+
 def test_numpy_slices_inputs():
     x = np.arange(12).reshape(6, 2)
     d = ds.NumpySlicesDataset({"a": x, "b": np.arange(6)}, shuffle=False)

@@ -90,6 +90,9 @@ def prepare(network: torch.nn.Module, loss_fn: torch.nn.Module | None = None,
     network.to(device)
     if loss_fn is not None:
         loss_fn.to(device)
+    from autopar.parallel.tuning import tune_allocator
+
+    tune_allocator(network)  # every mode: it changes no result, only how often freed memory is faulted back in
     world = _comm.get_group_size() if _comm.is_initialized() else 1
     if mode is ParallelMode.STAND_ALONE:
         return _tuned(Prepared(mode, network, device, world, _loss_caller(network, loss_fn)), network, optimizer)
