@@ -133,10 +133,6 @@ def _tuned(prepared: Prepared, network: torch.nn.Module, optimizer: torch.optim.
     return prepared
 
 
-def _has_spatial_kernels(network: torch.nn.Module) -> bool:
-    return any(isinstance(m, torch.nn.Conv2d) and m.kernel_size != (1, 1) for m in network.modules())
-
-
 def _prepare_data_parallel(network, loss_fn, mode, device, world, ctx, layerwise) -> Prepared:
     from autopar.parallel.data_parallel import wrap_data_parallel
 
@@ -146,9 +142,7 @@ def _prepare_data_parallel(network, loss_fn, mode, device, world, ctx, layerwise
         from autopar.parallel.tuning import current
 
         ddp = wrap_data_parallel(network, gradients_mean=ctx.gradients_mean, parameter_broadcast=ctx.parameter_broadcast,
-                                 device=device, ignore=ignored, bucket_cap_mb=current().bucket_mb,
-                                 skip_zero_taps=current().zero_taps and current().small_conv
-                                 and _has_spatial_kernels(network))
+                                 device=device, ignore=ignored, bucket_cap_mb=current().bucket_mb)
         module, no_sync = ddp, ddp.no_sync
     else:
         module, no_sync = network, contextlib.nullcontext

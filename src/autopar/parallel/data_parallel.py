@@ -10,8 +10,6 @@ MindSpore semantics on top of DDP:
 - BatchNorm statistics stay per rank (MindSpore does not synchronise them): ``broadcast_buffers=False`` also saves a
   collective before every forward that DDP would otherwise issue.
 - Gradient accumulation runs the first k-1 micro-batches under ``no_sync()``: no communication until the last.
-- On the CPU, kernel taps whose gradient is zero on every rank are left out of the all-reduce
-  (:mod:`autopar.parallel.zero_taps`; results bit-identical).
 """
 from __future__ import annotations
 
@@ -64,7 +62,6 @@ def wrap_data_parallel(
     bucket_cap_mb: float = DEFAULT_BUCKET_MB,
     gradient_as_bucket_view: bool = True,
     ignore: set[str] | None = None,
-    skip_zero_taps: bool = False,
 ) -> DistributedDataParallel:
     if not dist.is_initialized():
         from autopar.errors import ConfigError
@@ -89,10 +86,6 @@ def wrap_data_parallel(
         gradient_as_bucket_view=gradient_as_bucket_view,
         init_sync=parameter_broadcast,
     )
-    if skip_zero_taps and device.type == "cpu" and dist.get_world_size() > 1:
-        from autopar.parallel.zero_taps import make_hook
-
-        ddp.register_comm_hook(None, make_hook(dist.get_world_size(), mean=gradients_mean))
-    elif not gradients_mean:
+    if not gradients_mean:
         ddp.register_comm_hook(None, _sum_hook)
     return ddp

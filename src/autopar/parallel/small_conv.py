@@ -19,8 +19,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from autopar.parallel.zero_taps import mark_dead_taps
-
 MAX_POSITIONS = 4  # output positions up to which the GEMM form won (2x2: 9.8 -> 7.3 ms; 4x4 lost: 6.3 -> 8.4 ms)
 
 
@@ -53,8 +51,6 @@ def lowered_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         rows, cols = min(kh, top + h) - top, min(kw, left + w) - left
         if rows < 1 or cols < 1:
             return None
-        if rows < kh or cols < kw:
-            mark_dead_taps(weight)  # lets DATA_PARALLEL leave those taps' (zero) gradient out of its all-reduce
         window = x[:, :, :rows, :cols].reshape(n, -1)
         taps = weight[:, :, top:top + rows, left:left + cols].reshape(out_ch, -1)
         return F.linear(window, taps, bias).view(n, out_ch, 1, 1)

@@ -14,8 +14,6 @@ what it was worth. None changes results beyond float tolerance.
   of handing it back to the kernel every step (:func:`tune_allocator`). Whether glibc trims depends on the
   allocation history; fed by the tutorial's dataset pipeline, every ResNet-50 step re-faulted ~73 MB (18,600 minor
   page faults, 43 ms of kernel time on a 0.28 s step) -- the "framework" share of a step in ``bench/``.
-- ``AUTOPAR_ZERO_TAPS`` (default 1): DATA_PARALLEL on the CPU leaves kernel taps whose gradient is zero on every
-  rank out of the all-reduce (:mod:`autopar.parallel.zero_taps`; the 32x32 ResNet-50: 22 of 94 MB a step).
 - ``AUTOPAR_BUCKET_MB`` (default 25, DDP's): DATA_PARALLEL's gradient bucket size.
 - ``AUTOPAR_CHANNELS_LAST`` (default 0): convolutional networks and their 4-D inputs in channels-last memory
   format. Measured no gain on this CPU (-2..+2 %, noise), so it is opt-in; it is the layout cuDNN's tensor
@@ -49,7 +47,6 @@ class Tuning:
     channels_last: bool
     small_conv: bool
     malloc: bool
-    zero_taps: bool
 
 
 def current() -> Tuning:
@@ -59,7 +56,6 @@ def current() -> Tuning:
         channels_last=_flag("AUTOPAR_CHANNELS_LAST", False),
         small_conv=_flag("AUTOPAR_SMALL_CONV", True),
         malloc=_flag("AUTOPAR_MALLOC", True),
-        zero_taps=_flag("AUTOPAR_ZERO_TAPS", True),
     )
 
 
