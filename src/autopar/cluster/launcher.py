@@ -5,8 +5,9 @@ Two ways to form the job, both exactly what a hand-written script would do:
 - the **MindSpore dynamic cluster** (default): node 0 runs the scheduler (what ``MS_ROLE=MS_SCHED`` runs, in a
   child forked from the launcher) and every node its workers (``MS_ROLE=MS_WORKER``, ``MS_WORKER_NUM``,
   ``MS_SCHED_HOST``, ``MS_SCHED_PORT``), so a ``run.sh`` is interchangeable with it. One node: the scheduler
-  listens on 127.0.0.1, on a port reserved race-free (the bound socket is inherited through the fork). Several nodes (``--nnodes/--node-rank/--master-addr/--master-port`` or a
-  ``--hostfile``): it listens on the master address; workers get consecutive ranks per node.
+  listens on 127.0.0.1, on a port reserved race-free (the bound socket is inherited through the fork). Several
+  nodes (``--nnodes/--node-rank/--master-addr/--master-port`` or a ``--hostfile``): it listens on the master
+  address; workers get consecutive ranks per node.
 - a **rank table** (``--rank-table FILE --server-id ID``): one process per device of this server, with
   ``RANK_TABLE_FILE``/``RANK_ID``/``DEVICE_ID``/``RANK_SIZE`` as the tutorials' run.sh; no scheduler.
 

@@ -152,8 +152,7 @@ class Cifar10Source(Source):
         order = np.argsort(indices, kind="stable")
         wanted = indices[order]
         file_of = np.searchsorted(self._starts, wanted, side="right") - 1
-        firsts = np.flatnonzero(np.diff(wanted, prepend=-2) != 1)
-        firsts = np.union1d(firsts, np.flatnonzero(np.diff(file_of, prepend=-1) != 0))
+        firsts = np.flatnonzero((np.diff(wanted, prepend=-2) != 1) | (np.diff(file_of, prepend=-1) != 0))
         ends = np.append(firsts[1:], n)
         in_file_order = np.empty((n, CIFAR10_RECORD), dtype=np.uint8)
         flat = memoryview(in_file_order).cast("B")
