@@ -47,6 +47,19 @@ def test_scheduler_names_the_failed_rank(procs, tmp_path):
     assert not procs.wait_no_leftovers()
 
 
+@pytest.mark.parametrize("call", ["sys", "builtin"])
+def test_a_nonzero_exit_status_fails_the_job(procs, tmp_path, call):
+    """Every rank finished its work, but one ended with sys.exit(3): the scheduler must not call that a success."""
+    _, sched, ws = start_job(procs, tmp_path, 2, JOB_FAIL_RANK="1", JOB_END_STATUS="3", JOB_END_CALL=call,
+                             JOB_STEPS="5", JOB_FAIL_STEP="-1")
+    statuses = sorted(w.wait(timeout=120) for w in ws)
+    assert statuses == [0, 3]
+    assert sched.wait(timeout=30) != 0
+    log = (tmp_path / "sched.log").read_text()
+    assert "job failed (rank 1: exited with status 3)" in log, log
+    assert not procs.wait_no_leftovers()
+
+
 def test_fewer_workers_than_announced(procs, tmp_path):
     _, sched, ws = start_job(procs, tmp_path, 3, started=2, AUTOPAR_CLUSTER_TIMEOUT="12")
     assert sched.wait(timeout=60) != 0

@@ -2,10 +2,12 @@
 
 JOB_STEPS (default 20) all-reduce steps, JOB_SLEEP seconds between them; at step JOB_FAIL_STEP the rank
 JOB_FAIL_RANK fails as JOB_FAIL_MODE says: "raise" (an exception), "kill" (SIGKILL itself), "exit3" (os._exit(3)),
-"hang" (stop communicating). Prints "RANK r OF n local l/m contract c" first and "RANK r DONE" at the end.
+"hang" (stop communicating). JOB_END_STATUS=k makes rank JOB_FAIL_RANK end with ``sys.exit(k)`` after all steps
+(``exit(k)``, the builtin, when JOB_END_CALL=builtin). Prints "RANK r OF n local l/m contract c" first and "RANK r DONE" at the end.
 """
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -37,3 +39,6 @@ for step in range(steps):
     assert total.item() == n
     time.sleep(float(os.environ.get("JOB_SLEEP", "0.05")))
 print(f"RANK {r} DONE", flush=True)
+if r == fail_rank and os.environ.get("JOB_END_STATUS"):
+    status = int(os.environ["JOB_END_STATUS"])
+    exit(status) if os.environ.get("JOB_END_CALL") == "builtin" else sys.exit(status)

@@ -121,6 +121,35 @@ def register(cenv: ClusterEnv) -> tuple[dist.TCPStore, int, list[str]]:
     return store, rank, hosts
 
 
+def _watch_exit_calls(watchdog: "Watchdog") -> None:
+    """Let ``sys.exit(3)`` (and the ``exit``/``quit`` builtins) count as a failure in the end-of-process report.
+
+    Why: a script started by hand under the MindSpore contract has no parent of ours that sees its exit status;
+    the atexit report is all the scheduler learns, and atexit cannot see the status a ``SystemExit`` carries.
+    So the calls that raise it note the status first. Left out: a bare ``raise SystemExit(3)``, and a
+    ``sys.exit(3)`` the script catches itself (it is still reported as failed). Under ``autopar launch`` the
+    supervisor reads real exit statuses as well.
+    """
+    import builtins
+
+    def wrap(original):
+        if getattr(original, "_autopar_exit", False):
+            return original
+
+        def exit(status=None):
+            watchdog.note_exit_status(status)
+            return original(status)
+
+        exit._autopar_exit = True  # type: ignore[attr-defined]
+        exit.__doc__ = getattr(original, "__doc__", None)
+        return exit
+
+    sys.exit = wrap(sys.exit)
+    for name in ("exit", "quit"):
+        if hasattr(builtins, name):
+            setattr(builtins, name, wrap(getattr(builtins, name)))
+
+
 class Watchdog:
     """Heartbeat + abort watcher + end-of-process report for one registered worker."""
 
@@ -140,6 +169,13 @@ class Watchdog:
     def start(self) -> None:
         self.thread.start()
         atexit.register(self.report_exit)
+        _watch_exit_calls(self)
+
+    def note_exit_status(self, status: object) -> None:
+        """``sys.exit(status)`` / ``exit(status)`` was called: a status other than 0/None is this rank's failure."""
+        if status is None or status == 0 or self.failure:
+            return
+        self.failure = f"exited with status {status}" if isinstance(status, int) else f"exited: {status}"
 
     def _loop(self) -> None:
         last_ok = time.monotonic()
