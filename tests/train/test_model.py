@@ -113,3 +113,35 @@ def test_torch_dataloader_works_too():
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
     net, opt = net_and_opt()
     Model(net, torch.nn.CrossEntropyLoss(), opt).train(2, loader)
+
+
+class _CrashAfter(Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_step_end(self, run_context):
+        if run_context.original_args().cur_step_num == self.step:
+            raise RuntimeError("simulated crash")
+
+
+def test_resume_inside_a_gradient_accumulation_continues_exactly(tmp_path):
+    """Saves every 2 micro-batches with accumulation 3: a checkpoint taken at micro-batch 4 could not hold the
+    gradients of micro-batches 3-4, so the save waits for the accumulation's end; resuming after a crash at
+    micro-batch 5 then gives the uninterrupted run's parameters bit for bit."""
+    from autopar.train import CheckpointConfig, ModelCheckpoint
+
+    def run(directory, crash=None, resume=False):
+        net, opt = net_and_opt()
+        ckpt = ModelCheckpoint("acc", directory, CheckpointConfig(save_checkpoint_steps=2, keep_checkpoint_max=10))
+        model = Model(net, SoftmaxCrossEntropyExpand(sparse=True), opt, grad_accumulation_steps=3)
+        callbacks = [ckpt] + ([_CrashAfter(crash)] if crash else [])
+        model.train(1, data(n=144), callbacks=callbacks, resume_from=directory if resume else None)
+        return net, sorted(p.name for p in directory.iterdir())
+
+    whole, saved = run(tmp_path / "whole")
+    assert saved == ["acc-1_3.ckpt", "acc-1_6.ckpt", "acc-1_9.ckpt"]  # due at 2, 4(->6), 6, 8(->9) and the end
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(tmp_path / "crashed", crash=5)
+    resumed, _ = run(tmp_path / "crashed", resume=True)
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name

@@ -4,6 +4,8 @@ Each rank saves into its own ``directory`` (as the tutorial's ``"./ckpt_" + str(
 one directory, an integrated checkpoint is written once (by rank 0) and sliced ones go to ``rank_<r>/``
 sub-directories, so ranks never overwrite each other. At most ``keep_checkpoint_max`` checkpoints of the prefix
 are kept. A checkpoint holds parameters, optimizer state, epoch/step, RNG state and every parameter's layout.
+With gradient accumulation, a save that falls due inside an accumulation is taken at its last micro-batch, so that
+resuming from any checkpoint continues exactly like the uninterrupted run.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ class ModelCheckpoint(Callback):
         self._last_time = time.monotonic()
         self._last_step = -1
         self._write = True
+        self._pending = False  # a save fell due inside a gradient accumulation: taken at its end
         self.saved: list[Path] = []
 
     # -- where -----------------------------------------------------------------------------------------------------
@@ -78,7 +81,12 @@ class ModelCheckpoint(Callback):
             due = True
         if secs:  # every rank must agree (integrated saves are collective)
             due = _any_rank(due)
-        if due:
+        # Inside a gradient accumulation the micro-batches' gradients so far live only in .grad (per rank, not
+        # all-reduced yet) and a checkpoint would not hold them: resuming there would lose them. The parameters
+        # cannot have changed since the last boundary anyway, so a due save waits for the accumulation to end.
+        self._pending = self._pending or due
+        if self._pending and cb.cur_step_num % max(1, cb.get("grad_accumulation_steps", 1)) == 0:
+            self._pending = False
             self.save(cb)
 
     def on_train_end(self, run_context: RunContext) -> None:

@@ -201,7 +201,7 @@ class Model:
             batch_num=per_epoch, cur_epoch_num=start // per_epoch, cur_step_num=start,
             net_outputs=None, parallel_mode=prepared.mode.value, device_number=prepared.world_size,
             train_dataset=train_dataset, dataset_sink_mode=dataset_sink_mode, mode="train", rank=rank,
-            global_batch_size=0, steps_since_callback=1,
+            global_batch_size=0, steps_since_callback=1, grad_accumulation_steps=self._accumulation,
         )
         run_context = RunContext(params)
         self._network.train()
