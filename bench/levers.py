@@ -33,6 +33,10 @@ CONFIGS = {
     "channels_last": ["--channels-last", "1"],
     "small_conv": ["--small-conv", "1"],
     "autopar_defaults": ["--view", "1", "--broadcast-buffers", "0", "--optimizer", "fused", "--small-conv", "1"],
+    "defaults_allreduce_after_backward": ["--ddp", "after", "--optimizer", "fused", "--small-conv", "1"],
+    "defaults_malloc": ["--view", "1", "--broadcast-buffers", "0", "--optimizer", "fused", "--small-conv", "1",
+                        "--malloc", "1"],
+    "defaults_malloc_no_comm": ["--ddp", "none", "--optimizer", "fused", "--small-conv", "1", "--malloc", "1"],
     "defaults_no_comm": ["--ddp", "none", "--optimizer", "fused", "--small-conv", "1"],
     "defaults_bf16_grads": ["--view", "1", "--broadcast-buffers", "0", "--optimizer", "fused", "--small-conv", "1",
                             "--compress", "bf16"],
@@ -53,7 +57,9 @@ def run(name: str, extra: list[str], steps: int) -> dict:
     if res.returncode != 0 or len(rows) != 2:
         raise SystemExit(f"{name} failed ({res.returncode}):\n{res.stderr[-2000:]}")
     return {"images_per_s": min(r["images_per_s"] for r in rows), "step_s": max(r["steady_step_s"] for r in rows),
-            "optimizer_s": max(r["opt_s"] for r in rows), "peak_rss_mb": max(r["peak_rss_mb"] for r in rows)}
+            "optimizer_s": max(r["opt_s"] for r in rows),
+            "minor_faults": max(r["minor_faults"] for r in rows), "sys_s": max(r["sys_s"] for r in rows),
+            "user_s": max(r["user_s"] for r in rows), "peak_rss_mb": max(r["peak_rss_mb"] for r in rows)}
 
 
 def main() -> None:
