@@ -21,9 +21,9 @@ def _fresh(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOPAR_LOG_DIR", str(tmp_path / "logs"))
 
 
-def data(n=96, batch=16, shuffle=False):
+def data(n=96, batch=16, shuffle=False, scale=1.0):
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((n, 8)).astype(np.float32)
+    x = (scale * rng.standard_normal((n, 8))).astype(np.float32)
     y = (x[:, 0] + x[:, 1] > 0).astype(np.int32)
     return ds.NumpySlicesDataset({"x": x, "y": y}, shuffle=shuffle).batch(batch, drop_remainder=True)
 
@@ -124,24 +124,41 @@ class _CrashAfter(Callback):
             raise RuntimeError("simulated crash")
 
 
+def _whole_crashed_resumed(directory, crash, save_steps=2, data_scale=1.0, **model_kwargs):
+    """Train one epoch uninterrupted; again with a crash after micro-batch ``crash``; then resume the crashed run."""
+    from autopar.train import CheckpointConfig, ModelCheckpoint
+
+    def run(where, crash=None, resume=False):
+        net, opt = net_and_opt()
+        ckpt = ModelCheckpoint("run", where, CheckpointConfig(save_checkpoint_steps=save_steps, keep_checkpoint_max=10))
+        model = Model(net, SoftmaxCrossEntropyExpand(sparse=True), opt, **model_kwargs)
+        callbacks = [ckpt] + ([_CrashAfter(crash)] if crash else [])
+        model.train(1, data(n=144, scale=data_scale), callbacks=callbacks, resume_from=where if resume else None)
+        return net, model, sorted(p.name for p in where.iterdir())
+
+    whole = run(directory / "whole")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(directory / "crashed", crash=crash)
+    resumed = run(directory / "crashed", resume=True)
+    for (name, a), b in zip(whole[0].state_dict().items(), resumed[0].state_dict().values()):
+        assert torch.equal(a, b), name
+    return whole, resumed
+
+
 def test_resume_inside_a_gradient_accumulation_continues_exactly(tmp_path):
     """Saves every 2 micro-batches with accumulation 3: a checkpoint taken at micro-batch 4 could not hold the
     gradients of micro-batches 3-4, so the save waits for the accumulation's end; resuming after a crash at
     micro-batch 5 then gives the uninterrupted run's parameters bit for bit."""
-    from autopar.train import CheckpointConfig, ModelCheckpoint
+    whole, _ = _whole_crashed_resumed(tmp_path, crash=5, grad_accumulation_steps=3)
+    assert whole[2] == ["run-1_3.ckpt", "run-1_6.ckpt", "run-1_9.ckpt"]  # due at 2, 4(->6), 6, 8(->9) and the end
 
-    def run(directory, crash=None, resume=False):
-        net, opt = net_and_opt()
-        ckpt = ModelCheckpoint("acc", directory, CheckpointConfig(save_checkpoint_steps=2, keep_checkpoint_max=10))
-        model = Model(net, SoftmaxCrossEntropyExpand(sparse=True), opt, grad_accumulation_steps=3)
-        callbacks = [ckpt] + ([_CrashAfter(crash)] if crash else [])
-        model.train(1, data(n=144), callbacks=callbacks, resume_from=directory if resume else None)
-        return net, sorted(p.name for p in directory.iterdir())
 
-    whole, saved = run(tmp_path / "whole")
-    assert saved == ["acc-1_3.ckpt", "acc-1_6.ckpt", "acc-1_9.ckpt"]  # due at 2, 4(->6), 6, 8(->9) and the end
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        run(tmp_path / "crashed", crash=5)
-    resumed, _ = run(tmp_path / "crashed", resume=True)
-    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
-        assert torch.equal(a, b), name
+def test_resume_keeps_the_dynamic_loss_scale(tmp_path, monkeypatch):
+    """O2 with float16 (here on the CPU) scales the loss; the scale backs off on overflow. Resumed at its initial
+    value instead of the saved one, the run would skip steps again and end with other parameters."""
+    monkeypatch.setenv("AUTOPAR_AMP_DTYPE", "float16")
+    whole, resumed = _whole_crashed_resumed(tmp_path, crash=5, save_steps=3, data_scale=1000.0,
+                                             amp_level="O2")
+    scale = whole[1]._precision.scaler.get_scale()
+    assert scale < 65536.0  # the test means something only if the scale moved
+    assert resumed[1]._precision.scaler.get_scale() == scale

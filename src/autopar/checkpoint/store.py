@@ -48,6 +48,7 @@ class CheckpointMeta:
     parallel_mode: str = "stand_alone"
     kind: str = "integrated"
     layouts: dict = field(default_factory=dict)  # parameter name -> Layout.to_dict() at save time
+    loop_state: dict = field(default_factory=dict)  # the training loop's own state, JSON (e.g. "grad_scaler")
     created: float = field(default_factory=time.time)
 
     @classmethod

@@ -3,7 +3,8 @@
 Each rank saves into its own ``directory`` (as the tutorial's ``"./ckpt_" + str(get_rank())``); when ranks share
 one directory, an integrated checkpoint is written once (by rank 0) and sliced ones go to ``rank_<r>/``
 sub-directories, so ranks never overwrite each other. At most ``keep_checkpoint_max`` checkpoints of the prefix
-are kept. A checkpoint holds parameters, optimizer state, epoch/step, RNG state and every parameter's layout.
+are kept. A checkpoint holds parameters, optimizer state, epoch/step, RNG state, the dynamic loss scale (if any) and
+every parameter's layout.
 With gradient accumulation, a save that falls due inside an accumulation is taken at its last micro-batch, so that
 resuming from any checkpoint continues exactly like the uninterrupted run.
 """
@@ -100,7 +101,8 @@ class ModelCheckpoint(Callback):
         world = dist.get_world_size() if dist.is_initialized() else 1
         meta = CheckpointMeta(epoch=cb.cur_epoch_num, step_in_epoch=step_in_epoch(cb), global_step=cb.cur_step_num,
                               steps_per_epoch=cb.batch_num, rank=dist.get_rank() if dist.is_initialized() else 0,
-                              world_size=world, parallel_mode=cb.parallel_mode, layouts=layouts_of(network))
+                              world_size=world, parallel_mode=cb.parallel_mode, layouts=layouts_of(network),
+                              loop_state=_loop_state(cb))
         path = self.directory / f"{self.prefix}-{cb.cur_epoch_num}_{step_in_epoch(cb)}.ckpt"
         optimizer = cb.optimizer
         if self.config.integrated_save:
@@ -128,6 +130,14 @@ class ModelCheckpoint(Callback):
     def latest_ckpt_file_name(self) -> str | None:
         found = store.list_checkpoints(self.directory, self.prefix)
         return str(found[-1].path) if found else None
+
+
+def _loop_state(cb) -> dict:
+    """What the loop needs besides parameters, optimizer and RNG to continue exactly: the dynamic loss scale (O2 with
+    float16) -- restarted at its initial 65536 it would skip steps to overflow again until it has backed off."""
+    scaler = cb.get("grad_scaler")
+    state = scaler.state_dict() if scaler is not None else {}
+    return {"grad_scaler": state} if state else {}
 
 
 def _any_rank(flag: bool) -> bool:

@@ -189,6 +189,9 @@ class Model:
             if meta is not None:
                 start = meta.global_step
                 self._micro_step = start
+                scaler_state = meta.loop_state.get("grad_scaler")
+                if scaler_state and self._precision.scaler is not None:
+                    self._precision.scaler.load_state_dict(scaler_state)
                 if rank == 0:
                     print(f"[autopar] resumed from {where} after step {start} (epoch {meta.epoch})", flush=True)
         if rank == 0:
@@ -202,6 +205,7 @@ class Model:
             net_outputs=None, parallel_mode=prepared.mode.value, device_number=prepared.world_size,
             train_dataset=train_dataset, dataset_sink_mode=dataset_sink_mode, mode="train", rank=rank,
             global_batch_size=0, steps_since_callback=1, grad_accumulation_steps=self._accumulation,
+            grad_scaler=self._precision.scaler,
         )
         run_context = RunContext(params)
         self._network.train()
