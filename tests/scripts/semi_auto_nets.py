@@ -1,7 +1,7 @@
 """Worker: the seeds' SemiAutoParallelNet and HybridParallelNet (imports changed only) against the unsharded math.
 
 argv: OUT_JSON CASES_JSON where CASES is a list of ["semi", strategy] / ["hybrid", null] / ["hybrid_model", null] /
-["conflict", null]. For each case every rank compares forward outputs, parameter gradients and parameters after 3
+["conflict", null] / ["ops", null] / ["strategy_file", null] / ["constant_id", null]. For each case every rank compares forward outputs, parameter gradients and parameters after 3
 SGD steps with plain torch on the whole batch in the same process; results (largest differences, the rank's
 parameter size, error messages) go to OUT_JSON.<rank>.
 """
@@ -227,6 +227,46 @@ def run_ops():
                         (full(net.b.grad) - ref.b.grad).abs().max().item())}
 
 
+class ConstantNet(nn.Cell):
+    """A sharded parameter, then a constant the network does not own (held in a list: not a parameter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = Parameter(Tensor(np.arange(16, dtype=np.float32)))
+        self.mul = ops.Mul().shard(((2,), (2,)))
+        self.add = ops.Add()
+        self.constant = [Tensor(0.0)]
+
+    def construct(self, x):
+        return self.add(self.mul(x, self.w), self.constant[0])
+
+
+def run_constant_reusing_an_id():
+    """The original of a converted parameter is freed; CPython soon gives a new tensor its id. Such a constant
+    must stay a constant (it was taken for the parameter: a flaky shape error, 'size 4 vs 16')."""
+    ms.reset_auto_parallel_context()
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", full_batch=True)
+    net = ConstantNet()
+    original = [net.w]  # held until the conversion's own new objects exist, so that its address is free afterwards
+    freed = id(original[0])
+    x = torch.ones(16)
+    net(x)  # converts w
+    original.clear()  # nothing else holds the original any more
+    made = []  # kept alive, so that new tensors walk through the allocator's free slots until one is the freed one
+    for _ in range(200000):
+        constant = torch.tensor(0.5)
+        if id(constant) == freed:
+            break
+        made.append(constant)
+    else:
+        return {"reused": False}
+    made.clear()
+    net.constant[0] = constant
+    out = net(x)
+    rows = slice(rank * 16 // n, (rank + 1) * 16 // n)  # the network's output: this rank's rows, as data parallel
+    return {"reused": True, "out": (out - (torch.arange(16.0) + 0.5)[rows]).abs().max().item()}
+
+
 def run_strategy_file():
     """strategy_ckpt_load_file: a parameter layout that disagrees with the network's strategy is an error."""
     path = f"{out_path}.strategy.json"
@@ -271,6 +311,8 @@ for kind, strategy in cases:
         results[key] = run_dataset_strategy()
     elif kind == "strategy_file":
         results[key] = run_strategy_file()
+    elif kind == "constant_id":
+        results[key] = run_constant_reusing_an_id()
     else:
         results[key] = run_conflict()
     print(f"RANK {rank} {key} {results[key]}", flush=True)

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_map
+from torch.utils.weak import WeakIdKeyDictionary
 
 from autopar.errors import StrategyError
 from autopar.ops import primitive as _primitive
@@ -85,9 +86,11 @@ class SemiAutoRuntime:
         self.loaded_layouts = load_strategy_file(strategy_load_file) if strategy_load_file else {}
         self.roots: list[torch.nn.Module] = []
         self.names: dict[int, str] = {}  # id(operator or module) -> qualified name
-        self.param_names: dict[int, str] = {}  # id(parameter) -> name (old and converted objects)
+        self.param_names: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> name (old and converted)
         self.owners: dict[str, list[tuple[torch.nn.Module, str]]] = {}
-        self.converted: dict[int, torch.nn.Parameter] = {}  # id(original) -> DTensor parameter
+        # original parameter -> its DTensor parameter. Keyed by identity but weakly: a freed original's id is soon
+        # reused by some new tensor (a constant like Tensor(0.1)), which a plain id-keyed dict took for the parameter.
+        self.converted: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.param_layout: dict[str, tuple[str, tuple, Layout]] = {}  # name -> (who, placements, layout)
         self.optimizers: list[torch.optim.Optimizer] = []
         self.loss_was_global = False
@@ -115,7 +118,7 @@ class SemiAutoRuntime:
                 if param is None:
                     continue
                 full = f"{module_name}.{attr}" if module_name else attr
-                name = self.param_names.setdefault(id(param), full)
+                name = self.param_names.setdefault(param, full)
                 owners = self.owners.setdefault(name, [])
                 if (module, attr) not in owners:
                     owners.append((module, attr))
@@ -266,14 +269,14 @@ class SemiAutoRuntime:
 
     # -- parameters ------------------------------------------------------------------------------------------
     def _input(self, arg: torch.Tensor, op: Primitive, plan, layout: Layout) -> DTensor:
-        if isinstance(arg, torch.nn.Parameter) or id(arg) in self.converted:
+        if isinstance(arg, torch.nn.Parameter) or arg in self.converted:
             return self._parameter(arg, op, plan, layout)
         if isinstance(arg, DTensor):
             return arg
         return P.to_dtensor_replicated(arg)  # a constant: whole on every rank
 
     def _parameter(self, param: torch.nn.Parameter, op: Primitive, plan, layout: Layout) -> DTensor:
-        name = self.param_names.get(id(param), f"<parameter of {self.name_of(op)}>")
+        name = self.param_names.get(param, f"<parameter of {self.name_of(op)}>")
         if getattr(param, "layerwise_parallel", False):
             raise StrategyError(f"parameter '{name}' is layerwise_parallel: that belongs to HYBRID_PARALLEL, where "
                                 f"the network adds its own collectives")
@@ -293,15 +296,15 @@ class SemiAutoRuntime:
                 raise StrategyError(f"parameter '{name}' is laid out as {self.param_layout[name][2]} but {who} needs "
                                     f"{layout}")
             return param
-        if id(param) in self.converted:
-            return self.converted[id(param)]
+        if param in self.converted:
+            return self.converted[param]
         with torch.no_grad():
             sharded = distribute_tensor(param.detach(), world_mesh(), layout.placements(), src_data_rank=0)
         new = torch.nn.Parameter(sharded, requires_grad=param.requires_grad)
         for module, attr in self.owners.get(name, []):
             module._parameters[attr] = new
-        self.converted[id(param)] = new
-        self.param_names[id(new)] = name
+        self.converted[param] = new
+        self.param_names[new] = name
         self._remap_optimizers()
         return new
 
@@ -327,19 +330,19 @@ class SemiAutoRuntime:
         new = torch.nn.Parameter(sharded, requires_grad=param.requires_grad)
         for mod, a in owners:
             mod._parameters[a] = new
-        self.converted[id(param)] = new
-        self.param_names[id(new)] = name
+        self.converted[param] = new
+        self.param_names[new] = name
         self._remap_optimizers()
 
     def _remap_optimizers(self) -> None:
         for opt in self.optimizers:
             for group in opt.param_groups:
-                group["params"] = [self.converted.get(id(p), p) for p in group["params"]]
+                group["params"] = [self.converted.get(p, p) for p in group["params"]]
                 kinds = {isinstance(p, DTensor) for p in group["params"]}
                 if len(kinds) > 1 and "foreach" in group:
                     group["foreach"] = False  # one foreach kernel cannot mix DTensors and plain tensors
-            for old_id, new in self.converted.items():
-                for key in [k for k in opt.state if id(k) == old_id]:
+            for old, new in self.converted.items():
+                for key in [k for k in opt.state if k is old]:
                     state = opt.state.pop(key)
                     for name, value in state.items():  # e.g. a momentum buffer loaded whole: slice it like its param
                         if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and \
@@ -353,7 +356,7 @@ class SemiAutoRuntime:
             for name, p in root.named_parameters():
                 if id(p) not in seen:
                     seen.add(id(p))
-                    yield self.param_names.get(id(p), name), p
+                    yield self.param_names.get(p, name), p
 
     # -- gradients -------------------------------------------------------------------------------------------
     def finish_gradients(self) -> None:
