@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
 import time
 
@@ -24,9 +23,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from autopar.cluster.netutil import free_port
+
 
 def _bucket_sizes(cap_mb: float) -> list[int]:
-    """ResNet-50's gradient numels, grouped in reverse order into buckets of at most ``cap_mb`` (DDP's rule)."""
+    """ResNet-50's gradient numels, grouped in reverse order into buckets of about ``cap_mb`` (DDP's cap; DDP's
+    small first bucket is left out: the same bytes either way)."""
     from autopar.models.resnet import resnet50
 
     sizes, current, cap = [], 0, int(cap_mb * 2**20 / 4)
@@ -69,9 +71,7 @@ def main() -> None:
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sizes = _bucket_sizes(args.bucket_mb)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, args.ranks, port, sizes, args.iters, out)) for r in range(args.ranks)]

@@ -26,7 +26,6 @@ import importlib.util
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,14 +33,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from autopar.cluster.netutil import free_port
+
 HERE = Path(__file__).resolve().parent
 WORK = HERE / "workloads"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(cmd: list[str], threads: int, log_dir: Path, extra_env: dict[str, str] | None = None) -> list[dict]:
@@ -172,7 +167,7 @@ def main() -> None:
             logs.mkdir()
             cmd = [c.replace("{logs}", str(logs)) for c in cmd]
             if "--master-port" in cmd:
-                cmd[cmd.index("--master-port") + 1] = str(_port())
+                cmd[cmd.index("--master-port") + 1] = str(free_port())
             results[name].append(_run(cmd, threads, logs, extra_env))
             print(f"[bench] round {rnd + 1} {name}: {min(r['images_per_s'] for r in results[name][-1]):.1f} images/s",
                   file=sys.stderr, flush=True)

@@ -12,11 +12,12 @@ import argparse
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from autopar.cluster.netutil import free_port
 
 WORKLOAD = Path(__file__).resolve().parent / "workloads" / "ddp_levers.py"
 
@@ -43,14 +44,8 @@ CONFIGS = {
 }
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(name: str, extra: list[str], steps: int) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            str(WORKLOAD), "--name", name, "--steps", str(steps), *extra]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
     rows = [json.loads(m) for m in re.findall(r"^BENCH (\{.*\})$", res.stdout, flags=re.M)]

@@ -5,6 +5,7 @@ steady step time split into forward+backward (communication overlapped inside ba
 """
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
@@ -22,7 +23,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--name", default="ddp")
     p.add_argument("--ddp", choices=["ddp", "none", "after"], default="ddp",
-                   help="after: no overlap -- one flat gradient buffer all-reduced (in bucket-size chunks) after backward")
+                   help="after: no overlap -- a flat gradient buffer all-reduced in bucket-size chunks after backward")
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--view", type=int, default=0, help="gradient_as_bucket_view")
     p.add_argument("--broadcast-buffers", type=int, default=1)
@@ -81,8 +82,6 @@ def main():
     x = torch.randn(args.batch, 3, 32, 32, generator=g).contiguous(memory_format=fmt)
     y = torch.randint(0, 10, (args.batch,), generator=g)
     steps, fb, st, faults = [], [], [], []
-    import resource
-
     for i in range(args.steps):
         f0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
@@ -105,8 +104,9 @@ def main():
     med = statistics.median
     emit({
         "bench": args.name, "rank": rank, "world": world, "steady_step_s": med(steps), "fwd_bwd_s": med(fb),
-        "opt_s": med(st),
-        "minor_faults": med(f[0] for f in faults), "sys_s": med(f[1] for f in faults), "user_s": med(f[2] for f in faults), "images_per_s": world * args.batch / med(steps), "peak_rss_mb": peak_rss_mb()})
+        "opt_s": med(st), "minor_faults": med(f[0] for f in faults), "sys_s": med(f[1] for f in faults),
+        "user_s": med(f[2] for f in faults), "images_per_s": world * args.batch / med(steps),
+        "peak_rss_mb": peak_rss_mb()})
     if world > 1:
         dist.destroy_process_group()
 

@@ -1,9 +1,10 @@
 """Worker: the seeds' SemiAutoParallelNet and HybridParallelNet (imports changed only) against the unsharded math.
 
 argv: OUT_JSON CASES_JSON where CASES is a list of ["semi", strategy] / ["hybrid", null] / ["hybrid_model", null] /
-["conflict", null] / ["ops", null] / ["strategy_file", null] / ["constant_id", null]. For each case every rank compares forward outputs, parameter gradients and parameters after 3
-SGD steps with plain torch on the whole batch in the same process; results (largest differences, the rank's
-parameter size, error messages) go to OUT_JSON.<rank>.
+["conflict", null] / ["ops", null] / ["strategy_file", null] / ["constant_id", null]. For each case every rank
+compares forward outputs, parameter gradients and parameters after 3 SGD steps with plain torch on the whole batch
+in the same process; results (largest differences, the rank's parameter size, error messages) go to
+OUT_JSON.<rank>.
 """
 import json
 import sys

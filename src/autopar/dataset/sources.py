@@ -156,8 +156,9 @@ class Cifar10Source(Source):
         ends = np.append(firsts[1:], n)
         in_file_order = np.empty((n, CIFAR10_RECORD), dtype=np.uint8)
         flat = memoryview(in_file_order).cast("B")
-        local = wanted - self._starts[file_of]
-        for a, b, f, r in zip(firsts.tolist(), ends.tolist(), file_of[firsts].tolist(), local[firsts].tolist()):
+        files = file_of[firsts]
+        records_in_file = wanted[firsts] - self._starts[files]
+        for a, b, f, r in zip(firsts.tolist(), ends.tolist(), files.tolist(), records_in_file.tolist()):
             self._read(f, flat[a * CIFAR10_RECORD:b * CIFAR10_RECORD], r)
         records = np.empty_like(in_file_order)
         records[order] = in_file_order
