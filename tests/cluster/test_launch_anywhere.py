@@ -140,7 +140,7 @@ def test_max_restarts_resumes_and_matches_an_uninterrupted_run(procs, tmp_path):
 def test_wrong_token_joiner_is_refused_while_the_job_completes(procs, tmp_path):
     port = free_port()
     launcher = procs.start(autopar_cmd("launch", "-n", "2", "--port", str(port), "--log-dir", str(tmp_path), JOB),
-                           procs.env(JOB_STEPS="600", JOB_SLEEP="0.02"))
+                           procs.env(JOB_STEPS="3000", JOB_SLEEP="0.02", JOB_UNTIL_FILE=str(tmp_path / "finish")))
     wait_for(tmp_path / "scheduler.log", "all 2 workers joined")
     joiners = []
     for token in ("wrong", ""):
@@ -152,5 +152,6 @@ def test_wrong_token_joiner_is_refused_while_the_job_completes(procs, tmp_path):
         out = (tmp_path / f"joiner{i}.log").read_text()
         assert "autopar: error: refused: this process does not carry the job's token" in out, out
         assert "RANK" not in out
+    (tmp_path / "finish").touch()
     assert launcher.wait(timeout=120) == 0
     assert "job succeeded" in (tmp_path / "scheduler.log").read_text()

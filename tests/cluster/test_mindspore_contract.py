@@ -109,8 +109,10 @@ def test_duplicate_and_extra_registrations_are_refused(procs, tmp_path):
     """Two workers claiming rank 0, and one claiming a rank beyond the world: refused; the job still completes."""
     port = free_port()
     sched = procs.start([PYTHON, JOB], ms_env(procs, "MS_SCHED", 2, port), log=tmp_path / "s.log")
-    good = [procs.start([PYTHON, JOB], ms_env(procs, "MS_WORKER", 2, port, AUTOPAR_RANK=str(i), JOB_STEPS="400"),
-                        log=tmp_path / f"g{i}.log") for i in range(2)]
+    finish = tmp_path / "finish"
+    good = [procs.start([PYTHON, JOB], ms_env(procs, "MS_WORKER", 2, port, AUTOPAR_RANK=str(i), JOB_STEPS="2000",
+                                              JOB_UNTIL_FILE=str(finish)), log=tmp_path / f"g{i}.log")
+            for i in range(2)]
     deadline = time.monotonic() + 60
     while "all 2 workers joined" not in (tmp_path / "s.log").read_text():
         assert time.monotonic() < deadline, "the job never formed"
@@ -119,5 +121,6 @@ def test_duplicate_and_extra_registrations_are_refused(procs, tmp_path):
     beyond = procs.run([PYTHON, JOB], ms_env(procs, "MS_WORKER", 2, port, AUTOPAR_RANK="5"), timeout=60)
     assert dup.returncode != 0 and "autopar: error: rank 0 registered twice" in dup.stderr, dup.stderr
     assert beyond.returncode != 0 and "autopar: error: rank 5 is beyond the world size 2" in beyond.stderr
+    finish.touch()
     assert [g.wait(timeout=120) for g in good] == [0, 0]
     assert sched.wait(timeout=30) == 0

@@ -70,6 +70,9 @@ def test_prepare_keeps_freed_memory_instead_of_refaulting_it():
     assert not off["tuned"] and on["tuned"]
     # glibc's own thresholds: a 20 MB block is a fresh mapping, unmapped (and faulted in again) on every reuse
     assert off["mapped_mb"] >= 20, off
-    # tuned: it comes from the heap, and a free/re-allocate cycle touches no new page (whether untuned glibc trims
-    # its heap there depends on what else sits at its top: ~4,000 faults a cycle or none, run to run)
-    assert on["mapped_mb"] == 0 and on["faults_per_cycle"] < 50, on
+    # tuned: it comes from the heap, and a free/re-allocate cycle re-faults none of the 16 MB it writes (whether
+    # untuned glibc trims its heap there depends on what else sits at its top: ~4,000 faults a cycle or none, run to
+    # run). A re-faulted cycle costs one fault per page; the interpreter and torch's threads add a few dozen of their
+    # own on a busy host (77 seen in CI), so the bound is a tenth of the cycle's pages, not zero.
+    cycle_pages = 16 * (1 << 20) // os.sysconf("SC_PAGE_SIZE")
+    assert on["mapped_mb"] == 0 and on["faults_per_cycle"] < cycle_pages / 10, on
