@@ -48,6 +48,16 @@ from autopar.errors import AutoparError  # noqa: F401
 
 __version__ = "0.1.0"
 
+
+def _install_first_call_hooks() -> None:
+    """A network parallelizes itself on its first call in a parallel mode (``autopar.parallel.entry``)."""
+    from autopar.parallel.entry import install
+
+    install()
+
+
+context.on_parallel_mode(_install_first_call_hooks)
+
 # name -> "module:attribute", imported on first access (PEP 562)
 _LAZY = {
     "Model": "autopar.train.model:Model",
@@ -56,6 +66,8 @@ _LAZY = {
     "ModelCheckpoint": "autopar.train.checkpointing:ModelCheckpoint",
     "CheckpointConfig": "autopar.train.checkpointing:CheckpointConfig",
     "shard": "autopar.parallel.api:shard",
+    "value_and_grad": "autopar.ops.grad:value_and_grad",
+    "grad": "autopar.ops.grad:grad",
     "parallelize": "autopar.parallel.api:parallelize",
     "load_checkpoint": "autopar.checkpoint.api:load_checkpoint",
     "save_checkpoint": "autopar.checkpoint.api:save_checkpoint",

@@ -6,7 +6,10 @@ keys that only make sense on MindSpore's own runtime are accepted and documented
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import threading
+import warnings
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
@@ -172,12 +175,72 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
             if value == "full_batch":
                 _auto.full_batch = True
         elif key in _IGNORED_AUTO_KEYS:
+            _warn_not_applied(key, value)
             continue
+        elif key == "enable_parallel_optimizer" and value:
+            _warn_not_applied(key, value)
         elif key not in valid:
             raise ConfigError(
                 f"set_auto_parallel_context got an unknown key {key!r}; valid keys: {', '.join(sorted(valid))}"
             )
         setattr(_auto, key, value)
+    if _auto.parallel_mode is not ParallelMode.STAND_ALONE:
+        for listener in list(_mode_listeners):
+            listener()
+
+
+# Keys autopar accepts (tutorial scripts pass them) but does not act on yet. A value that asks for something --
+# not the default -- is warned about once: no option is silently ignored.
+_NEUTRAL = {"pipeline_stages": (None, 0, 1), "comm_fusion": (None, {}), "strategy_ckpt_config": (None, {}),
+            "enable_alltoall": (None, False), "parallel_optimizer_config": (None, {}),
+            "optimizer_weight_shard_size": (None, -1, 0, 1), "auto_pipeline": (None, False),
+            "enable_parallel_optimizer": (None, False)}
+_warned: set[str] = set()
+
+
+def _warn_not_applied(key: str, value: Any) -> None:
+    if key in _warned or value in _NEUTRAL.get(key, (None,)):
+        return
+    _warned.add(key)
+    warnings.warn(f"autopar: set_auto_parallel_context({key}={value!r}) is accepted but not applied yet: "
+                  f"training runs as if it were not given", stacklevel=3)
+
+
+_mode_listeners: list = []
+
+
+def on_parallel_mode(listener) -> None:
+    """Call ``listener()`` whenever a parallel mode other than STAND_ALONE is set (a higher layer installs what
+    that mode needs -- e.g. the hooks that parallelize a network on its first call -- without this module
+    importing it)."""
+    if listener not in _mode_listeners:
+        _mode_listeners.append(listener)
+    if _auto.parallel_mode is not ParallelMode.STAND_ALONE:
+        listener()
+
+
+def parallel_mode() -> ParallelMode:
+    """The current mode, without copying the context (read on every module call by the first-call hook)."""
+    return _auto.parallel_mode
+
+
+_managed = threading.local()
+
+
+@contextlib.contextmanager
+def managed():
+    """Calls made by autopar itself (a training step of ``Model``, the planner's trace): the networks inside are
+    already taken care of and must not parallelize themselves on the side."""
+    depth = getattr(_managed, "depth", 0)
+    _managed.depth = depth + 1
+    try:
+        yield
+    finally:
+        _managed.depth = depth
+
+
+def is_managed() -> bool:
+    return getattr(_managed, "depth", 0) > 0
 
 
 def get_auto_parallel_context(key: str) -> Any:

@@ -19,6 +19,7 @@ def results(tmp_path, name, n):
 
 def test_seed_networks_on_two_ranks(procs, tmp_path):
     cases = [["semi", [[1, 1], [1, 2]]], ["semi", [[2, 1], [1, 1]]], ["semi", [[1, 2], [2, 1]]], ["hybrid", None],
+             ["semi_bare", [[1, 1], [1, 2]]], ["semi_bare", [[1, 2], [2, 1]]],
              ["hybrid_model", None], ["conflict", None], ["ops", None], ["strategy_file", None],
              ["constant_id", None]]
     launch(procs, tmp_path, 2, "semi_auto_nets.py", str(tmp_path / "out"), json.dumps(cases))
@@ -37,7 +38,7 @@ def test_seed_networks_on_two_ranks(procs, tmp_path):
                 assert r["out"] <= TOL and r["grad"] <= TOL, r
                 continue
             assert r["param"] <= TOL, (key, r)
-            if key.startswith("semi") or key == "hybrid":
+            if key.startswith("semi") or key == "hybrid":  # semi_bare too: the loop without autopar calls
                 assert r["out"] <= TOL and r["grad"] <= TOL, (key, r)
         # per-rank parameter memory: 1/k of the weight where it is split k ways
         assert res["semi[[1, 1], [1, 2]]"]["local_numel"] * 2 == res["semi[[1, 1], [1, 2]]"]["full_numel"]

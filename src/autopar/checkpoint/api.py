@@ -67,10 +67,22 @@ def _is_mindspore_file(path: Path) -> bool:
 
 
 def load_checkpoint(ckpt_file_name: str | os.PathLike, net: torch.nn.Module | None = None,
-                    strict_load: bool = False, filter_prefix: Any = None, **_: Any) -> dict[str, torch.nn.Parameter]:
+                    strict_load: bool = False, filter_prefix: Any = None, optimizer=None,
+                    **_: Any) -> dict[str, torch.nn.Parameter]:
     """name -> Parameter of full tensors, from an integrated autopar checkpoint, one rank's sliced checkpoint
-    whose slices are whole, or a MindSpore ``.ckpt``. With ``net``, also loads them into it."""
+    whose slices are whole, or a MindSpore ``.ckpt``. With ``net``, also loads them into it; with ``net`` and
+    ``optimizer`` (an autopar checkpoint saved with its optimizer), the optimizer's state too -- what a plain
+    training loop resumes from, in whatever layout the network has now."""
     path = Path(ckpt_file_name)
+    if optimizer is not None:
+        if net is None:
+            raise CheckpointError("load_checkpoint(optimizer=...) needs net= as well")
+        if _is_mindspore_file(path):
+            raise CheckpointError(f"{path} is a MindSpore checkpoint: it holds no autopar optimizer state")
+        if store.is_sliced(path):
+            store.load_sliced_into([path], net, optimizer)
+        else:
+            store.load_integrated_into(store.read_integrated(path), net, optimizer)
     if store.is_sliced(path):
         tensors = _full_tensors_from_slices([path]).get("model", {})
     elif _is_mindspore_file(path):

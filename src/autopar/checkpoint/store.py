@@ -85,7 +85,12 @@ def set_rng_state(state: dict | None) -> None:
 
 
 def _optimizers(optimizer) -> list:
-    return [] if optimizer is None else [optimizer]
+    if optimizer is None:
+        return []
+    from autopar.common.replaced import remap_optimizer
+
+    remap_optimizer(optimizer)  # made before the network was laid out: it must name the parameters that train
+    return [optimizer]
 
 
 # --------------------------------------------------------------------------------------------------- writing
@@ -94,7 +99,28 @@ def _state_dict_api():
     1 s), which a training run that never saves should not pay at start-up."""
     from torch.distributed.checkpoint import state_dict
 
-    return state_dict
+    return _SlicedStateDicts(state_dict)
+
+
+class _SlicedStateDicts:
+    """DCP's state-dict functions, reading and writing the networks' own slices: ``net.state_dict()`` of a laid-out
+    network gives full tensors to a user (``autopar.parallel.state_dict``), DCP needs the DTensors."""
+
+    def __init__(self, api):
+        self._api = api
+        self.StateDictOptions = api.StateDictOptions
+
+    def get_state_dict(self, *args, **kwargs):
+        from autopar.parallel.state_dict import sharded_state_dict
+
+        with sharded_state_dict():
+            return self._api.get_state_dict(*args, **kwargs)
+
+    def set_state_dict(self, *args, **kwargs):
+        from autopar.parallel.state_dict import sharded_state_dict
+
+        with sharded_state_dict():
+            return self._api.set_state_dict(*args, **kwargs)
 
 
 def save_integrated(path: str | Path, network: torch.nn.Module, optimizer, meta: CheckpointMeta,

@@ -1,45 +1,14 @@
-"""``Cell``: MindSpore's network base class as a ``torch.nn.Module`` whose ``forward`` calls ``construct``."""
+"""``Cell``: MindSpore's network base class as a ``torch.nn.Module`` whose ``forward`` calls ``construct``.
+
+MindSpore compiles a Cell for the parallel context on its first call; autopar parallelizes any module -- Cell or
+plain torch -- on its first call (``autopar.parallel.entry``), so a Cell needs nothing of its own for that."""
 from __future__ import annotations
 
-import contextlib
-import threading
 from typing import Any, Iterator
 
 import torch
 
 
-_managed = threading.local()
-
-
-@contextlib.contextmanager
-def managed():
-    """Calls made by autopar itself (a training step, the planner's trace): Cells inside are already taken care
-    of and must not parallelize themselves on the side."""
-    depth = getattr(_managed, "depth", 0)
-    _managed.depth = depth + 1
-    try:
-        yield
-    finally:
-        _managed.depth = depth
-
-
-def _needs_layouts(cell: torch.nn.Module) -> bool:
-    if getattr(_managed, "depth", 0):
-        return False
-    from autopar import context
-    from autopar.comm import management
-
-    mode = context.auto_parallel_context().parallel_mode
-    if mode not in (context.ParallelMode.SEMI_AUTO_PARALLEL, context.ParallelMode.AUTO_PARALLEL):
-        return False
-    if not management.is_initialized():
-        return False
-    from autopar.parallel.api import has_strategies
-    from autopar.parallel.semi_auto.runtime import active_runtime
-
-    if active_runtime() is not None:
-        return False
-    return mode is context.ParallelMode.AUTO_PARALLEL or has_strategies(cell)
 
 
 class Cell(torch.nn.Module):
@@ -51,14 +20,6 @@ class Cell(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.construct(*args, **kwargs)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # MindSpore compiles a Cell for the parallel context when it is first called; autopar parallelizes it.
-        if "_autopar_runtime" not in self.__dict__ and _needs_layouts(self):
-            from autopar.parallel.api import parallelize
-
-            parallelize(self, sample=list(args))
-        return super().__call__(*args, **kwargs)
 
     # MindSpore spellings of torch.nn.Module methods ---------------------------------------------------------
     def get_parameters(self, expand: bool = True) -> Iterator[torch.nn.Parameter]:

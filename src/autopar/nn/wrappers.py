@@ -1,11 +1,22 @@
-"""``WithLossCell``: MindSpore's pairing of a backbone and its loss (the network the training step runs)."""
+"""MindSpore's training wrappers: ``WithLossCell`` (a backbone and its loss), ``TrainOneStepCell`` (one training
+step per call, MindSpore r1.x's custom loop) and ``DistributedGradReducer``.
+
+In a parallel mode the network inside ``TrainOneStepCell`` is the one that parallelizes itself on its first call
+(the wrapper is marked as a step wrapper, so autopar looks through it), and gradients are complete when the
+backward returns: ``DistributedGradReducer`` has nothing left to do and returns its input.
+"""
 from __future__ import annotations
 
+from typing import Any, Callable
+
+import torch
+
+from autopar.errors import TrainingError
 from autopar.nn.cell import Cell
 
 
 class WithLossCell(Cell):
-    def __init__(self, backbone, loss_fn):
+    def __init__(self, backbone, loss_fn: Callable):
         super().__init__()
         self._backbone = backbone
         self._loss_fn = loss_fn
@@ -16,3 +27,47 @@ class WithLossCell(Cell):
     @property
     def backbone_network(self):
         return self._backbone
+
+
+class TrainOneStepCell(Cell):
+    """``TrainOneStepCell(net_with_loss, optimizer, sens=1.0)(*inputs)``: forward, backward (the loss's gradient
+    scaled by ``sens``), optimizer step; returns the loss. Works with any torch optimizer."""
+
+    _autopar_step_wrapper = True
+
+    def __init__(self, network: torch.nn.Module, optimizer: torch.optim.Optimizer, sens: float = 1.0,
+                 return_grad: bool = False):
+        super().__init__()
+        if return_grad:
+            raise TrainingError("TrainOneStepCell(return_grad=True) is not supported by autopar")
+        self.network = network
+        self.optimizer = optimizer
+        self.sens = float(sens)
+
+    @property
+    def weights(self) -> tuple:
+        return tuple(p for group in self.optimizer.param_groups for p in group["params"])
+
+    def construct(self, *inputs: Any) -> torch.Tensor:
+        with torch.enable_grad():
+            loss = self.network(*inputs)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise TrainingError(f"TrainOneStepCell: the network must return a scalar loss, got "
+                                    f"{getattr(loss, 'shape', type(loss).__name__)}")
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward(torch.full_like(loss, self.sens))
+        self.optimizer.step()
+        return loss.detach()
+
+
+class DistributedGradReducer(Cell):
+    """MindSpore's explicit gradient all-reduce for data-parallel custom loops. autopar's parameter hooks already
+    reduced the gradients inside the backward, so this returns them unchanged (reducing again would count every
+    rank's contribution twice)."""
+
+    def __init__(self, parameters: Any = None, mean: bool | None = None, degree: int | None = None,
+                 fusion_type: int = 1, group: Any = None):
+        super().__init__()
+
+    def construct(self, grads: Any) -> Any:
+        return grads

@@ -1,5 +1,6 @@
 """MindSpore-style operators (``autopar.ops``): communication ops and shardable compute ops."""
 from autopar.comm.functional import ReduceOp  # noqa: F401
+from autopar.ops.grad import grad, value_and_grad  # noqa: F401
 from autopar.ops.comm import AllGather, AllReduce, AlltoAll, Broadcast, ReduceScatter  # noqa: F401
 from autopar.ops.math import (  # noqa: F401
     GELU,

@@ -28,9 +28,10 @@ from autopar.parallel.modules import shard  # noqa: F401  (public: autopar.shard
 
 
 class _WithLoss(torch.nn.Module):
-    """network + loss as one module, so that a parallel runtime sees the loss operators too."""
+    """network + loss as one module, so that a parallel runtime sees the loss operators too. ``loss_fn`` is any
+    callable: a Module or Cell (registered as a child), a function or a lambda (kept as a plain attribute)."""
 
-    def __init__(self, network: torch.nn.Module, loss_fn: torch.nn.Module):
+    def __init__(self, network: torch.nn.Module, loss_fn: Callable):
         super().__init__()
         self.network = network
         self.loss_fn = loss_fn
@@ -58,7 +59,7 @@ def has_strategies(*modules: torch.nn.Module | None) -> bool:
     from autopar.ops.math import ShardablePrimitive
 
     for root in modules:
-        if root is None:
+        if not isinstance(root, torch.nn.Module):  # None, or a loss given as a function
             continue
         for m in root.modules():
             if getattr(m, "_autopar_op", None) is not None:
@@ -87,8 +88,8 @@ def prepare(network: torch.nn.Module, loss_fn: torch.nn.Module | None = None,
     if mode is not ParallelMode.STAND_ALONE and not _comm.is_initialized():
         raise ConfigError(f"parallel_mode={mode.value} needs the cluster: call autopar.communication.init() first")
     device = _comm.device() if _comm.is_initialized() else torch.device("cpu")
-    network.to(device)
-    if loss_fn is not None:
+    _to_device(network, device)
+    if isinstance(loss_fn, torch.nn.Module):
         loss_fn.to(device)
     from autopar.parallel.tuning import tune_allocator
 
@@ -135,7 +136,11 @@ def _tuned(prepared: Prepared, network: torch.nn.Module, optimizer: torch.optim.
 
 def _prepare_data_parallel(network, loss_fn, mode, device, world, ctx, layerwise) -> Prepared:
     from autopar.parallel.data_parallel import wrap_data_parallel
+    from autopar.parallel.grad_sync import sync_of
 
+    if sync_of(network) is not None:  # a plain loop trained it first: its hooks complete the gradients already
+        return Prepared(mode, network, device, world, _loss_caller(network, loss_fn))
+    network.__dict__["_autopar_ddp"] = True  # a plain loop that calls it later must leave Model's steps to DDP
     ignored = set(layerwise)
     trainable = [n for n, p in network.named_parameters() if p.requires_grad and n not in ignored]
     if trainable:
@@ -172,20 +177,50 @@ def _prepare_layouts(network, loss_fn, optimizer, mode, device, world, ctx) -> P
     runtime.add_root(network)  # first: parameters and operators are named as in the user's network
     runtime.add_root(root)
     runtime.attach_optimizer(optimizer)
-    return Prepared(mode, network, device, world, lambda inputs: root(*inputs), contextlib.nullcontext,
-                    runtime.finish_gradients, runtime)
+    # no after_backward: the parameters' hooks complete the gradients inside the backward (parallel.grad_sync)
+    return Prepared(mode, network, device, world, lambda inputs: root(*inputs), runtime=runtime)
 
 
 def runtime_of(module: torch.nn.Module):
     return getattr(module, "_autopar_runtime", None)
 
 
+def _layout_mode(network: torch.nn.Module) -> bool:
+    """Does ``network`` run on layouts (DTensor) under the current context, or data-parallel?"""
+    ctx = _context.auto_parallel_context()
+    if ctx.parallel_mode is ParallelMode.AUTO_PARALLEL:
+        return True
+    return ctx.parallel_mode is ParallelMode.SEMI_AUTO_PARALLEL and (
+        has_strategies(network) or bool(ctx.strategy_ckpt_load_file) or runtime_of(network) is not None)
+
+
 def parallelize(network: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                 sample: list | None = None) -> torch.nn.Module:
-    """Make ``network`` run under the current SEMI_AUTO/AUTO context when called directly (``Model`` does this
-    itself). AUTO_PARALLEL plans on ``sample`` (the network's inputs). Returns the network;
-    ``finish_gradients(network)`` completes gradients after a backward."""
+    """Make ``network`` train under the current parallel context when a loop calls it directly -- the PyTorch
+    door's one call, like ``fully_shard(model)``. Optional: the first call of the network in a parallel mode does
+    it by itself (:mod:`autopar.parallel.entry`). AUTO_PARALLEL plans on ``sample`` (the network's inputs).
+
+    SEMI_AUTO/AUTO lay parameters out as slices on the first forward; DATA/HYBRID (and SEMI_AUTO without any
+    strategy) keep them whole. Either way hooks complete the gradients inside every backward, and optimizers --
+    made before or after -- are moved onto the parameters that train before their next step."""
+    if not _comm.is_initialized():
+        raise ConfigError("parallelize: call autopar.communication.init() first")
     ctx = _context.auto_parallel_context()
+    if ctx.parallel_mode is ParallelMode.STAND_ALONE:
+        return network
+    _to_device(network, _comm.device())
+    inner = _inner_runtime(network)
+    if inner is not None and runtime_of(network) is None:
+        inner.add_root(network)  # a wrapper (WithLossCell ...) around a network that is already laid out
+        inner.attach_optimizer(optimizer)
+        return network
+    if not _layout_mode(network):
+        _attach_data_parallel(network, ctx)
+        return network
+    layerwise = _layerwise_names(network)
+    if layerwise:
+        raise ConfigError(f"layerwise_parallel parameters {layerwise} need parallel_mode=hybrid_parallel "
+                          f"(now {ctx.parallel_mode.value})")
     if ctx.parallel_mode is ParallelMode.AUTO_PARALLEL and runtime_of(network) is None:
         if sample is None:
             raise ConfigError("AUTO_PARALLEL plans on real shapes: parallelize(network, sample=[inputs...])")
@@ -199,11 +234,52 @@ def parallelize(network: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     return network
 
 
+def _to_device(network: torch.nn.Module, device: torch.device) -> None:
+    """Move what is not on ``device`` yet (a laid-out parameter is already there and cannot be swapped)."""
+    if any(t.device != device for t in [*network.parameters(), *network.buffers()]):
+        network.to(device)
+
+
+def _inner_runtime(network: torch.nn.Module):
+    for m in network.modules():
+        if runtime_of(m) is not None:
+            return runtime_of(m)
+    return None
+
+
+def _attach_data_parallel(network: torch.nn.Module, ctx) -> None:
+    """Data/hybrid parallel without a wrapper: replicas made equal once, gradient hooks on every parameter."""
+    from autopar.parallel.grad_sync import GradSync, mark, sync_of
+
+    if sync_of(network) is not None:
+        return
+    inner = next((sync_of(m) for m in network.modules() if sync_of(m) is not None), None)
+    if inner is not None:  # a wrapper around a network whose replicas already agree: same hooks, same sync
+        inner.attach_module(network)
+        mark(network, inner)
+        return
+    world = _comm.get_group_size()
+    ignore = set(_layerwise_names(network))
+    if world > 1:
+        import torch.distributed as dist
+
+        from autopar.parallel.data_parallel import warn_if_replicas_differ
+
+        if ctx.parameter_broadcast:
+            with torch.no_grad():
+                for name, t in [*network.named_parameters(), *network.named_buffers()]:
+                    if name not in ignore:
+                        dist.broadcast(t.data, src=0)
+        else:
+            warn_if_replicas_differ(network, ignore)
+    sync = GradSync(world, ctx.gradients_mean, yields_to_ddp=bool(network.__dict__.get("_autopar_ddp")))
+    sync.attach_module(network)
+    mark(network, sync)
+
+
 def finish_gradients(network: torch.nn.Module) -> None:
-    runtime = runtime_of(network)
-    if runtime is None:
-        raise ConfigError("finish_gradients: the network was not parallelized (autopar.parallelize(network))")
-    runtime.finish_gradients()
+    """Nothing to do any more -- hooks complete the gradients inside the backward. Kept (a no-op) so that loops
+    written for earlier versions, which called it after each backward, stay exact."""
 
 
 def apply_layouts(network: torch.nn.Module, layouts: Any) -> None:
@@ -222,7 +298,9 @@ def apply_layouts(network: torch.nn.Module, layouts: Any) -> None:
         mode = _context.auto_parallel_context().parallel_mode
         if mode not in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL):
             raise ConfigError(f"sliced layouts need parallel_mode=semi_auto_parallel or auto_parallel (now {mode.value})")
-        parallelize(network)
+        network.to(_comm.device())
+        _prepare_layouts(network, None, None, mode, _comm.device(), _comm.get_group_size(),
+                         _context.auto_parallel_context())
     runtime = runtime_of(network)
     for name, layout in sliced.items():
         runtime.preset_layout(name, layout)

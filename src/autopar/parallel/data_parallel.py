@@ -53,6 +53,18 @@ def replicas_agree(module: torch.nn.Module, ignore: set[str] | None = None) -> b
     return all(torch.allclose(g, gathered[0], rtol=1e-6, atol=1e-6) for g in gathered)
 
 
+def warn_if_replicas_differ(module: torch.nn.Module, ignore: set[str] | None = None) -> None:
+    """Collective. Rank 0 warns when the replicas start from different parameters (parameter_broadcast=False)."""
+    if not replicas_agree(module, ignore) and dist.get_rank() == 0:
+        warnings.warn(
+            "autopar: parameters differ across ranks at the start of DATA_PARALLEL training and "
+            "parameter_broadcast=False; each rank will train a different model. Set "
+            "parameter_broadcast=True or seed every rank identically (autopar.set_seed).",
+            stacklevel=4,
+        )
+        sys.stderr.flush()
+
+
 def wrap_data_parallel(
     module: torch.nn.Module,
     *,
@@ -67,17 +79,13 @@ def wrap_data_parallel(
         from autopar.errors import ConfigError
 
         raise ConfigError("DATA_PARALLEL needs the cluster: call autopar.communication.init() first")
-    if not parameter_broadcast and dist.get_world_size() > 1 and not replicas_agree(module, ignore):
-        if dist.get_rank() == 0:
-            warnings.warn(
-                "autopar: parameters differ across ranks at the start of DATA_PARALLEL training and "
-                "parameter_broadcast=False; each rank will train a different model. Set "
-                "parameter_broadcast=True or seed every rank identically (autopar.set_seed).",
-                stacklevel=3,
-            )
-            sys.stderr.flush()
+    if not parameter_broadcast and dist.get_world_size() > 1:
+        warn_if_replicas_differ(module, ignore)
     if ignore:  # hybrid parallel: layerwise_parallel slices are neither synchronised nor all-reduced
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, sorted(ignore))
+        # DDP builds its reducer's names as f"{module_name}.{param_name}": a parameter of the root module itself is
+        # ".w", not "w" -- without that spelling too it would be all-reduced (averaging different slices), silently
+        root_level = {"." + name for name in ignore if "." not in name}
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, sorted(set(ignore) | root_level))
     ddp = DistributedDataParallel(
         module,
         device_ids=[device.index] if device.type == "cuda" else None,

@@ -17,7 +17,7 @@ import torch
 from autopar import context as _context
 from autopar.comm import management as _comm
 from autopar.errors import ConfigError, TrainingError
-from autopar.nn.cell import managed
+from autopar.context import managed
 from autopar.train.callbacks import (
     Callback,
     CallbackList,
@@ -149,7 +149,8 @@ class Model:
             loss = self._forward_loss(inputs)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TrainingError(f"the loss must be a scalar tensor, got {getattr(loss, 'shape', loss)!r}")
-            self._precision.backward(loss / self._accumulation if self._accumulation > 1 else loss)
+            with managed():  # DDP reduces Model's steps; gradient hooks a plain loop added stand aside
+                self._precision.backward(loss / self._accumulation if self._accumulation > 1 else loss)
         if last:
             prepared.after_backward()
             self._precision.step(self._optimizer)

@@ -256,7 +256,7 @@ def capture(network: torch.nn.Module, loss_fn: torch.nn.Module | None, inputs: t
     was_training = root.training
     root.eval()  # no BatchNorm statistics are touched by the trace
     tracer = Tracer(root)
-    from autopar.nn.cell import managed
+    from autopar.context import managed
 
     try:
         with managed():

@@ -17,9 +17,11 @@ How a forward pass runs:
   1/k of the memory); a second operator asking for another layout is an error naming both.
 
 Gradients: the backward pass yields, for every parameter, the gradient of the sum of the ranks' losses (or of the
-global loss when the loss itself was computed on DTensors). :meth:`finish_gradients` completes the reduction over
-replicas (all-reduce of replicated parameters, Partial -> Replicate of DTensor gradients) and applies
-``gradients_mean`` so that the result equals DATA_PARALLEL's for the same data.
+global loss when the loss itself was computed on DTensors). Hooks on the parameters (:mod:`autopar.parallel.grad_sync`)
+complete it inside the backward -- Partial -> the parameter's placements for DTensors, all-reduce of replicated
+parameters, ``gradients_mean`` -- so that the result equals DATA_PARALLEL's for the same data in any loop.
+A replaced parameter is recorded (:mod:`autopar.common.replaced`): optimizers made before the first forward are
+moved onto the slices before their next step.
 """
 from __future__ import annotations
 
@@ -36,11 +38,14 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
+from autopar.common import replaced as _replaced
 from autopar.errors import StrategyError
 from autopar.ops import primitive as _primitive
 from autopar.ops.comm import _CommPrimitive
 from autopar.ops.math import OneHot, Reshape
 from autopar.ops.primitive import Primitive
+from autopar.parallel import state_dict as _state_dict
+from autopar.parallel.grad_sync import LAYOUT, GradSync
 from autopar.parallel.layout import Layout
 from autopar.parallel.mesh import world_mesh, world_size
 from autopar.parallel.semi_auto import placements as P
@@ -97,6 +102,7 @@ class SemiAutoRuntime:
         self._depth = 0
         self._hooked: set[int] = set()
         self._strategy_written = False
+        self.sync = GradSync(self.device_num, gradients_mean, loss_was_global=lambda: self.loss_was_global)
 
     # -- installation -------------------------------------------------------------------------------------------
     def add_root(self, root: torch.nn.Module, prefix: str = "") -> None:
@@ -129,11 +135,21 @@ class SemiAutoRuntime:
                 for p in root.parameters():
                     if not isinstance(p, DTensor) and not getattr(p, "layerwise_parallel", False):
                         dist.broadcast(p.data, src=0)
+        self.sync.attach_module(root)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
         if optimizer is not None and optimizer not in self.optimizers:
             self.optimizers.append(optimizer)
             self._remap_optimizers()
+
+    def is_root(self, module: torch.nn.Module) -> bool:
+        return any(r is module for r in self.roots)
+
+    def enter_first_call(self, module: torch.nn.Module, args: tuple) -> tuple:
+        """The root pre-hook's work for a call already under way when the root was added (torch collected the
+        call's pre-hooks before): convert its inputs here; the post-hook, collected later, runs as usual."""
+        out = self._root_pre(module, args, {})
+        return args if out is None else out[0]
 
     # -- root and leaf hooks -------------------------------------------------------------------------------------
     def _enter(self) -> bool:
@@ -298,13 +314,20 @@ class SemiAutoRuntime:
             return param
         if param in self.converted:
             return self.converted[param]
+        return self._lay_out(param, name, layout)
+
+    def _lay_out(self, param: torch.nn.Parameter, name: str, layout: Layout) -> torch.nn.Parameter:
+        """Replace ``param`` in every module that owns it by a DTensor parameter holding this rank's slice."""
         with torch.no_grad():
             sharded = distribute_tensor(param.detach(), world_mesh(), layout.placements(), src_data_rank=0)
         new = torch.nn.Parameter(sharded, requires_grad=param.requires_grad)
         for module, attr in self.owners.get(name, []):
             module._parameters[attr] = new
+            _state_dict.install(module)
         self.converted[param] = new
         self.param_names[new] = name
+        _replaced.record(param, new)
+        self.sync.attach(new, LAYOUT)
         self._remap_optimizers()
         return new
 
@@ -325,30 +348,11 @@ class SemiAutoRuntime:
                                 f"the strategy asks for {layout}")
         if isinstance(param, DTensor):
             return
-        with torch.no_grad():
-            sharded = distribute_tensor(param.detach(), world_mesh(), layout.placements(), src_data_rank=0)
-        new = torch.nn.Parameter(sharded, requires_grad=param.requires_grad)
-        for mod, a in owners:
-            mod._parameters[a] = new
-        self.converted[param] = new
-        self.param_names[new] = name
-        self._remap_optimizers()
+        self._lay_out(param, name, layout)
 
     def _remap_optimizers(self) -> None:
         for opt in self.optimizers:
-            for group in opt.param_groups:
-                group["params"] = [self.converted.get(p, p) for p in group["params"]]
-                kinds = {isinstance(p, DTensor) for p in group["params"]}
-                if len(kinds) > 1 and "foreach" in group:
-                    group["foreach"] = False  # one foreach kernel cannot mix DTensors and plain tensors
-            for old, new in self.converted.items():
-                for key in [k for k in opt.state if k is old]:
-                    state = opt.state.pop(key)
-                    for name, value in state.items():  # e.g. a momentum buffer loaded whole: slice it like its param
-                        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and \
-                                tuple(value.shape) == tuple(new.shape):
-                            state[name] = distribute_tensor(value, new.device_mesh, new.placements, src_data_rank=None)
-                    opt.state[new] = state
+            _replaced.remap_optimizer(opt)
 
     def parameters(self):
         seen = set()
@@ -358,28 +362,10 @@ class SemiAutoRuntime:
                     seen.add(id(p))
                     yield self.param_names.get(p, name), p
 
-    # -- gradients -------------------------------------------------------------------------------------------
+    # -- gradients ---------------------------------------------------------------------------------------------
     def finish_gradients(self) -> None:
-        """Reduce over replicas and apply gradients_mean (see the module docstring)."""
-        n = self.device_num
-        scale = (1.0 / n if self.gradients_mean else 1.0) * (n if self.loss_was_global else 1.0)
-        plain: list[torch.Tensor] = []
-        grads: list[torch.Tensor] = []
-        for _, p in self.parameters():
-            if p.grad is None:
-                continue
-            if isinstance(p, DTensor):
-                if tuple(p.grad.placements) != tuple(p.placements):
-                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-            elif not getattr(p, "layerwise_parallel", False):
-                plain.append(p.grad)
-            grads.append(p.grad)
-        if plain and n > 1:
-            all_reduce_buckets(plain)
-        if scale != 1.0:
-            with torch.no_grad():
-                for g in grads:
-                    g.mul_(scale)
+        """Nothing left to do: the parameters' hooks completed the gradients during the backward. Kept so that
+        loops written for earlier versions (``finish_gradients(net)`` after each backward) stay exact."""
 
     # -- strategy file -----------------------------------------------------------------------------------------
     def layouts(self) -> dict[str, Layout]:
@@ -440,31 +426,6 @@ def dataset_shard(entry: Any, rank: int | None = None) -> tuple[int, int]:
     layout = Layout((world_size() // parts, parts) if parts > 1 else (world_size(),),
                     (1,) if parts > 1 else (-1,), (parts,))
     return parts, layout.slice_index(rank)[0]
-
-
-def all_reduce_buckets(tensors: list[torch.Tensor], bucket_bytes: int = 25 * 2**20) -> None:
-    """Sum ``tensors`` over all ranks in place, a few flat buffers at a time (one collective per bucket)."""
-    bucket: list[torch.Tensor] = []
-    size = 0
-
-    def flush():
-        if not bucket:
-            return
-        flat = torch.cat([t.reshape(-1) for t in bucket])
-        dist.all_reduce(flat)
-        offset = 0
-        for t in bucket:
-            t.copy_(flat[offset: offset + t.numel()].view_as(t))
-            offset += t.numel()
-        bucket.clear()
-
-    for t in tensors:
-        bucket.append(t)
-        size += t.numel() * t.element_size()
-        if size >= bucket_bytes:
-            flush()
-            size = 0
-    flush()
 
 
 STRATEGY_FORMAT = "autopar-strategy-1"
