@@ -224,23 +224,29 @@ def parallel_mode() -> ParallelMode:
     return _auto.parallel_mode
 
 
-_managed = threading.local()
+class ScopedFlag:
+    """A per-thread flag that is on inside ``with flag():`` blocks (nested blocks count)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    @contextlib.contextmanager
+    def __call__(self):
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._local.depth = depth
+
+    def on(self) -> bool:
+        return getattr(self._local, "depth", 0) > 0
 
 
-@contextlib.contextmanager
-def managed():
-    """Calls made by autopar itself (a training step of ``Model``, the planner's trace): the networks inside are
-    already taken care of and must not parallelize themselves on the side."""
-    depth = getattr(_managed, "depth", 0)
-    _managed.depth = depth + 1
-    try:
-        yield
-    finally:
-        _managed.depth = depth
-
-
-def is_managed() -> bool:
-    return getattr(_managed, "depth", 0) > 0
+# Calls made by autopar itself (a training step of ``Model``, the planner's trace): the networks inside are already
+# taken care of and must not parallelize themselves on the side.
+managed = ScopedFlag()
+is_managed = managed.on
 
 
 def get_auto_parallel_context(key: str) -> Any:

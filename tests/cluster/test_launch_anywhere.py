@@ -118,7 +118,9 @@ def test_a_collective_that_cannot_complete_times_out_naming_it(procs, tmp_path):
     res = procs.run(autopar_cmd("launch", "-n", "2", "--log-dir", str(tmp_path), JOB), env, timeout=120)
     assert res.returncode != 0 and time.monotonic() - start < 60
     log = (tmp_path / "worker_0.log").read_text()
-    assert re.search(r"autopar: error: \[rank 0\] all_reduce on the world group failed: .*[Tt]imed out", log), log
+    # the message names the operation, the tensor (dtype, shape) and the group
+    assert re.search(r"autopar: error: \[rank 0\] all_reduce of a float32 tensor of shape \(2,\) on the world group "
+                     r"failed: .*[Tt]imed out", log), log
     assert not procs.wait_no_leftovers()
 
 

@@ -58,7 +58,7 @@ _TORCH_OP = {
 }
 
 
-def _call(name: str, group_name: Any, fn, *args, **kwargs):
+def _call(name: str, group_name: Any, fn, *args, tensor: torch.Tensor | None = None, **kwargs):
     try:
         return fn(*args, **kwargs)
     except CommError:
@@ -66,7 +66,29 @@ def _call(name: str, group_name: Any, fn, *args, **kwargs):
     except Exception as exc:  # gloo/NCCL errors (timeouts, lost peers) carry C++ dumps; keep the first line
         text = str(exc).strip().splitlines()
         where = "the world group" if group_name is None else f"group {group_name!r}"
-        raise CommError(f"{name} on {where} failed: {text[0] if text else type(exc).__name__}") from None
+        what = "" if tensor is None else f" of a {str(tensor.dtype).replace('torch.', '')} tensor of shape " \
+                                         f"{tuple(tensor.shape)}"
+        raise CommError(f"{name}{what} on {where} failed: {text[0] if text else type(exc).__name__}") from None
+
+
+# dtypes gloo (and partly NCCL) cannot carry. Moving data (gather, broadcast, all-to-all) views them as the signed
+# type of the same width -- bit for bit (uint16 widens to int32: gloo has no int16 either); reducing widens them to
+# int64. Results come back in the original dtype.
+_MOVE_AS = {torch.uint16: torch.int32, torch.uint32: torch.int32, torch.uint64: torch.int64, torch.bool: torch.uint8}
+_REDUCE_AS = {torch.uint16: torch.int64, torch.uint32: torch.int64, torch.uint64: torch.int64, torch.bool: torch.uint8}
+
+
+def _moved(x: torch.Tensor) -> torch.Tensor:
+    carrier = _MOVE_AS.get(x.dtype)
+    if carrier is None:
+        return x
+    return x.view(carrier) if carrier.itemsize == x.dtype.itemsize else x.to(carrier)
+
+
+def _restored(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if out.dtype == dtype:
+        return out
+    return out.view(dtype) if out.dtype.itemsize == dtype.itemsize else out.to(dtype)
 
 
 def _size(group) -> int:
@@ -77,20 +99,21 @@ def _size(group) -> int:
 # raw (non-differentiable) collectives on contiguous tensors
 def _raw_all_reduce(x: torch.Tensor, op: ReduceOp, group) -> torch.Tensor:
     pg = M.get_process_group(group)
-    out = x.detach().clone().contiguous()
-    _call("all_reduce", group, dist.all_reduce, out, op=_TORCH_OP[op], group=pg)
+    dtype = x.dtype
+    out = x.detach().to(_REDUCE_AS.get(dtype, dtype), copy=True).contiguous()
+    _call("all_reduce", group, dist.all_reduce, out, op=_TORCH_OP[op], group=pg, tensor=x)
     if op is ReduceOp.MEAN:
         out = out / _size(group) if out.is_floating_point() else out // _size(group)
-    return out
+    return out.to(dtype) if dtype is not torch.bool else out != 0
 
 
 def _raw_all_gather(x: torch.Tensor, group) -> torch.Tensor:
     pg = M.get_process_group(group)
-    x = x.detach().contiguous()
+    given, x = x, _moved(x.detach().contiguous())
     n = _size(group)
     out = x.new_empty((x.shape[0] * n, *x.shape[1:]) if x.dim() else (n,))
-    _call("all_gather", group, _all_gather_single, out, x.reshape(-1) if x.dim() == 0 else x, group=pg)
-    return out
+    _call("all_gather", group, _all_gather_single, out, x.reshape(-1) if x.dim() == 0 else x, group=pg, tensor=given)
+    return _restored(out, given.dtype)
 
 
 def _raw_reduce_scatter(x: torch.Tensor, op: ReduceOp, group) -> torch.Tensor:
@@ -98,19 +121,20 @@ def _raw_reduce_scatter(x: torch.Tensor, op: ReduceOp, group) -> torch.Tensor:
     if x.dim() == 0 or x.shape[0] % n:
         raise CommError(f"reduce_scatter: dimension 0 of shape {tuple(x.shape)} is not divisible by the group size {n}")
     pg = M.get_process_group(group)
-    x = x.detach().contiguous()
+    given, dtype = x, x.dtype
+    x = x.detach().to(_REDUCE_AS.get(dtype, dtype)).contiguous()
     out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
-    _call("reduce_scatter", group, _reduce_scatter_single, out, x, op=_TORCH_OP[op], group=pg)
+    _call("reduce_scatter", group, _reduce_scatter_single, out, x, op=_TORCH_OP[op], group=pg, tensor=given)
     if op is ReduceOp.MEAN:
         out = out / n if out.is_floating_point() else out // n
-    return out
+    return out.to(dtype) if dtype is not torch.bool else out != 0
 
 
 def _raw_broadcast(x: torch.Tensor, src: int, group) -> torch.Tensor:
     pg = M.get_process_group(group)
-    out = x.detach().clone().contiguous()
-    _call("broadcast", group, dist.broadcast, out, group=pg, group_src=src)
-    return out
+    out = _moved(x.detach().clone().contiguous())
+    _call("broadcast", group, dist.broadcast, out, group=pg, group_src=src, tensor=x)
+    return _restored(out, x.dtype)
 
 
 def _raw_all_to_all(x: torch.Tensor, split_dim: int, concat_dim: int, group) -> torch.Tensor:
@@ -121,10 +145,10 @@ def _raw_all_to_all(x: torch.Tensor, split_dim: int, concat_dim: int, group) -> 
         )
     pg = M.get_process_group(group)
     # Put the split dimension first so each rank's chunk is contiguous, exchange, then concatenate the chunks.
-    send = torch.stack(x.detach().chunk(n, dim=split_dim)).contiguous()
+    send = _moved(torch.stack(x.detach().chunk(n, dim=split_dim)).contiguous())
     recv = torch.empty_like(send)
-    _call("all_to_all", group, dist.all_to_all_single, recv, send, group=pg)
-    return torch.cat(list(recv.unbind(0)), dim=concat_dim)
+    _call("all_to_all", group, dist.all_to_all_single, recv, send, group=pg, tensor=x)
+    return torch.cat(list(_restored(recv, x.dtype).unbind(0)), dim=concat_dim)
 
 
 # ---------------------------------------------------------------------------------------------------------------

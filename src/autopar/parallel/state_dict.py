@@ -8,28 +8,14 @@ themselves: they read the state dict inside :func:`sharded_state_dict`.
 """
 from __future__ import annotations
 
-import contextlib
-import threading
-
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-_local = threading.local()
+from autopar.context import ScopedFlag
 
-
-@contextlib.contextmanager
-def sharded_state_dict():
-    """State dicts read inside keep DTensor slices (what DCP saves and loads)."""
-    depth = getattr(_local, "depth", 0)
-    _local.depth = depth + 1
-    try:
-        yield
-    finally:
-        _local.depth = depth
-
-
-def _sharded() -> bool:
-    return getattr(_local, "depth", 0) > 0
+# State dicts read inside ``with sharded_state_dict():`` keep DTensor slices (what DCP saves and loads).
+sharded_state_dict = ScopedFlag()
+_sharded = sharded_state_dict.on
 
 
 def _gather(module, state_dict, prefix, local_metadata) -> None:

@@ -308,9 +308,13 @@ class Model:
         return out
 
 
+# every integer dtype a pipeline yields (MindSpore's Cifar10Dataset gives uint32) but int64, which torch's losses want
+_NARROW_INTEGERS = (torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32, torch.uint64)
+
+
 def _class_indices(label: Any) -> Any:
     """The tutorials cast labels to int32 (MindSpore's convention); torch's losses take class indices as int64."""
-    if isinstance(label, torch.Tensor) and label.dtype in (torch.int32, torch.int16, torch.int8, torch.uint8):
+    if isinstance(label, torch.Tensor) and label.dtype in _NARROW_INTEGERS:
         return label.long()
     return label
 

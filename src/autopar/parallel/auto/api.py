@@ -16,14 +16,9 @@ def _global_batch(sample: list) -> tuple:
     """The ranks' local batches side by side: the plan is made for the global batch (unless full_batch)."""
     if _context.auto_parallel_context().full_batch or not dist.is_initialized() or dist.get_world_size() == 1:
         return tuple(sample)
-    out = []
-    for t in sample:
-        if isinstance(t, torch.Tensor) and t.dim() >= 1:
-            parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-            dist.all_gather(parts, t.contiguous())
-            t = torch.cat(parts)
-        out.append(t)
-    return tuple(out)
+    from autopar.comm.functional import all_gather  # any dtype (uint32 labels go through a carrier)
+
+    return tuple(all_gather(t.detach()) if isinstance(t, torch.Tensor) and t.dim() >= 1 else t for t in sample)
 
 
 def plan_and_apply(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sample: list) -> Plan:

@@ -1,0 +1,29 @@
+"""No silent result: a context key autopar accepts but does not apply yet warns once when it asks for something."""
+import warnings
+
+import pytest
+
+import autopar
+
+
+@pytest.fixture(autouse=True)
+def fresh_context():
+    autopar.reset_auto_parallel_context()
+    autopar.context._warned.clear()
+    yield
+    autopar.reset_auto_parallel_context()
+
+
+@pytest.mark.parametrize("key, value", [("pipeline_stages", 4), ("enable_parallel_optimizer", True),
+                                        ("optimizer_weight_shard_size", 2), ("parallel_optimizer_config",
+                                                                             {"gradient_accumulation_shard": True})])
+def test_a_key_that_asks_for_something_not_applied_warns(key, value):
+    with pytest.warns(UserWarning, match=f"{key}=.* is accepted but not applied yet"):
+        autopar.set_auto_parallel_context(**{key: value})
+
+
+@pytest.mark.parametrize("key, value", [("pipeline_stages", 1), ("enable_parallel_optimizer", False)])
+def test_a_neutral_value_is_quiet(key, value):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        autopar.set_auto_parallel_context(**{key: value})
