@@ -83,6 +83,7 @@ def load_checkpoint(ckpt_file_name: str | os.PathLike, net: torch.nn.Module | No
             store.load_sliced_into([path], net, optimizer)
         else:
             store.load_integrated_into(store.read_integrated(path), net, optimizer)
+        net = None  # loaded with its optimizer: the parameters below are only returned, not loaded again
     if store.is_sliced(path):
         tensors = _full_tensors_from_slices([path]).get("model", {})
     elif _is_mindspore_file(path):

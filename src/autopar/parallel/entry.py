@@ -39,7 +39,7 @@ def install() -> None:
 
 
 def _is_wrapper(module: torch.nn.Module) -> bool:
-    return type(module).__dict__.get("_autopar_step_wrapper", False) or getattr(module, "_autopar_step_wrapper", False)
+    return getattr(module, "_autopar_step_wrapper", False)
 
 
 def _pre(module: torch.nn.Module, args: tuple):
