@@ -11,7 +11,7 @@ def test_label_dtypes_in_every_mode_and_collective(procs, tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr + (tmp_path / "logs" / "worker_0.log").read_text()
     for rank in range(2):
         results = json.load(open(tmp_path / f"out.{rank}"))
-        assert len(results) == 4 * 3 * 4 + 6, sorted(results)
+        assert len(results) == 4 * 4 * 8 + 4 + 6, sorted(results)
         bad = {k: v for k, v in results.items() if "error" in v}
         assert not bad, json.dumps(bad, indent=1)
         for key, r in results.items():
@@ -19,5 +19,7 @@ def test_label_dtypes_in_every_mode_and_collective(procs, tmp_path):
                 dtype = "torch." + key.split("/")[1]
                 assert r["gather_dtype"] == dtype and r["sum_dtype"] == dtype, (key, r)
                 assert r["gather_exact"] and r["broadcast_exact"] and r["sum_exact"], (key, r)
+            elif key.startswith("regression/"):
+                assert r["loss_dtypes"] == ["torch.float32"], (key, r)
             else:
                 assert r["loss_vs_int64"] <= 1e-6 and r["pred_shape"] == [4, 5], (key, r)

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 
 from autopar.errors import TrainingError
+from autopar.labels import call_loss
 from autopar.nn.cell import Cell
 
 
@@ -22,7 +23,7 @@ class WithLossCell(Cell):
         self._loss_fn = loss_fn
 
     def construct(self, data, label):
-        return self._loss_fn(self._backbone(data), label)
+        return call_loss(self._loss_fn, self._backbone(data), label)
 
     @property
     def backbone_network(self):

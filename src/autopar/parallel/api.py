@@ -24,6 +24,7 @@ from autopar import context as _context
 from autopar.comm import management as _comm
 from autopar.context import ParallelMode
 from autopar.errors import ConfigError
+from autopar.labels import call_loss
 from autopar.parallel.modules import shard  # noqa: F401  (public: autopar.shard)
 
 
@@ -37,7 +38,7 @@ class _WithLoss(torch.nn.Module):
         self.loss_fn = loss_fn
 
     def forward(self, *inputs):
-        return self.loss_fn(self.network(*inputs[:-1]), inputs[-1])
+        return call_loss(self.loss_fn, self.network(*inputs[:-1]), inputs[-1])
 
 
 @dataclass
@@ -76,7 +77,7 @@ def _layerwise_names(network: torch.nn.Module) -> list[str]:
 def _loss_caller(module: torch.nn.Module, loss_fn: torch.nn.Module | None) -> Callable[[list], torch.Tensor]:
     if loss_fn is None:
         return lambda inputs: module(*inputs)
-    return lambda inputs: loss_fn(module(*inputs[:-1]), inputs[-1])
+    return lambda inputs: call_loss(loss_fn, module(*inputs[:-1]), inputs[-1])
 
 
 def prepare(network: torch.nn.Module, loss_fn: torch.nn.Module | None = None,

@@ -18,6 +18,7 @@ from autopar import context as _context
 from autopar.comm import management as _comm
 from autopar.errors import ConfigError, TrainingError
 from autopar.context import managed
+from autopar.labels import call_loss, class_indices
 from autopar.train.callbacks import (
     Callback,
     CallbackList,
@@ -109,7 +110,7 @@ class Model:
                 sample = [t.to(_comm.device()) if isinstance(t, torch.Tensor) and _comm.is_initialized() else t
                           for t in (sample if isinstance(sample, (tuple, list)) else [sample])]
                 if self._loss_fn is not None:
-                    sample = sample[:-1] + [_class_indices(sample[-1])]
+                    sample = sample[:-1] + [class_indices(sample[-1])]
             from autopar.train.precision import make_precision
 
             # before prepare(): O3 casts the parameters, which must happen before DDP builds its buckets on them
@@ -132,7 +133,7 @@ class Model:
         if self._loss_fn is not None:
             if len(inputs) < 2:
                 raise ConfigError("with a loss_fn the dataset must yield (inputs..., label)")
-            inputs = inputs[:-1] + [_class_indices(inputs[-1])]
+            inputs = inputs[:-1] + [class_indices(inputs[-1])]
         prepared = self._prepare()
         # the network and loss are prepared by Model: no Cell parallelizes itself on the side
         with managed(), self._precision.autocast():
@@ -283,11 +284,11 @@ class Model:
                 inputs = self._to_device(batch)
                 with managed() if prepared.runtime is None else contextlib.nullcontext(), self._precision.autocast():
                     logits = network(*inputs[:-1])
-                inputs[-1] = _class_indices(inputs[-1])
+                inputs[-1] = class_indices(inputs[-1])
                 if full_batch:  # every rank loaded the whole batch; the network returned this rank's share
                     inputs[-1] = inputs[-1].chunk(prepared.world_size)[_comm.get_rank()]
                 with managed():
-                    loss = self._loss_fn(logits, inputs[-1]) if self._loss_fn is not None else None
+                    loss = call_loss(self._loss_fn, logits, inputs[-1]) if self._loss_fn is not None else None
                 for metric in self._metrics.values():
                     if isinstance(metric, Loss):
                         metric.update(logits, inputs[-1], loss)
@@ -306,17 +307,6 @@ class Model:
             out = network(*self._to_device(list(predict_data)))
         network.train(was_training)
         return out
-
-
-# every integer dtype a pipeline yields (MindSpore's Cifar10Dataset gives uint32) but int64, which torch's losses want
-_NARROW_INTEGERS = (torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32, torch.uint64)
-
-
-def _class_indices(label: Any) -> Any:
-    """The tutorials cast labels to int32 (MindSpore's convention); torch's losses take class indices as int64."""
-    if isinstance(label, torch.Tensor) and label.dtype in _NARROW_INTEGERS:
-        return label.long()
-    return label
 
 
 class _NullContext:

@@ -24,6 +24,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from autopar.labels import call_loss
 from autopar.ops import primitive as _primitive
 from autopar.ops.comm import _CommPrimitive
 from autopar.ops.math import BatchMatMul, MatMul, ShardablePrimitive
@@ -279,4 +280,4 @@ class _Pair(torch.nn.Module):
         self.loss_fn = loss_fn
 
     def forward(self, *inputs):
-        return self.loss_fn(self.network(*inputs[:-1]), inputs[-1])
+        return call_loss(self.loss_fn, self.network(*inputs[:-1]), inputs[-1])
