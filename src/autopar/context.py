@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import threading
 import warnings
 from dataclasses import dataclass, field, fields
@@ -18,6 +19,12 @@ from autopar.errors import ConfigError
 
 GRAPH_MODE = 0
 PYNATIVE_MODE = 1
+DEFAULT_LOG_DIR = "autopar_logs"
+
+
+def log_dir() -> str:
+    """Where this run writes its metrics and plans (the launcher sets ``AUTOPAR_LOG_DIR`` to its ``--log-dir``)."""
+    return os.environ.get("AUTOPAR_LOG_DIR") or DEFAULT_LOG_DIR
 
 
 class ParallelMode(str, Enum):

@@ -84,7 +84,7 @@ def test_unannotated_network_trains_exactly_as_data_parallel(procs, tmp_path):
 @pytest.mark.parametrize("n", [2])
 def test_strategy_file_round_trip(tmp_path, n):
     from autopar.parallel.layout import Layout
-    from autopar.parallel.semi_auto.runtime import load_strategy_file, save_strategy_file
+    from autopar.parallel.semi_auto.strategy_file import load_strategy_file, save_strategy_file
 
     import torch
     layouts = {"w": Layout((1, n), (1, -1), (8, 4)), "b": Layout.replicated((4,), n)}

@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     print(plan.explain())
     if args.out:
         from autopar.parallel.layout import Layout
-        from autopar.parallel.semi_auto.runtime import save_strategy_file
+        from autopar.parallel.semi_auto.strategy_file import save_strategy_file
 
         layouts = {n: Layout.replicated(tuple(p.shape), args.nproc) for n, p in network.named_parameters()}
         layouts.update({} if plan.pure_data_parallel else plan.layouts())

@@ -26,6 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps-per-epoch", type=int, default=-1)
     p.add_argument("--print-every", type=int, default=1)
     p.add_argument("--eval", action="store_true", help="report test accuracy at the end")
+    p.add_argument("--bn-images", type=int, default=512,
+                   help="with --eval: re-estimate BatchNorm statistics on this many training images first (precise "
+                        "BN); 0 evaluates with the moving statistics, as MindSpore")
     p.add_argument("--ckpt-steps", type=int, default=0, help="save a checkpoint every N steps into LOG_DIR/ckpt_<rank>")
     p.add_argument("--sliced", action="store_true", help="checkpoints hold each rank's slices (integrated_save=False)")
     p.add_argument("--resume", action="store_true", help="continue after the newest checkpoint in LOG_DIR/ckpt_<rank>")
@@ -55,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
                    "--grad-accumulation", str(args.grad_accumulation), "--lr", str(args.lr),
                    "--steps-per-epoch", str(args.steps_per_epoch), "--print-every", str(args.print_every)]
     if args.eval:
-        script_args.append("--eval")
+        script_args += ["--eval", "--bn-images", str(args.bn_images)]
     if args.ckpt_steps or args.resume:
         script_args += ["--ckpt-dir", str(Path(args.log_dir).resolve()), "--ckpt-steps", str(args.ckpt_steps)]
         script_args += ["--sliced"] if args.sliced else []

@@ -23,14 +23,14 @@ def generator(seed: int, *key: int) -> np.random.Generator:
 
 
 _eager: list = [None]
+DEFAULT_SEED = 0  # config's default seed; config tells this module of every later one (it imports this module,
+# never the other way round)
 
 
 def eager_rng() -> np.random.Generator:
     """The generator used when a random transform is called directly (``op(image)``)."""
     if _eager[0] is None:
-        from autopar.dataset import config
-
-        _eager[0] = generator(config.get_seed(), TAG_EAGER)
+        _eager[0] = generator(DEFAULT_SEED, TAG_EAGER)
     return _eager[0]
 
 

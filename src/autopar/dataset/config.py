@@ -7,11 +7,12 @@ data-parallel job derives the same global shuffle order and the shards stay disj
 """
 from __future__ import annotations
 
+from autopar.dataset import _random
 from autopar.errors import DatasetError
 
 _MAX_SEED = 2**32 - 1
 
-_state = {"seed": 0, "prefetch_size": 2, "num_parallel_workers": 1}
+_state = {"seed": _random.DEFAULT_SEED, "prefetch_size": 2, "num_parallel_workers": 1}
 
 
 def _check_int(name: str, value, low: int, high: int | None = None) -> int:
@@ -27,8 +28,6 @@ def set_seed(seed: int) -> None:
     """Set the global seed of every shuffle and random transform (0 .. 2**32-1); the same on every process."""
     _state["seed"] = _check_int("set_seed", seed, 0, _MAX_SEED)
     # Eager (user-called) random transforms draw from a module generator; re-seed it too.
-    from autopar.dataset import _random
-
     _random.reset_eager_rng(seed)
 
 

@@ -287,7 +287,7 @@ def apply_layouts(network: torch.nn.Module, layouts: Any) -> None:
     """Lay the network's parameters out as ``layouts`` says ({name: Layout or its dict}, or a strategy file)
     before anything runs -- what a checkpoint is loaded into. Replicated entries need nothing."""
     from autopar.parallel.layout import Layout
-    from autopar.parallel.semi_auto.runtime import load_strategy_file
+    from autopar.parallel.semi_auto.strategy_file import load_strategy_file
 
     if isinstance(layouts, (str, os.PathLike)):
         layouts = load_strategy_file(str(layouts))

@@ -17,7 +17,7 @@ import torch
 from autopar import context as _context
 from autopar.comm import management as _comm
 from autopar.errors import ConfigError, TrainingError
-from autopar.context import managed
+from autopar.context import log_dir, managed
 from autopar.labels import call_loss, class_indices
 from autopar.train.callbacks import (
     Callback,
@@ -29,12 +29,6 @@ from autopar.train.callbacks import (
 )
 from autopar.train.metrics import Loss, build_metrics
 
-DEFAULT_LOG_DIR = "autopar_logs"
-
-
-def log_dir() -> str:
-    """Where this run writes its metrics (the launcher sets ``AUTOPAR_LOG_DIR`` to its ``--log-dir``)."""
-    return os.environ.get("AUTOPAR_LOG_DIR") or DEFAULT_LOG_DIR
 
 
 def _epoch_batches(dataset: Any, epoch: int) -> Iterator:
@@ -296,6 +290,31 @@ class Model:
                         metric.update(logits, inputs[-1])
         network.train(was_training)
         return {name: metric.eval() for name, metric in self._metrics.items()}
+
+    def recompute_bn_statistics(self, dataset: Iterable, num_images: int = 512) -> int:
+        """Precise BN (:mod:`autopar.train.precise_bn`): re-estimate the network's BatchNorm statistics on about
+        ``num_images`` images of ``dataset`` (over all ranks; whole batches) before ``eval``. Weights are unchanged.
+        Returns the number of images used over all ranks (0: the network has no BatchNorm)."""
+        from autopar.train.precise_bn import recompute_batchnorm_statistics
+
+        if num_images <= 0:
+            raise ConfigError(f"recompute_bn_statistics: num_images must be positive, got {num_images}")
+        world = _comm.get_group_size() if _comm.is_initialized() else 1
+        per_rank = -(-num_images // world)
+        seen = [0]
+
+        def inputs():
+            for batch in _epoch_batches(dataset, 0):
+                if seen[0] >= per_rank:
+                    return
+                items = self._to_device(batch)
+                items = items[:-1] if self._loss_fn is not None or len(items) > 1 else items
+                seen[0] += int(items[0].shape[0]) if items[0].dim() else 1
+                yield items
+
+        self._prepare()
+        batches = recompute_batchnorm_statistics(self._eval_network or self._network, inputs())
+        return seen[0] * world if batches else 0
 
     def predict(self, *predict_data: Any) -> Any:
         network = self._network

@@ -41,10 +41,8 @@ def plan_and_apply(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sa
 
 
 def _report(plan: Plan) -> None:
-    from autopar.train.model import log_dir
-
     text = plan.explain()
-    path = Path(log_dir()) / "auto_parallel_plan.txt"
+    path = Path(_context.log_dir()) / "auto_parallel_plan.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text + "\n")
     print(f"[autopar] AUTO_PARALLEL: {plan.reason}; table in {path}", flush=True)
@@ -52,7 +50,7 @@ def _report(plan: Plan) -> None:
 
 def _save_strategy(plan: Plan, network: torch.nn.Module, path: str) -> None:
     from autopar.parallel.layout import Layout
-    from autopar.parallel.semi_auto.runtime import save_strategy_file
+    from autopar.parallel.semi_auto.strategy_file import save_strategy_file
 
     layouts = {name: Layout.replicated(tuple(p.shape), plan.device_num) for name, p in network.named_parameters()}
     if not plan.pure_data_parallel:

@@ -31,7 +31,7 @@ from autopar.ops.math import BatchMatMul, MatMul, ShardablePrimitive
 from autopar.ops.spec import OpSpec
 from autopar.parallel.modules import Conv2dOp, LinearOp, _Sharded
 # (importing the runtime also installs its operator executor, which the tracer stacks its own on top of)
-from autopar.parallel.semi_auto.runtime import LAYOUT_TRANSPARENT
+from autopar.parallel.semi_auto.leaves import LAYOUT_TRANSPARENT
 
 DP, REP = "dp", "rep"
 

@@ -190,9 +190,9 @@ def available_memory() -> float:
 
 
 def main() -> None:  # pragma: no cover - run by ``autopar plan --calibrate`` through the launcher
-    import autopar
+    from autopar.comm.management import init
 
-    autopar.init()
+    init()
     model = load_or_calibrate(force=os.environ.get("AUTOPAR_RECALIBRATE") == "1")
     if dist.get_rank() == 0:
         print(model.to_json(), flush=True)

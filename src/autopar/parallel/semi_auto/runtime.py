@@ -25,11 +25,8 @@ moved onto the slices before their next step.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 import threading
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,6 +46,9 @@ from autopar.parallel.grad_sync import LAYOUT, GradSync
 from autopar.parallel.layout import Layout
 from autopar.parallel.mesh import world_mesh, world_size
 from autopar.parallel.semi_auto import placements as P
+from autopar.parallel.semi_auto.inputs import dataset_input
+from autopar.parallel.semi_auto.leaves import LAYOUT_TRANSPARENT, is_annotated
+from autopar.parallel.semi_auto.strategy_file import load_strategy_file, save_strategy_file
 from autopar.parallel.strategy import data_parallel_strategy, derive_plan
 
 _local = threading.local()
@@ -66,16 +66,6 @@ def _execute(op: Primitive, args: tuple, kwargs: dict) -> Any:
 
 
 _primitive.set_executor(_execute)
-
-
-def is_annotated(module: torch.nn.Module) -> bool:
-    return getattr(module, "_autopar_op", None) is not None
-
-
-# Element-wise modules without parameters run on whatever layout they receive (DTensor dispatch): sending their
-# input back to the batch split first would undo a Megatron column split for nothing.
-LAYOUT_TRANSPARENT = (torch.nn.ReLU, torch.nn.ReLU6, torch.nn.GELU, torch.nn.Tanh, torch.nn.Sigmoid, torch.nn.SiLU,
-                      torch.nn.LeakyReLU, torch.nn.Identity)
 
 
 class SemiAutoRuntime:
@@ -384,88 +374,3 @@ class SemiAutoRuntime:
         if self.strategy_save_file and not self._strategy_written:
             self._strategy_written = True
             save_strategy_file(self.strategy_save_file, self.layouts(), self.parameters())
-
-
-def dataset_layout(entry: Any, local_shape: tuple[int, ...]) -> Layout:
-    """The layout of a network input under a ``dataset_strategy`` entry (one split count per dimension; devices
-    beyond the product replicate, first axis, as for operator strategies). ``local_shape`` is what this rank
-    loaded: its slice."""
-    entry = tuple(int(v) for v in entry)
-    if len(entry) != len(local_shape):
-        raise StrategyError(f"dataset_strategy entry {entry} has {len(entry)} values but the input has rank "
-                            f"{len(local_shape)} (local shape {local_shape})")
-    n = world_size()
-    product = math.prod(entry)
-    if product > n or n % product:
-        raise StrategyError(f"dataset_strategy entry {entry} does not divide the {n} devices")
-    split_dims = [d for d, v in enumerate(entry) if v > 1]
-    matrix = (n // product,) + tuple(entry[d] for d in split_dims)
-    tmap = tuple(split_dims.index(d) + 1 if d in split_dims else -1 for d in range(len(entry)))
-    full = tuple(s * v for s, v in zip(local_shape, entry))
-    return Layout(matrix, tmap, full)
-
-
-def dataset_input(local: torch.Tensor, entry: Any) -> DTensor:
-    layout = dataset_layout(entry, tuple(local.shape))
-    return DTensor.from_local(local, world_mesh(), layout.placements(), run_check=False,
-                              shape=torch.Size(layout.full_shape), stride=_contiguous_strides(layout.full_shape))
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for size in reversed(shape):
-        strides.append(acc)
-        acc *= size
-    return tuple(reversed(strides))
-
-
-def dataset_shard(entry: Any, rank: int | None = None) -> tuple[int, int]:
-    """(num_shards, shard_id) a rank should load along dimension 0 under a dataset_strategy entry."""
-    rank = dist.get_rank() if rank is None else rank
-    parts = int(entry[0])
-    layout = Layout((world_size() // parts, parts) if parts > 1 else (world_size(),),
-                    (1,) if parts > 1 else (-1,), (parts,))
-    return parts, layout.slice_index(rank)[0]
-
-
-STRATEGY_FORMAT = "autopar-strategy-1"
-
-
-def save_strategy_file(path: str, layouts: dict[str, Layout], named_params) -> None:
-    """JSON: for every parameter, full shape, device matrix, tensor map (axes counted from the left, -1 = not
-    split) and slice shape. Written by rank 0, atomically."""
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return
-    params = {}
-    for name, p in named_params:
-        entry = layouts[name].to_dict() if name in layouts else {"full_shape": None, "slice_shape": list(p.shape)}
-        entry["dtype"] = str(p.dtype).replace("torch.", "")
-        entry["layerwise_parallel"] = bool(getattr(p, "layerwise_parallel", False))
-        params[name] = entry
-    doc = {"format": STRATEGY_FORMAT, "device_num": world_size(),
-           "tensor_map_convention": "per tensor dimension, the device-matrix axis (counted from the left) that "
-                                    "splits it; -1 = not split; ranks are row-major on the device matrix",
-           "parameters": params}
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(doc, indent=1))
-    os.replace(tmp, target)
-
-
-def load_strategy_file(path: str) -> dict[str, Layout]:
-    from autopar.errors import CheckpointError
-
-    try:
-        doc = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"strategy file not found: {path}") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"strategy file {path} is not readable JSON: {exc}") from None
-    if doc.get("format") != STRATEGY_FORMAT:
-        raise CheckpointError(f"{path} is not an autopar strategy file (format {doc.get('format')!r})")
-    try:
-        return {name: Layout.from_dict(e) for name, e in doc["parameters"].items() if e.get("full_shape") is not None}
-    except (KeyError, TypeError, StrategyError) as exc:
-        raise CheckpointError(f"strategy file {path} is malformed: {exc}") from None
-

@@ -11,7 +11,7 @@ import random
 import numpy as np
 import torch
 
-import autopar as ap
+from autopar import context, dtype as mstype
 import autopar.dataset as ds
 import autopar.dataset.transforms as transforms
 import autopar.dataset.vision as vision
@@ -39,7 +39,7 @@ def create_dataset(data_path: str, batch_size: int = 32, image_size: int = 32, r
     trans = [vision.RandomCrop((32, 32), (4, 4, 4, 4)), vision.RandomHorizontalFlip()] if augment else []
     trans += [vision.Resize((image_size, image_size)), vision.Rescale(1.0 / 255.0, 0.0),
               vision.Normalize(MEAN, STD), vision.HWC2CHW()]
-    data_set = data_set.map(operations=transforms.TypeCast(ap.int32), input_columns="label")
+    data_set = data_set.map(operations=transforms.TypeCast(mstype.int32), input_columns="label")
     data_set = data_set.map(operations=trans, input_columns="image")
     if augment:
         data_set = data_set.shuffle(buffer_size=10)
@@ -61,6 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--print-every", type=int, default=1)
     p.add_argument("--eval", action="store_true", help="report test accuracy after training")
+    p.add_argument("--bn-images", type=int, default=512,
+                   help="with --eval: re-estimate BatchNorm statistics on this many training images first (precise "
+                        "BN; 0: evaluate with the moving statistics, as MindSpore)")
     p.add_argument("--ckpt-dir", default=None, help="save checkpoints to CKPT_DIR/ckpt_<rank>")
     p.add_argument("--ckpt-steps", type=int, default=0, help="save every N steps (and at the end)")
     p.add_argument("--sliced", action="store_true", help="save each rank's slices (integrated_save=False)")
@@ -70,8 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    ap.set_context(mode=ap.PYNATIVE_MODE)
-    ap.set_auto_parallel_context(parallel_mode=args.mode, gradients_mean=True)
+    context.set_context(mode=context.PYNATIVE_MODE)
+    context.set_auto_parallel_context(parallel_mode=args.mode, gradients_mean=True)
     init()
     set_seed(args.seed)
     dataset = create_dataset(args.data, args.batch_size, args.image_size)
@@ -90,10 +93,15 @@ def main(argv=None) -> None:
     model.train(args.epochs, dataset, callbacks=callbacks, dataset_sink_mode=sink, sink_size=args.steps_per_epoch,
                 resume_from=resume_from)
     if args.eval:
+        how = "BatchNorm moving statistics"
+        if args.bn_images > 0:
+            train = create_dataset(args.data, args.batch_size, args.image_size, augment=False)
+            images = model.recompute_bn_statistics(train, args.bn_images)
+            how = f"BatchNorm statistics re-estimated on {images} training images: precise BN; --bn-images 0 uses the moving ones"
         test = create_dataset(args.data, args.batch_size, args.image_size, usage="test", augment=False)
         acc = model.eval(test)["acc"]
         if get_rank() == 0:
-            print(f"test accuracy: {acc:.4f}", flush=True)
+            print(f"test accuracy: {acc:.4f} ({how})", flush=True)
 
 
 if __name__ == "__main__":

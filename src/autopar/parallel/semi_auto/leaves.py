@@ -1,0 +1,15 @@
+"""Which modules the layout runtime leaves alone: annotated ones run through their strategy, element-wise ones run
+on whatever layout they are given; every other leaf module runs data-parallel on the local batch."""
+from __future__ import annotations
+
+import torch
+
+
+def is_annotated(module: torch.nn.Module) -> bool:
+    return getattr(module, "_autopar_op", None) is not None
+
+
+# Element-wise modules without parameters run on whatever layout they receive (DTensor dispatch): sending their
+# input back to the batch split first would undo a Megatron column split for nothing.
+LAYOUT_TRANSPARENT = (torch.nn.ReLU, torch.nn.ReLU6, torch.nn.GELU, torch.nn.Tanh, torch.nn.Sigmoid, torch.nn.SiLU,
+                      torch.nn.LeakyReLU, torch.nn.Identity)
