@@ -1,6 +1,6 @@
 """A model trained with MindSpore continues in autopar: its .ckpt (written here in MindSpore's format) loads through
 ``load_checkpoint`` + ``load_param_into_net`` and through ``autopar ckpt convert-mindspore``, with equal outputs and
-the Momentum state carried over."""
+the Momentum state carried over; any other network's .ckpt converts generically, every tensor exact."""
 import torch
 
 from autopar import load_checkpoint, load_param_into_net
@@ -41,7 +41,7 @@ def test_load_checkpoint_reads_mindspore_files(tmp_path):
 def test_convert_mindspore_cli_carries_model_and_momentum(tmp_path):
     ref, path = mindspore_file(tmp_path)
     out = tmp_path / "converted.ckpt"
-    assert cli(["ckpt", "convert-mindspore", str(path), "--out", str(out)]) == 0
+    assert cli(["ckpt", "convert-mindspore", str(path), "--out", str(out), "--model", "resnet50"]) == 0
     obj = read_integrated(out)
     assert obj["meta"]["global_step"] == 42
     assert torch.equal(obj["optimizer"]["state"]["fc.weight"]["momentum_buffer"], torch.full((10, 2048), 0.5))
@@ -50,3 +50,50 @@ def test_convert_mindspore_cli_carries_model_and_momentum(tmp_path):
     load_param_into_net(net, load_checkpoint(out))
     x = torch.randn(2, 3, 32, 32)
     assert torch.allclose(net(x), ref(x), atol=1e-5)
+
+
+def small_net() -> torch.nn.Module:
+    torch.manual_seed(5)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.Flatten(),
+                              torch.nn.Linear(4 * 6 * 6, 5), torch.nn.LayerNorm(5))
+    with torch.no_grad():
+        net[1].running_mean.uniform_(-1, 1)
+        net[1].running_var.uniform_(0.5, 1.5)
+    return net.eval()
+
+
+def test_convert_mindspore_any_network_keeps_every_tensor(tmp_path, capsys):
+    """A conv/batch-norm/dense checkpoint (not the tutorial ResNet-50) with int32, float16 and a parameter named
+    'beta' that is no norm's: generic by default (names and dtypes kept), torch's names with --torch-names."""
+    ref = small_net()
+    names = torch_to_mindspore_names(ref)
+    tensors = {names[k]: v for k, v in ref.state_dict().items() if k in names}
+    extra = {"moments.0.weight": torch.full((4, 3, 3, 3), 0.25), "step_counts": torch.tensor([7, 8], dtype=torch.int32),
+             "half_table": torch.linspace(0, 1, 6, dtype=torch.float16), "gate.beta": torch.tensor([0.5]),
+             "global_step": torch.tensor([3], dtype=torch.int32)}
+    write_mindspore_checkpoint(tmp_path / "small.ckpt", {**tensors, **extra})
+    out = tmp_path / "kept.ckpt"
+    assert cli(["ckpt", "convert-mindspore", str(tmp_path / "small.ckpt"), "--out", str(out)]) == 0
+    assert f"converted {len(tensors) + len(extra)} tensors" in capsys.readouterr().out
+    obj = read_integrated(out)
+    assert obj["meta"]["global_step"] == 3
+    for name, value in {**tensors, **extra}.items():  # every tensor, bit-exact, in its own dtype
+        got = obj["model"][name]
+        assert got.dtype == value.dtype and torch.equal(got, value), name
+    net = small_net()
+    for p in net.parameters():
+        torch.nn.init.zeros_(p)
+    load_param_into_net(net, load_checkpoint(out))  # MindSpore's norm names mapped on loading
+    x = torch.randn(2, 3, 8, 8)
+    assert torch.equal(net(x), ref(x))
+
+    torch_out = tmp_path / "torch_names.ckpt"
+    assert cli(["ckpt", "convert-mindspore", str(tmp_path / "small.ckpt"), "--out", str(torch_out),
+                "--torch-names"]) == 0
+    model = read_integrated(torch_out)["model"]
+    assert "gate.beta" in model and "moments.0.weight" in model and "1.gamma" not in model
+    fresh = torch.nn.Sequential(*small_net()).eval()
+    fresh.load_state_dict({k: v for k, v in model.items() if k in fresh.state_dict()}, strict=True)
+    assert torch.equal(fresh(x), ref(x))
+    assert torch.equal(model["5.weight"], ref[5].weight.detach()) and torch.equal(model["1.running_var"],
+                                                                                 ref[1].running_var)

@@ -225,13 +225,7 @@ def merge_sliced_checkpoints(checkpoint_filenames: list, out: str | os.PathLike)
     meta.kind, meta.rank, meta.world_size = "integrated", 0, 1
     model, optim = state.get("model", {}), state.get("optim") or {}
     rngs = [torch.load(p / store.RNG_FILE, weights_only=False) for p in paths if (p / store.RNG_FILE).exists()]
-    from autopar.checkpoint.atomic import atomic_file
-    from dataclasses import asdict
-
-    with atomic_file(out) as tmp:
-        torch.save({"format": store.FORMAT, "kind": "integrated", "model": model, "optimizer": optim or None,
-                    "meta": asdict(meta), "rng": rngs}, tmp)
-    return Path(out)
+    return store.write_integrated(out, model, optim or None, meta, rngs)
 
 
 # ------------------------------------------------------------------------------------------------------ resume

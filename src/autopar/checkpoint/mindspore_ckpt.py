@@ -359,6 +359,37 @@ def mindspore_to_torch_state(ms_tensors: Mapping[str, Any], module: nn.Module, *
     return model_state, momentum_state, unmapped
 
 
+def mindspore_named_tensors(ms_tensors: Mapping[str, Any], *, torch_names: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of a MindSpore checkpoint, no module needed: names and dtypes kept exactly (int32, float16 ...),
+    so any network's checkpoint converts.
+
+    With ``torch_names``, norm layers' leaves take torch's names -- a prefix holding ``moving_mean`` /
+    ``moving_variance`` (BatchNorm) or both ``gamma`` and ``beta`` (LayerNorm, GroupNorm) gets ``weight``, ``bias``,
+    ``running_mean``, ``running_var`` (also under ``moments.``), and each BatchNorm a ``num_batches_tracked`` of 0
+    (MindSpore has none; torch's strict ``load_state_dict`` wants one). A ``beta`` elsewhere keeps its name.
+    """
+    leaves: dict[str, set[str]] = {}
+    for name in ms_tensors:
+        bare = name[len(_MOMENTS):] if name.startswith(_MOMENTS) else name
+        prefix, _, leaf = bare.rpartition(".")
+        leaves.setdefault(prefix, set()).add(leaf)
+    batchnorms = {p for p, ls in leaves.items() if ls & {"moving_mean", "moving_variance"}}
+    norms = batchnorms | {p for p, ls in leaves.items() if {"gamma", "beta"} <= ls}
+    out: dict[str, torch.Tensor] = {}
+    for name, value in ms_tensors.items():
+        moment = name.startswith(_MOMENTS)
+        bare = name[len(_MOMENTS):] if moment else name
+        prefix, dot, leaf = bare.rpartition(".")
+        if torch_names and prefix in norms:
+            bare = prefix + dot + _MS_TO_TORCH_LEAF.get(leaf, leaf)
+        out[(_MOMENTS if moment else "") + bare] = _as_tensor(name, value)
+    if torch_names:
+        for prefix in sorted(batchnorms):
+            out.setdefault(f"{prefix}.num_batches_tracked" if prefix else "num_batches_tracked",
+                           torch.zeros((), dtype=torch.int64))
+    return out
+
+
 def _apply_rename(name: str, rename: Mapping[str, str] | None) -> str:
     for old, new in (rename or {}).items():
         if name.startswith(old):

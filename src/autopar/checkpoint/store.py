@@ -133,13 +133,19 @@ def save_integrated(path: str | Path, network: torch.nn.Module, optimizer, meta:
     if dist.is_initialized() and dist.get_world_size() > 1:
         rngs = [None] * dist.get_world_size()
         dist.all_gather_object(rngs, rng_state())
-    if not write:
-        return
+    if write:
+        write_integrated(path, model_sd, optim_sd if optimizer else None, meta, rngs)
+
+
+def write_integrated(path: str | Path, model: dict, optimizer: dict | None, meta: CheckpointMeta,
+                     rngs: list | None = None) -> Path:
+    """One integrated checkpoint file from full tensors already at hand, atomically (no collective)."""
     meta.kind = "integrated"
-    obj = {"format": FORMAT, "kind": "integrated", "model": model_sd, "optimizer": optim_sd if optimizer else None,
-           "meta": asdict(meta), "rng": rngs}
+    obj = {"format": FORMAT, "kind": "integrated", "model": model, "optimizer": optimizer or None,
+           "meta": asdict(meta), "rng": rngs or []}
     with atomic_file(path) as tmp:
         torch.save(obj, tmp)
+    return Path(path)
 
 
 def save_sliced(path: str | Path, network: torch.nn.Module, optimizer, meta: CheckpointMeta) -> None:

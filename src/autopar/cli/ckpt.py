@@ -21,13 +21,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     i = cmds.add_parser("info", help="a table of a checkpoint's tensors: name, shape, dtype, layout")
     i.add_argument("path", help="an integrated file, a sliced checkpoint directory or a MindSpore .ckpt")
     i.set_defaults(func=info)
-    c = cmds.add_parser("convert-mindspore", help="a MindSpore .ckpt of the tutorial ResNet-50 -> autopar",
-                        description="Read a MindSpore .ckpt (no MindSpore needed), map the tutorial ResNet-50's "
-                        "names onto autopar.models.resnet50 (gamma/beta/moving_mean/moving_variance, moments.*), and "
-                        "write an integrated autopar checkpoint with model and Momentum state.")
+    c = cmds.add_parser("convert-mindspore", help="any MindSpore .ckpt -> an integrated autopar checkpoint",
+                        description="Read a MindSpore .ckpt (no MindSpore needed) and write an integrated autopar "
+                        "checkpoint holding every tensor, names and dtypes kept (load it with autopar.load_checkpoint "
+                        "into any network: MindSpore's norm names are mapped on loading). --torch-names renames "
+                        "norm layers' gamma/beta/moving_mean/moving_variance to torch's weight/bias/running_mean/"
+                        "running_var. --model resnet50 maps the tutorial ResNet-50 onto autopar.models.resnet50, "
+                        "Momentum state (moments.*) included, checking every shape.")
     c.add_argument("path")
     c.add_argument("--out", required=True)
-    c.add_argument("--model", default="resnet50", choices=("resnet50",))
+    c.add_argument("--model", default=None, choices=("resnet50",),
+                   help="map onto this network (default: none, every tensor as it is)")
+    c.add_argument("--torch-names", action="store_true", help="norm layers' tensors under torch's names")
     c.set_defaults(func=convert_mindspore)
 
 
@@ -106,13 +111,30 @@ def info(args: argparse.Namespace) -> int:
 
 
 def convert_mindspore(args: argparse.Namespace) -> int:
+    from autopar.checkpoint.mindspore_ckpt import mindspore_named_tensors, read_mindspore_checkpoint
+    from autopar.checkpoint.store import CheckpointMeta, write_integrated
+
+    ms = read_mindspore_checkpoint(args.path)
+    if args.model == "resnet50":
+        return _convert_resnet50(args, ms)
+    tensors = mindspore_named_tensors(ms, torch_names=args.torch_names)
+    step = int(ms["global_step"].reshape(-1)[0]) if "global_step" in ms and ms["global_step"].size else 0
+    write_integrated(args.out, tensors, None, CheckpointMeta(global_step=step))
+    names = "norm layers under torch's names" if args.torch_names else "names kept"
+    print(f"converted {len(tensors)} tensors from {args.path} to {args.out} ({names}, dtypes kept)")
+    return 0
+
+
+def _convert_resnet50(args: argparse.Namespace, ms: dict) -> int:
     import torch
 
-    from autopar.checkpoint.mindspore_ckpt import mindspore_to_torch_state, read_mindspore_checkpoint
+    from autopar.checkpoint.mindspore_ckpt import mindspore_to_torch_state
     from autopar.checkpoint.store import CheckpointMeta, save_integrated
     from autopar.models import resnet50
 
-    ms = read_mindspore_checkpoint(args.path)
+    if args.torch_names:
+        raise CheckpointError("--torch-names goes with the generic conversion: --model resnet50 always gives "
+                              "autopar.models.resnet50's (torch) names")
     fc = ms.get("fc.weight")
     if fc is None:
         raise CheckpointError(f"{args.path}: no 'fc.weight': not the tutorial ResNet-50")
