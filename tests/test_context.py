@@ -14,16 +14,14 @@ def fresh_context():
     autopar.reset_auto_parallel_context()
 
 
-@pytest.mark.parametrize("key, value", [("pipeline_stages", 4), ("enable_parallel_optimizer", True),
-                                        ("optimizer_weight_shard_size", 2), ("parallel_optimizer_config",
-                                                                             {"gradient_accumulation_shard": True})])
+@pytest.mark.parametrize("key, value", [("pipeline_stages", 4), ("auto_pipeline", True)])
 def test_a_key_that_asks_for_something_not_applied_warns(key, value):
     with pytest.warns(UserWarning, match=f"{key}=.* is accepted but not applied yet"):
         autopar.set_auto_parallel_context(**{key: value})
 
 
 @pytest.mark.parametrize("key, value", [("pipeline_stages", 1), ("enable_parallel_optimizer", False)])
-def test_a_neutral_value_is_quiet(key, value):
+def test_a_neutral_value_is_quiet(key, value):  # (optimizer sharding's keys: tests/parallel/test_optimizer_shard)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         autopar.set_auto_parallel_context(**{key: value})

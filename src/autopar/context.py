@@ -76,7 +76,9 @@ class _AutoParallelContext:
     search_mode: str = "dynamic_programming"
     max_device_memory: float | None = None  # bytes per device, for the AUTO_PARALLEL planner
     grad_accumulation_step: int = 1
-    enable_parallel_optimizer: bool = False
+    enable_parallel_optimizer: bool = False  # ZeRO on FSDP2 (parallel.optimizer_shard), data_parallel
+    parallel_optimizer_config: dict = field(default_factory=dict)  # {"optimizer_level": "level1|level2|level3"}
+    optimizer_weight_shard_size: int = -1  # -1: all data-parallel ranks (other sizes warn: not applied yet)
     loss_repeated_mean: bool = True
     gradient_fp32_sync: bool = True
     all_reduce_fusion_config: list = field(default_factory=list)
@@ -98,8 +100,7 @@ _IGNORED_RUN_KEYS = {
     "graph_kernel_flags", "jit_config", "memory_optimize_level", "pynative_synchronize", "runtime_num_threads",
     "enable_compile_cache", "compile_cache_path", "inter_op_parallel_num", "check_bprop", "max_call_depth",
 }
-_IGNORED_AUTO_KEYS = {"pipeline_stages", "comm_fusion", "strategy_ckpt_config", "enable_alltoall",
-                      "parallel_optimizer_config", "optimizer_weight_shard_size", "auto_pipeline"}
+_IGNORED_AUTO_KEYS = {"pipeline_stages", "comm_fusion", "strategy_ckpt_config", "enable_alltoall", "auto_pipeline"}
 _KNOWN_PS_KEYS = {"enable_ssl", "client_password", "server_password", "config_file_path"}
 
 
@@ -184,8 +185,8 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
         elif key in _IGNORED_AUTO_KEYS:
             _warn_not_applied(key, value)
             continue
-        elif key == "enable_parallel_optimizer" and value:
-            _warn_not_applied(key, value)
+        elif key == "parallel_optimizer_config" and not isinstance(value, dict):
+            raise ConfigError(f"parallel_optimizer_config must be a dict, got {value!r}")
         elif key not in valid:
             raise ConfigError(
                 f"set_auto_parallel_context got an unknown key {key!r}; valid keys: {', '.join(sorted(valid))}"
@@ -199,9 +200,7 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
 # Keys autopar accepts (tutorial scripts pass them) but does not act on yet. A value that asks for something --
 # not the default -- is warned about once: no option is silently ignored.
 _NEUTRAL = {"pipeline_stages": (None, 0, 1), "comm_fusion": (None, {}), "strategy_ckpt_config": (None, {}),
-            "enable_alltoall": (None, False), "parallel_optimizer_config": (None, {}),
-            "optimizer_weight_shard_size": (None, -1, 0, 1), "auto_pipeline": (None, False),
-            "enable_parallel_optimizer": (None, False)}
+            "enable_alltoall": (None, False), "auto_pipeline": (None, False)}
 _warned: set[str] = set()
 
 

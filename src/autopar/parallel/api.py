@@ -136,6 +136,12 @@ def _tuned(prepared: Prepared, network: torch.nn.Module, optimizer: torch.optim.
 
 
 def _prepare_data_parallel(network, loss_fn, mode, device, world, ctx, layerwise) -> Prepared:
+    if _zero_level(ctx, mode):
+        from autopar.parallel import optimizer_shard
+
+        _shard_optimizer(network, ctx)
+        return Prepared(mode, network, device, world, _loss_caller(network, loss_fn),
+                        no_sync=lambda: optimizer_shard.no_sync(network))
     from autopar.parallel.data_parallel import wrap_data_parallel
     from autopar.parallel.grad_sync import sync_of
 
@@ -216,7 +222,10 @@ def parallelize(network: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
         inner.attach_optimizer(optimizer)
         return network
     if not _layout_mode(network):
-        _attach_data_parallel(network, ctx)
+        if _zero_level(ctx, ctx.parallel_mode):
+            _shard_optimizer(network, ctx)
+        else:
+            _attach_data_parallel(network, ctx)
         return network
     layerwise = _layerwise_names(network)
     if layerwise:
@@ -260,22 +269,54 @@ def _attach_data_parallel(network: torch.nn.Module, ctx) -> None:
         mark(network, inner)
         return
     world = _comm.get_group_size()
-    ignore = set(_layerwise_names(network))
-    if world > 1:
-        import torch.distributed as dist
-
-        from autopar.parallel.data_parallel import warn_if_replicas_differ
-
-        if ctx.parameter_broadcast:
-            with torch.no_grad():
-                for name, t in [*network.named_parameters(), *network.named_buffers()]:
-                    if name not in ignore:
-                        dist.broadcast(t.data, src=0)
-        else:
-            warn_if_replicas_differ(network, ignore)
+    _equalize_replicas(network, ctx, set(_layerwise_names(network)))
     sync = GradSync(world, ctx.gradients_mean, yields_to_ddp=bool(network.__dict__.get("_autopar_ddp")))
     sync.attach_module(network)
     mark(network, sync)
+
+
+def _equalize_replicas(network: torch.nn.Module, ctx, ignore: set[str]) -> None:
+    """``parameter_broadcast``: rank 0's initial values everywhere; otherwise rank 0 warns if the replicas differ."""
+    if _comm.get_group_size() <= 1:
+        return
+    import torch.distributed as dist
+
+    from autopar.parallel.data_parallel import warn_if_replicas_differ
+
+    if ctx.parameter_broadcast:
+        with torch.no_grad():
+            for name, t in [*network.named_parameters(), *network.named_buffers()]:
+                if name not in ignore:
+                    dist.broadcast(t.data, src=0)
+    else:
+        warn_if_replicas_differ(network, ignore)
+
+
+_zero_warned: set[str] = set()
+
+
+def _zero_level(ctx, mode: ParallelMode) -> str | None:
+    """The optimizer-sharding level to apply, or None; asked for in a mode that does not shard yet: warn once."""
+    from autopar.parallel.optimizer_shard import level_of
+
+    level = level_of(ctx)
+    if level and mode is not ParallelMode.DATA_PARALLEL:
+        if mode.value not in _zero_warned:
+            _zero_warned.add(mode.value)
+            import warnings
+
+            warnings.warn(f"autopar: enable_parallel_optimizer shards the optimizer in data_parallel only so far; "
+                          f"{mode.value} trains with the whole optimizer state on every rank", stacklevel=3)
+        return None
+    return level
+
+
+def _shard_optimizer(network: torch.nn.Module, ctx) -> None:
+    from autopar.parallel.optimizer_shard import is_sharded, shard_optimizer
+
+    if not is_sharded(network):
+        _equalize_replicas(network, ctx, set())
+        shard_optimizer(network, _zero_level(ctx, ctx.parallel_mode), ctx.gradients_mean)
 
 
 def finish_gradients(network: torch.nn.Module) -> None:

@@ -49,6 +49,11 @@ def world_mesh() -> DeviceMesh:
     return _mesh(shape, _comm.device().type if _comm.is_initialized() else "cpu")
 
 
+def flat_mesh() -> DeviceMesh:
+    """All ranks on one axis: what optimizer sharding splits parameters over."""
+    return _mesh((world_size(),), _comm.device().type if _comm.is_initialized() else "cpu")
+
+
 def mesh_shape() -> tuple[int, ...]:
     return tuple(world_mesh().shape)
 

@@ -119,7 +119,9 @@ def tune_optimizer(optimizer: torch.optim.Optimizer | None) -> bool:
     groups = optimizer.param_groups
     if any(g.get("foreach") is not None or g.get("fused") or g.get("differentiable") for g in groups):
         return False
-    params = [p for g in groups for p in g["params"]]
+    from autopar.common.replaced import resolve
+
+    params = [resolve(p) for g in groups for p in g["params"]]  # what it will step: a sharded replacement, maybe
     if not params or any(not p.is_floating_point() or p.is_sparse for p in params):
         return False
     if len({(p.device.type, p.dtype) for p in params}) != 1 or params[0].device.type not in ("cpu", "cuda"):
