@@ -69,6 +69,7 @@ _LAZY = {
     "value_and_grad": "autopar.ops.grad:value_and_grad",
     "grad": "autopar.ops.grad:grad",
     "parallelize": "autopar.parallel.api:parallelize",
+    "PipelineParallel": "autopar.parallel.pipeline:PipelineParallel",
     "load_checkpoint": "autopar.checkpoint.api:load_checkpoint",
     "save_checkpoint": "autopar.checkpoint.api:save_checkpoint",
     "load_param_into_net": "autopar.checkpoint.api:load_param_into_net",

@@ -78,6 +78,8 @@ class _AutoParallelContext:
     grad_accumulation_step: int = 1
     enable_parallel_optimizer: bool = False  # ZeRO on FSDP2 (parallel.optimizer_shard), data_parallel
     parallel_optimizer_config: dict = field(default_factory=dict)  # {"optimizer_level": "level1|level2|level3"}
+    pipeline_stages: int = 1  # > 1: nn.PipelineCell runs on torch.distributed.pipelining (parallel.pipeline)
+    pipeline_config: dict = field(default_factory=dict)  # {"pipeline_scheduler": "1f1b" | "gpipe"}
     optimizer_weight_shard_size: int = -1  # -1: all data-parallel ranks (other sizes warn: not applied yet)
     loss_repeated_mean: bool = True
     gradient_fp32_sync: bool = True
@@ -100,7 +102,7 @@ _IGNORED_RUN_KEYS = {
     "graph_kernel_flags", "jit_config", "memory_optimize_level", "pynative_synchronize", "runtime_num_threads",
     "enable_compile_cache", "compile_cache_path", "inter_op_parallel_num", "check_bprop", "max_call_depth",
 }
-_IGNORED_AUTO_KEYS = {"pipeline_stages", "comm_fusion", "strategy_ckpt_config", "enable_alltoall", "auto_pipeline"}
+_IGNORED_AUTO_KEYS = {"comm_fusion", "strategy_ckpt_config", "enable_alltoall", "auto_pipeline"}
 _KNOWN_PS_KEYS = {"enable_ssl", "client_password", "server_password", "config_file_path"}
 
 
@@ -185,8 +187,10 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
         elif key in _IGNORED_AUTO_KEYS:
             _warn_not_applied(key, value)
             continue
-        elif key == "parallel_optimizer_config" and not isinstance(value, dict):
-            raise ConfigError(f"parallel_optimizer_config must be a dict, got {value!r}")
+        elif key == "pipeline_stages" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"pipeline_stages must be a positive integer, got {value!r}")
+        elif key in ("parallel_optimizer_config", "pipeline_config") and not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a dict, got {value!r}")
         elif key not in valid:
             raise ConfigError(
                 f"set_auto_parallel_context got an unknown key {key!r}; valid keys: {', '.join(sorted(valid))}"
@@ -199,7 +203,7 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
 
 # Keys autopar accepts (tutorial scripts pass them) but does not act on yet. A value that asks for something --
 # not the default -- is warned about once: no option is silently ignored.
-_NEUTRAL = {"pipeline_stages": (None, 0, 1), "comm_fusion": (None, {}), "strategy_ckpt_config": (None, {}),
+_NEUTRAL = {"comm_fusion": (None, {}), "strategy_ckpt_config": (None, {}),
             "enable_alltoall": (None, False), "auto_pipeline": (None, False)}
 _warned: set[str] = set()
 

@@ -7,6 +7,8 @@
 """
 from __future__ import annotations
 
+import contextlib
+
 import os
 import sys
 from pathlib import Path
@@ -41,10 +43,15 @@ def save_checkpoint(save_obj: torch.nn.Module, ckpt_file_name: str | os.PathLike
     path = Path(ckpt_file_name)
     if path.suffix != ".ckpt":
         path = path.with_name(path.name + ".ckpt")
-    if integrated_save:
-        store.save_integrated(path, save_obj, optimizer, meta)
-    else:
-        store.save_sliced(path, save_obj, optimizer, meta)
+    from autopar.parallel.pipeline import pipeline_of
+
+    runner = pipeline_of(save_obj)
+    with runner.full_parameters() if runner is not None else contextlib.nullcontext():
+        # a pipeline stage holds only its own parameters current: every rank gets them all first
+        if integrated_save:
+            store.save_integrated(path, save_obj, optimizer, meta)
+        else:
+            store.save_sliced(path, save_obj, optimizer, meta)
 
 
 def layouts_of(network: torch.nn.Module) -> dict:

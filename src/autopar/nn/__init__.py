@@ -2,4 +2,4 @@
 from autopar.nn.cell import Cell  # noqa: F401
 from autopar.nn.loss import SoftmaxCrossEntropyExpand, SoftmaxCrossEntropyWithLogits  # noqa: F401
 from autopar.nn.optim import SGD, Adam, AdamWeightDecay, Momentum  # noqa: F401
-from autopar.nn.wrappers import DistributedGradReducer, TrainOneStepCell, WithLossCell  # noqa: F401
+from autopar.nn.wrappers import DistributedGradReducer, PipelineCell, TrainOneStepCell, WithLossCell  # noqa: F401

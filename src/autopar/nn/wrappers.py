@@ -30,6 +30,37 @@ class WithLossCell(Cell):
         return self._backbone
 
 
+class PipelineCell(Cell):
+    """``nn.PipelineCell(network_with_loss, micro_size, stage_config=None)``: the loss of a batch computed over
+    ``micro_size`` micro-batches (their mean: the same loss and gradients as the whole batch at once).
+
+    With ``set_auto_parallel_context(pipeline_stages=S)``, S > 1, ``Model.train`` runs it on torch's pipeline
+    engine (:mod:`autopar.parallel.pipeline`), split before the first cell of each stage (``cell.pipeline_stage =
+    k``, or ``stage_config={"cell name": k}`` here). Called directly it computes on this process."""
+
+    def __init__(self, network: torch.nn.Module, micro_size: int, stage_config: dict | None = None):
+        super().__init__()
+        if not isinstance(micro_size, int) or isinstance(micro_size, bool) or micro_size < 1:
+            raise TrainingError(f"PipelineCell: micro_size must be a positive integer, got {micro_size!r}")
+        self.network = network
+        self.micro_size = micro_size
+        cells = dict(network.named_modules())
+        for name, stage in (stage_config or {}).items():
+            if name not in cells:
+                raise TrainingError(f"PipelineCell stage_config: the network has no cell '{name}'")
+            cells[name].pipeline_stage = int(stage)
+
+    def construct(self, *inputs: Any) -> torch.Tensor:
+        from autopar import context as _context
+
+        if _context.auto_parallel_context().pipeline_stages > 1 and not _context.is_managed():
+            raise TrainingError("with pipeline_stages > 1 a PipelineCell trains through Model.train (the pipeline "
+                                "runs forward and backward together); or use autopar.PipelineParallel")
+        chunks = [t.tensor_split(self.micro_size) if isinstance(t, torch.Tensor) else [t] * self.micro_size
+                  for t in inputs]
+        return torch.stack([self.network(*micro) for micro in zip(*chunks)]).mean()
+
+
 class TrainOneStepCell(Cell):
     """``TrainOneStepCell(net_with_loss, optimizer, sens=1.0)(*inputs)``: forward, backward (the loss's gradient
     scaled by ``sens``), optimizer step; returns the loss. Works with any torch optimizer."""

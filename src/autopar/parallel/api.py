@@ -53,6 +53,7 @@ class Prepared:
     runtime: Any = None  # the SemiAutoRuntime, in the layout modes
     channels_last: bool = False  # feed 4-D inputs in channels-last memory format (parallel.tuning)
     compiled: bool = False  # GRAPH_MODE: the forward runs through torch.compile
+    runs_backward: bool = False  # pipeline: forward_loss runs the backward too (and returns the detached loss)
 
 
 def has_strategies(*modules: torch.nn.Module | None) -> bool:
@@ -96,6 +97,11 @@ def prepare(network: torch.nn.Module, loss_fn: torch.nn.Module | None = None,
 
     tune_allocator(network)  # every mode: it changes no result, only how often freed memory is faulted back in
     world = _comm.get_group_size() if _comm.is_initialized() else 1
+    if ctx.pipeline_stages > 1:
+        if mode is not ParallelMode.STAND_ALONE:
+            return _prepare_pipeline(network, loss_fn, mode, device, world, ctx)
+        _warn_once("pipeline_stages", f"autopar: pipeline_stages={ctx.pipeline_stages} needs a parallel mode "
+                   "(semi_auto_parallel, as MindSpore): stand_alone runs the network in one stage")
     if mode is ParallelMode.STAND_ALONE:
         return _tuned(Prepared(mode, network, device, world, _loss_caller(network, loss_fn)), network, optimizer)
     layerwise = _layerwise_names(network)
@@ -292,7 +298,48 @@ def _equalize_replicas(network: torch.nn.Module, ctx, ignore: set[str]) -> None:
         warn_if_replicas_differ(network, ignore)
 
 
-_zero_warned: set[str] = set()
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        import warnings
+
+        warnings.warn(message, stacklevel=3)
+
+
+def _prepare_pipeline(network, loss_fn, mode, device, world, ctx) -> Prepared:
+    """``pipeline_stages`` > 1: ``Model(nn.PipelineCell(net_with_loss, micro_size), optimizer=opt)`` on torch's
+    pipeline engine (:mod:`autopar.parallel.pipeline`)."""
+    from autopar.nn.wrappers import PipelineCell, WithLossCell
+    from autopar.parallel.pipeline import PipelineParallel, pipeline_of, split_points_from_stages
+
+    stages = ctx.pipeline_stages
+    if (not isinstance(network, PipelineCell) or loss_fn is not None
+            or not isinstance(network.network, WithLossCell)):
+        raise ConfigError(f"pipeline_stages={stages} trains Model(nn.PipelineCell(nn.WithLossCell(net, loss), "
+                          "micro_size), optimizer=opt): the label meets the loss on the last stage")
+    if world % stages:
+        raise ConfigError(f"pipeline_stages={stages} does not divide the {world} ranks")
+    if has_strategies(network):
+        _warn_once("pipeline+strategies", "autopar: shard strategies inside pipeline stages are not applied yet: "
+                   "each stage runs whole, replicated over its data-parallel ranks")
+    backbone, loss = network.network.backbone_network, network.network._loss_fn
+    runner = pipeline_of(backbone)
+    if runner is None:
+        config = dict(ctx.pipeline_config or {})
+        unknown = set(config) - {"pipeline_scheduler", "pipeline_interleave"}
+        if unknown:
+            raise ConfigError(f"pipeline_config: unknown keys {sorted(unknown)}; known: pipeline_scheduler")
+        if config.get("pipeline_interleave"):
+            _warn_once("pipeline_interleave", "autopar: pipeline_interleave is not applied: one stage per rank")
+        runner = PipelineParallel(backbone, loss, network.micro_size, split_points_from_stages(backbone, stages),
+                                  schedule=str(config.get("pipeline_scheduler", "1f1b")).lower(),
+                                  gradients_mean=ctx.gradients_mean)
+    return Prepared(mode, network, device, world, lambda inputs: runner.step(*inputs), runs_backward=True)
+
+
 
 
 def _zero_level(ctx, mode: ParallelMode) -> str | None:
@@ -301,12 +348,8 @@ def _zero_level(ctx, mode: ParallelMode) -> str | None:
 
     level = level_of(ctx)
     if level and mode is not ParallelMode.DATA_PARALLEL:
-        if mode.value not in _zero_warned:
-            _zero_warned.add(mode.value)
-            import warnings
-
-            warnings.warn(f"autopar: enable_parallel_optimizer shards the optimizer in data_parallel only so far; "
-                          f"{mode.value} trains with the whole optimizer state on every rank", stacklevel=3)
+        _warn_once(f"zero/{mode.value}", f"autopar: enable_parallel_optimizer shards the optimizer in data_parallel "
+                   f"only so far; {mode.value} trains with the whole optimizer state on every rank")
         return None
     return level
 

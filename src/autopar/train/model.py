@@ -140,6 +140,14 @@ class Model:
         self._micro_step += 1
         last = self._micro_step % self._accumulation == 0
         sync = prepared.no_sync if not last else _null
+        if prepared.runs_backward:  # the pipeline: forward and backward over the micro-batches in one schedule
+            if self._accumulation > 1:
+                raise ConfigError("grad_accumulation_steps with pipeline_stages: the pipeline's micro_size already "
+                                  "accumulates over micro-batches")
+            loss = self._forward_loss(inputs)
+            self._precision.step(self._optimizer)
+            self._optimizer.zero_grad(set_to_none=True)
+            return loss
         with sync():
             loss = self._forward_loss(inputs)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

@@ -1,0 +1,51 @@
+"""Pipeline parallelism (pipeline_stages=2 with nn.PipelineCell and cell.pipeline_stage, and the PyTorch door's
+PipelineParallel with split points) on torch.distributed.pipelining: per-step losses and parameters after 5 steps
+equal one process on the global batch, on 2 stages x 1 and 2 stages x 2 ranks, 1F1B and GPipe; a 2-stage checkpoint
+loads into one process (integrated) and onto 4 ranks (sliced); bad input is one line."""
+import json
+
+import torch
+from procutil import SCRIPTS, autopar_cmd
+
+import autopar
+
+
+def _run(procs, tmp_path, n, *extra):
+    out = tmp_path / f"w{n}"
+    out.mkdir()
+    res = procs.run(autopar_cmd("launch", "-n", str(n), "--log-dir", str(out / "logs"),
+                                str(SCRIPTS / "pipeline_train.py"),
+                                str(out / "out"), str(out), *map(str, extra)), timeout=400)
+    assert res.returncode == 0, res.stdout + res.stderr + (out / "logs" / "worker_0.log").read_text()
+    return out, [json.load(open(out / f"out.{r}")) for r in range(n)]
+
+
+def _check(results, n):
+    for rank, r in enumerate(results):
+        errors = r.pop("errors")
+        assert "cell 'l1' has parameters but no pipeline_stage" in errors["no_stage"], errors
+        assert f"pipeline_stages=3 does not divide the {n} ranks" in errors["bad_stages"], errors
+        assert "bubble (S-1)/(M+S-1)" in errors["bubble"], errors
+        reload = r.pop("reload", None)
+        assert reload is not None or n == 2, sorted(r)
+        assert len(r) == 5, sorted(r)
+        for key, case in r.items():
+            assert "error" not in case, (rank, key, case.get("error"), case.get("trace"))
+            assert case["loss_diff"] <= 1e-5 and case["param_diff"] <= 1e-5, (rank, key, case)
+            assert case["stage"] == rank // (n // 2), (rank, key, case)
+        if reload is not None:
+            assert reload["files"] == 2 and reload["diff"] == 0.0, reload
+
+
+def test_pipeline_two_stages_exact_and_its_checkpoints_reload(procs, tmp_path):
+    two, results = _run(procs, tmp_path, 2)
+    _check(results, 2)
+    # integrated: one file holding every stage's parameters, read by one process
+    saved = json.load(open(two / "saved.json"))
+    params = autopar.load_checkpoint(two / "integrated.ckpt")
+    assert sorted(params) == sorted(saved)
+    for name, value in saved.items():
+        assert torch.equal(params[name].detach(), torch.tensor(value)), name
+    # sliced: the 2 ranks' files onto 4 ranks (plain DATA_PARALLEL there), and 2 stages x 2 replicas trains exactly
+    _, results = _run(procs, tmp_path, 4, two)
+    _check(results, 4)

@@ -1,0 +1,171 @@
+"""Worker: pipeline parallelism (pipeline_stages=2, nn.PipelineCell, torch.distributed.pipelining) equals one process.
+
+argv: OUT_PREFIX CKPT_DIR [LOAD_FROM]. 2 stages x (world / 2) data-parallel replicas. Cases: Model.train with
+PipelineCell(WithLossCell(net, loss), micro_size=4), schedules 1F1B and GPipe, SGD and AdamW (the MindSpore door:
+cell.pipeline_stage); the PyTorch door (PipelineParallel with split points, a plain loop, AdamW made before the
+first step) recording each step's loss. Each against one process on the same global batch: per-step losses, and
+this rank's stage parameters after 5 steps. Bad input: a cell with no stage, stages that do not divide the ranks,
+micro_size < stages (a warning). Saves the MindSpore-door SGD/1f1b case integrated (CKPT_DIR/integrated.ckpt[.r])
+and sliced (CKPT_DIR/sliced_<r>); with LOAD_FROM, loads that sliced set (written by another world size) into a
+plain DATA_PARALLEL network. Writes {case: result} to OUT_PREFIX.<rank>.
+"""
+import json
+import sys
+import warnings
+
+import numpy as np
+import torch
+
+import autopar
+from autopar import nn
+from autopar.communication import get_group_size, get_rank, init
+from autopar.errors import ConfigError
+from autopar.parallel.pipeline import PipelineParallel
+from autopar.train import Model
+from autopar.train.callbacks import Callback
+
+out_prefix, ckpt_dir = sys.argv[1], sys.argv[2]
+load_from = sys.argv[3] if len(sys.argv) > 3 else None
+init()
+rank, n = get_rank(), get_group_size()
+replicas = n // 2
+GLOBAL = 16
+rng = np.random.default_rng(0)
+X = torch.tensor(rng.standard_normal((5, GLOBAL, 8)).astype(np.float32))
+Y = torch.tensor(rng.integers(0, 5, (5, GLOBAL)))
+OPTIMIZERS = {"SGD": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+              "AdamW": lambda ps: torch.optim.AdamW(ps, lr=0.01)}
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 16)
+        self.l3, self.l4 = torch.nn.Linear(16, 16), torch.nn.Linear(16, 5)
+
+    def forward(self, x):
+        h = torch.relu(self.l2(torch.relu(self.l1(x))))
+        return self.l4(torch.relu(self.l3(h)) + h)  # a skip connection across the stage boundary
+
+
+def staged() -> Net:
+    net = Net()
+    for name, stage in (("l1", 0), ("l2", 0), ("l3", 1), ("l4", 1)):
+        getattr(net, name).pipeline_stage = stage
+    return net
+
+
+def reference(opt_name: str) -> tuple[list[float], dict]:
+    autopar.reset_auto_parallel_context()
+    net = Net()
+    opt = OPTIMIZERS[opt_name](net.parameters())
+    losses = []
+    for step in range(5):
+        loss = torch.nn.functional.cross_entropy(net(X[step]), Y[step])
+        losses.append(float(loss))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return losses, {k: v.detach().clone() for k, v in net.named_parameters()}
+
+
+def replica_batch(step: int):
+    d, per = rank % replicas, GLOBAL // replicas
+    return X[step][d * per:(d + 1) * per], Y[step][d * per:(d + 1) * per]
+
+
+def set_pipeline(scheduler: str = "1f1b") -> None:
+    autopar.reset_auto_parallel_context()
+    autopar.set_auto_parallel_context(parallel_mode="semi_auto_parallel", gradients_mean=True, pipeline_stages=2,
+                                      pipeline_config={"pipeline_scheduler": scheduler})
+
+
+class Losses(Callback):
+    def __init__(self):
+        self.values = []
+
+    def step_end(self, run_context):
+        self.values.append(float(run_context.original_args().net_outputs))
+
+
+def stage_diff(runner: PipelineParallel, ref: dict) -> float:
+    names = [k for k, _ in runner.stage_module.named_parameters()]
+    params = dict(runner.network.named_parameters())
+    assert names, "this stage holds no parameters"
+    return max(float((params[k] - ref[k]).abs().max()) for k in names)
+
+
+results = {}
+refs = {name: reference(name) for name in OPTIMIZERS}
+for scheduler in ("1f1b", "gpipe"):
+    for opt_name in OPTIMIZERS:
+        key = f"model/{scheduler}/{opt_name}"
+        try:
+            set_pipeline(scheduler)
+            net = staged()
+            opt = OPTIMIZERS[opt_name](net.parameters())
+            model = Model(nn.PipelineCell(nn.WithLossCell(net, torch.nn.CrossEntropyLoss()), micro_size=4),
+                          optimizer=opt)
+            cb = Losses()
+            model.train(1, [replica_batch(s) for s in range(5)], callbacks=[cb])
+            runner = net.__dict__["_autopar_pipeline"]
+            results[key] = {"loss_diff": max(abs(a - b) for a, b in zip(cb.values, refs[opt_name][0])),
+                            "param_diff": stage_diff(runner, refs[opt_name][1]),
+                            "stage": runner.stage_index}
+            if key == "model/1f1b/SGD":
+                autopar.save_checkpoint(net, f"{ckpt_dir}/integrated.ckpt" + (f".{rank}" if rank else ""))
+                autopar.save_checkpoint(net, f"{ckpt_dir}/sliced_{rank}", integrated_save=False)
+                results[key]["saved"] = {k: v.detach().tolist() for k, v in net.named_parameters()}
+        except Exception as exc:  # noqa: BLE001 - recorded: the test names the case
+            import traceback
+
+            results[key] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}", "trace": traceback.format_exc()[-1500:]}
+try:  # the PyTorch door: split points by name, a plain loop, the optimizer made first
+    autopar.reset_auto_parallel_context()
+    net = Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    runner = PipelineParallel(net, torch.nn.functional.cross_entropy, micro_batches=4, split_points=["l3"])
+    losses = []
+    for step in range(5):
+        losses.append(float(runner.step(*replica_batch(step))))
+        opt.step()
+        opt.zero_grad()
+    results["torch/1f1b/AdamW"] = {"loss_diff": max(abs(a - b) for a, b in zip(losses, refs["AdamW"][0])),
+                                   "param_diff": stage_diff(runner, refs["AdamW"][1]),
+                                   "stage": runner.stage_index}
+except Exception as exc:  # noqa: BLE001
+    results["torch/1f1b/AdamW"] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+
+errors = {}
+for case, build in (("no_stage", lambda: Net()), ("bad_stages", staged)):
+    try:
+        autopar.reset_auto_parallel_context()
+        autopar.set_auto_parallel_context(parallel_mode="semi_auto_parallel",
+                                          pipeline_stages=3 if case == "bad_stages" else 2)
+        model = Model(nn.PipelineCell(nn.WithLossCell(build(), torch.nn.CrossEntropyLoss()), 4),
+                      optimizer=torch.optim.SGD(Net().parameters(), lr=0.1))
+        model.train(1, [replica_batch(0)])
+        errors[case] = "no error"
+    except ConfigError as exc:
+        errors[case] = str(exc)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    autopar.reset_auto_parallel_context()
+    PipelineParallel(Net(), torch.nn.CrossEntropyLoss(), micro_batches=1, split_points=["l3"])
+errors["bubble"] = " | ".join(str(w.message) for w in caught)
+results["errors"] = errors
+
+if load_from:  # the 2-stage sliced checkpoint, onto this world size, in plain DATA_PARALLEL
+    autopar.reset_auto_parallel_context()
+    autopar.set_auto_parallel_context(parallel_mode="data_parallel", gradients_mean=True)
+    plain = Net()
+    files = sorted(str(p) for p in __import__("pathlib").Path(load_from).glob("sliced_*.ckpt"))
+    autopar.load_distributed_checkpoint(plain, files)
+    saved = json.load(open(f"{load_from}/saved.json"))
+    results["reload"] = {"diff": max(float((p - torch.tensor(saved[k])).abs().max())
+                                     for k, p in plain.named_parameters()), "files": len(files)}
+json.dump(results, open(f"{out_prefix}.{rank}", "w"), indent=1)
+if rank == 0 and "saved" in results.get("model/1f1b/SGD", {}):
+    json.dump(results["model/1f1b/SGD"]["saved"], open(f"{ckpt_dir}/saved.json", "w"))
+print(f"RANK {rank} DONE", flush=True)
