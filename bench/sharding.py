@@ -1,0 +1,69 @@
+"""Optimizer sharding (ZeRO levels on FSDP2) and the 2-stage pipeline vs DATA_PARALLEL and one process, interleaved.
+
+An MLP (default 8 x 2048^2 + head: ~33.6M parameters; --hidden 3584 gives ~103M) trained with AdamW, global batch
+32. Per configuration (medians over rounds): steady step time, and per rank the MB of parameters, gradients and
+optimizer state it holds (its shards) -- expect 1/N for what a level shards -- and peak RSS. For the pipeline: step
+time vs one process and the measured bubble 1 - T_single / (S x T_pipeline) against (S-1)/(M+S-1).
+
+    python bench/sharding.py [--world 2] [--rounds 3] [--hidden 2048] [--layers 8] [--micro 8]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dp_throughput import WORK, _run  # noqa: E402
+
+MODES = ("dp", "level1", "level2", "level3", "pipeline", "single")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--micro", type=int, default=8)
+    p.add_argument("--steps", type=int, default=8)
+    args = p.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="autopar-sharding-"))
+    rows: dict[str, list[list[dict]]] = {m: [] for m in MODES}
+    for rnd in range(args.rounds):
+        for mode in MODES:
+            logs = tmp / f"{mode}-{rnd}"
+            logs.mkdir()
+            n = 1 if mode == "single" else (2 if mode == "pipeline" else args.world)
+            cmd = [sys.executable, "-m", "autopar.cli.main", "launch", "-n", str(n), "--log-dir", str(logs),
+                   str(WORK / "sharding.py"), "--mode", mode, "--hidden", str(args.hidden), "--layers",
+                   str(args.layers), "--micro", str(args.micro), "--steps", str(args.steps)]
+            rows[mode].append(_run(cmd, 1, logs))
+            print(f"[bench] round {rnd + 1} {mode}: {max(r['steady_step_s'] for r in rows[mode][-1]):.3f} s/step",
+                  file=sys.stderr, flush=True)
+    out: dict = {}
+    for mode, runs in rows.items():
+        out[mode] = {"world": runs[0][0]["world"],
+                     "steady_step_s": round(statistics.median(max(r["steady_step_s"] for r in rs) for rs in runs), 4),
+                     "rounds_step_s": [round(max(r["steady_step_s"] for r in rs), 4) for rs in runs],
+                     "peak_rss_mb_per_rank": round(statistics.median(max(r["peak_rss_mb"] for r in rs) for rs in runs), 1)}
+        for k in ("param_mb", "grad_mb", "optimizer_state_mb"):
+            out[mode][k + "_per_rank"] = round(max(r[k] for r in runs[0]), 2)
+    dp = out["dp"]
+    for level in ("level1", "level2", "level3"):
+        out[level]["step_vs_dp"] = round(out[level]["steady_step_s"] / dp["steady_step_s"], 3)
+        out[level]["state_vs_dp"] = round(out[level]["optimizer_state_mb_per_rank"] / dp["optimizer_state_mb_per_rank"], 3)
+    s, m = 2, args.micro
+    out["pipeline"]["speedup_vs_single"] = round(out["single"]["steady_step_s"] / out["pipeline"]["steady_step_s"], 3)
+    out["pipeline"]["bubble_measured"] = round(1 - out["single"]["steady_step_s"] / (s * out["pipeline"]["steady_step_s"]), 3)
+    out["pipeline"]["bubble_model"] = round((s - 1) / (m + s - 1), 3)
+    out["config"] = {"hidden": args.hidden, "layers": args.layers, "global_batch": 32, "micro_batches": m,
+                     "world": args.world, "threads_per_rank": 1, "optimizer": "AdamW", "rounds": args.rounds}
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
