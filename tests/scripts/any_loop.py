@@ -153,7 +153,6 @@ class StepScheduler(Callback):
 
 
 def run_case(mode: str, loop: str, opt_kind: str, loss_fn, late_optimizer: bool) -> float:
-    ref = reference(opt_kind, loop)
     set_mode(mode)
     net = make(mode)
     door = loop in ("value_and_grad", "train_one_step")

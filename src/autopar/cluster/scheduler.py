@@ -12,6 +12,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch.distributed as dist
 
