@@ -24,3 +24,16 @@ def test_tutorial_run_sh_trains(procs, tmp_path):
         assert re.findall(r"epoch: (\d) step: 5, loss is \d", log) == ["1", "2"], log
     assert "job succeeded" in (tmp_path / "scheduler.txt").read_text()
     assert not procs.wait_no_leftovers()
+
+
+def test_sbatch_example_is_valid_and_names_the_tutorial_script(procs):
+    """No SLURM here: the script parses, asks for its one argument, and srun starts a script that exists (what srun
+    exports to each task is run for real across hosts in tests/cluster/test_netns_hosts.py)."""
+    path = ROOT / "examples/train.sbatch"
+    assert procs.run(["bash", "-n", str(path)], timeout=30).returncode == 0
+    res = procs.run(["bash", str(path)], timeout=30)
+    assert res.returncode != 0 and "usage: sbatch examples/train.sbatch DATA_PATH" in res.stderr
+    text = path.read_text()
+    assert re.search(r"#SBATCH --ntasks-per-node=\d+", text)
+    script = re.search(r'srun .*"\$SCRIPT_DIR/(\S+)"', text)[1]
+    assert (ROOT / "examples" / script).is_file()

@@ -1,9 +1,11 @@
 """Worker for the restart test: DATA_PARALLEL training with integrated checkpoints every 2 steps, always asked to
-resume; on the first attempt (AUTOPAR_RESTART=0) rank 1 dies abruptly after step 5 when CRASH=1. Rank 0 writes
+resume; on the first attempt (AUTOPAR_RESTART=0) rank 1 dies abruptly after step 5 when CRASH=1; STEP_SLEEP seconds
+after each step. Rank 0 writes
 the final parameters and the steps it ran. argv: ROOT"""
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -34,6 +36,7 @@ class Step(Callback):
         ran.append(step)
         if os.environ.get("CRASH") == "1" and attempt == 0 and rank == 1 and step == 5:
             os._exit(9)
+        time.sleep(float(os.environ.get("STEP_SLEEP", "0")))  # time for a test to pull a cable mid-run
 
 
 ckpt = ModelCheckpoint("job", root / f"ckpt_{rank}", CheckpointConfig(save_checkpoint_steps=2))

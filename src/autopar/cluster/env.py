@@ -1,8 +1,11 @@
 """Which launch contract started this process, read from the environment.
 
-The order of precedence is fixed (MindSpore dynamic cluster, rank table, torchrun, OpenMPI, stand-alone) so that a
-process started by one launcher never misreads variables left behind by another: e.g. ``mpirun`` exports
-``OMPI_*`` into a torchrun job only if both were nested, and then torchrun's explicit ``RANK`` wins.
+The order of precedence is fixed (MindSpore dynamic cluster, rank table, torchrun, OpenMPI, then the cluster
+schedulers SLURM and a Kubernetes indexed Job, stand-alone) so that a process started by one launcher never misreads
+variables left behind by another: e.g. ``mpirun`` exports ``OMPI_*`` into a torchrun job only if both were nested,
+and then torchrun's explicit ``RANK`` wins; an ``mpirun`` or ``autopar launch`` inside a SLURM allocation inherits
+the batch step's ``SLURM_PROCID=0``, and its own contract wins. Kubeflow's PyTorchJob and torchrun (elastic) set
+``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``: the torchrun contract.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ class ClusterEnv:
     ``rank`` is None for MindSpore workers: the scheduler assigns it at registration.
     """
 
-    contract: str  # "mindspore" | "ranktable" | "torchrun" | "openmpi" | "standalone"
+    contract: str  # "mindspore" | "ranktable" | "torchrun" | "openmpi" | "slurm" | "kubernetes" | "standalone"
     role: str  # "worker" | "scheduler"
     world_size: int
     rank: int | None = None
@@ -138,14 +141,66 @@ def mpi_default_port(env: Mapping[str, str]) -> int:
     job = env.get("OMPI_MCA_ess_base_jobid") or env.get("PMIX_NAMESPACE") or env.get("OMPI_MCA_orte_hnp_uri")
     if not job:
         return DEFAULT_MASTER_PORT
-    digest = int(hashlib.sha256(job.encode()).hexdigest(), 16)
-    return 20000 + digest % 20000
+    return _derived_port(job)
 
 
 def _openmpi(env: Mapping[str, str]) -> ClusterEnv:
     return _rank_variables(env, "openmpi", ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
                                             "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
                            mpi_default_port(env))
+
+
+def _derived_port(*parts: str) -> int:
+    """A port every rank of one job derives alike, different between jobs (and SLURM steps) on the same nodes."""
+    digest = int(hashlib.sha256("/".join(parts).encode()).hexdigest(), 16)
+    return 20000 + digest % 20000
+
+
+def _slurm(env: Mapping[str, str]) -> ClusterEnv:
+    """``srun``: one task per process; the first node of the step hosts the rendezvous (task 0 runs there)."""
+    from autopar.cluster.slurm import expand_nodelist, expand_tasks_per_node
+
+    world = parse_int(env, "SLURM_NTASKS", minimum=1, what=" (srun's task count)")
+    rank = parse_int(env, "SLURM_PROCID")
+    if rank >= world:
+        raise ClusterError(f"SLURM_PROCID={rank} is beyond the world size SLURM_NTASKS={world}")
+    list_var = "SLURM_STEP_NODELIST" if env.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
+    nodes = expand_nodelist(env.get(list_var) or "", list_var) if env.get(list_var) else None
+    local_size = None
+    tasks_var = "SLURM_STEP_TASKS_PER_NODE" if env.get("SLURM_STEP_TASKS_PER_NODE") else "SLURM_TASKS_PER_NODE"
+    if env.get(tasks_var) and env.get("SLURM_NODEID"):
+        counts = expand_tasks_per_node(env[tasks_var], tasks_var)
+        node = parse_int(env, "SLURM_NODEID")
+        if node >= len(counts):
+            raise ClusterError(f"SLURM_NODEID={node} but {tasks_var}={env[tasks_var]!r} lists {len(counts)} nodes")
+        local_size = counts[node]
+    master = env.get("MASTER_ADDR") or (nodes[0] if nodes else None)
+    if master is None:
+        raise ClusterError("SLURM_JOB_NODELIST is not set and neither is MASTER_ADDR: no host for the rendezvous")
+    return ClusterEnv(
+        contract="slurm",
+        role="worker",
+        world_size=world,
+        rank=rank,
+        local_rank=parse_int(env, "SLURM_LOCALID") if env.get("SLURM_LOCALID") else None,
+        local_size=local_size,
+        master_addr=master,
+        master_port=parse_port(env, "MASTER_PORT", _derived_port("slurm", env.get("SLURM_JOB_ID", ""),
+                                                                 env.get("SLURM_STEP_ID", ""))),
+    )
+
+
+def _kubernetes_indexed(env: Mapping[str, str]) -> ClusterEnv:
+    """A Kubernetes indexed Job (or a JobSet of one replicated job): one pod per rank, the pod's completion index
+    as its rank; ``WORLD_SIZE`` and ``MASTER_ADDR`` (pod 0's stable name) come from the job's spec."""
+    world = parse_int(env, "WORLD_SIZE", minimum=1, what=" (the number of pods)")
+    rank = parse_int(env, "JOB_COMPLETION_INDEX")
+    if rank >= world:
+        raise ClusterError(f"JOB_COMPLETION_INDEX={rank} is beyond the world size WORLD_SIZE={world}")
+    if not env.get("MASTER_ADDR"):
+        raise ClusterError("a Kubernetes indexed Job needs MASTER_ADDR (pod 0's name, e.g. <job>-0.<service>)")
+    return ClusterEnv(contract="kubernetes", role="worker", world_size=world, rank=rank, local_rank=0, local_size=1,
+                      master_addr=env["MASTER_ADDR"], master_port=parse_port(env, "MASTER_PORT", DEFAULT_MASTER_PORT))
 
 
 def _ranktable(env: Mapping[str, str]) -> ClusterEnv | None:
@@ -180,4 +235,8 @@ def detect_cluster_env(env: Mapping[str, str] | None = None) -> ClusterEnv:
         return _torchrun(env)
     if env.get("OMPI_COMM_WORLD_RANK") is not None:
         return _openmpi(env)
+    if env.get("SLURM_PROCID") is not None and env.get("SLURM_NTASKS") is not None:
+        return _slurm(env)
+    if env.get("JOB_COMPLETION_INDEX") is not None and env.get("WORLD_SIZE") is not None:
+        return _kubernetes_indexed(env)
     return ClusterEnv(contract="standalone", role="worker", world_size=1, rank=0, local_rank=0, local_size=1)

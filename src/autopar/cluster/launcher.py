@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from autopar.cluster.netutil import bind_listener
+from autopar.cluster.netutil import bind_listener, interface_towards
 from autopar.cluster.supervisor import Streamer, Supervisor, describe_exit, tail  # noqa: F401 (re-exported)
 from autopar.errors import ClusterError
 
@@ -105,18 +105,34 @@ def _resolve(cfg: LaunchConfig) -> _Layout:
     first = node * cfg.nproc
     addr = cfg.master_addr or cfg.host
     host_id = f"{socket.gethostname()}/{node}"
+    if cfg.nnodes > 1 and (route := interface_towards(addr)) is not None:
+        host_id += f" ({route[1]})"  # host names repeat (containers, cloned images); the address names the host
     return _Layout(cfg.nnodes * cfg.nproc, list(range(first, first + cfg.nproc)), addr, cfg.master_port or cfg.port,
                    host_id, node == 0)
 
 
 def _find_self(hosts, node_rank_of) -> int:
+    """This host's line: by its names, then by its addresses -- a hostfile may list names this host does not call
+    itself (cluster DNS, /etc/hosts aliases) or addresses; each entry is then resolved and compared."""
+    import psutil
+
     names = [socket.gethostname(), socket.getfqdn(), "localhost", "127.0.0.1"]
     for name in names:
         try:
             return node_rank_of(hosts, name)
         except ClusterError:
             continue
-    raise ClusterError(f"this host ({socket.gethostname()}) is not in the hostfile: give --node-rank")
+    mine = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
+    mine -= {"127.0.0.1", "::1"}
+    for i, h in enumerate(hosts):
+        try:
+            resolved = {info[4][0] for info in socket.getaddrinfo(h.host, None, type=socket.SOCK_STREAM)}
+        except socket.gaierror:
+            continue
+        if resolved & mine:
+            return i
+    raise ClusterError(f"this host ({socket.gethostname()}, {', '.join(sorted(mine)) or 'no address'}) is not in "
+                       f"the hostfile: give --node-rank")
 
 
 class Launcher:

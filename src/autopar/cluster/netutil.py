@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import ipaddress
 import socket
 
 from autopar.errors import ClusterError
@@ -37,3 +38,43 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago (for tests and launchers that cannot pass a socket)."""
     with bind_listener(host, 0) as sock:
         return sock.getsockname()[1]
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(_resolve(host)).is_loopback
+    except (ValueError, ClusterError):
+        return False
+
+
+def _resolve(host: str) -> str:
+    try:
+        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+    except socket.gaierror as exc:
+        raise ClusterError(f"cannot resolve {host!r}: {exc.strerror}") from None
+
+
+def interface_towards(host: str) -> tuple[str, str] | None:
+    """(interface name, local address) through which this host reaches ``host``; None for a loopback address or
+    when the kernel has no route to it.
+
+    Why: gloo advertises the address its host name resolves to, and on many machines (and in containers) that is
+    127.0.1.1 or 127.0.0.1 -- fine on one host, unreachable from any other, so a multi-host job dies in
+    ``connectFullMesh``. The interface that routes to the rendezvous host is the one the peers can reach.
+    """
+    import psutil
+
+    ip = _resolve(host)
+    if ipaddress.ip_address(ip).is_loopback:
+        return None
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:  # connect() on UDP sends nothing: it asks the routing table
+        try:
+            probe.connect((ip, 9))
+        except OSError:
+            return None
+        local = probe.getsockname()[0]
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == local for a in addrs):
+            return name, local
+    return None

@@ -1,13 +1,18 @@
 """Form the cluster for whichever contract started this process, and hand back who we are in it."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from autopar.cluster import protocol as P
 from autopar.cluster.env import ClusterEnv, cluster_timeout
+from autopar.cluster.netutil import bind_listener, interface_towards
 from autopar.errors import ClusterError
+
+
+_LISTENERS: list = []
 
 
 @dataclass
@@ -51,6 +56,10 @@ def _mindspore_worker(cenv: ClusterEnv) -> Membership:
 def _static(cenv: ClusterEnv) -> Membership:
     """Contracts where every process already knows its rank (rank table, OpenMPI): rank 0 hosts a TCPStore."""
     assert cenv.rank is not None
+    listener = None
+    if cenv.rank == 0:  # torch's TCPStore would listen on every interface: listen on the rendezvous address only
+        listener = bind_listener(cenv.master_addr, cenv.master_port)
+        _LISTENERS.append(listener)  # the store serves on this socket for the life of the process
     try:
         store = dist.TCPStore(
             cenv.master_addr,
@@ -59,6 +68,7 @@ def _static(cenv: ClusterEnv) -> Membership:
             cenv.rank == 0,
             timeout=P.seconds(cluster_timeout()),
             wait_for_workers=False,
+            **({"master_listen_fd": listener.fileno()} if listener is not None else {}),
         )
     except Exception as exc:
         where = f"{cenv.master_addr}:{cenv.master_port}"
@@ -77,12 +87,26 @@ def _static(cenv: ClusterEnv) -> Membership:
     )
 
 
+def pin_interface(master_addr: str, env=None) -> str | None:
+    """Make gloo use the interface that reaches the rendezvous host (``GLOO_SOCKET_IFNAME``), unless the user chose
+    one; returns the interface chosen. See :func:`autopar.cluster.netutil.interface_towards` for why."""
+    env = os.environ if env is None else env
+    if env.get("GLOO_SOCKET_IFNAME"):
+        return None
+    found = interface_towards(master_addr)
+    if found is None:
+        return None
+    env["GLOO_SOCKET_IFNAME"] = found[0]
+    return found[0]
+
+
 def form_cluster(cenv: ClusterEnv) -> Membership:
     """Rendezvous with the other processes of the job (workers only; the scheduler never gets here)."""
     if cenv.role != "worker":
         raise ClusterError(f"form_cluster() called in the {cenv.role} role")
     if cenv.contract == "standalone":
         return Membership("standalone", 0, 1, 0, 1, store=dist.HashStore())
+    pin_interface(cenv.master_addr)
     if cenv.contract == "mindspore":
         return _mindspore_worker(cenv)
     if cenv.contract == "torchrun":

@@ -190,8 +190,7 @@ class Scheduler:
                     failures[r] = f"no heartbeat for {self.hb_timeout:.0f} s: the process died or hangs"
                     _log(f"rank {r} lost: {failures[r]}")
             if failures and not self.store.check([P.ABORT]):
-                first = min(failures)
-                self.store.set(P.ABORT, f"rank {first} failed: {failures[first]}")
+                self.store.set(P.ABORT, self.describe(failures))
             time.sleep(POLL)
         return failures
 
@@ -206,10 +205,28 @@ class Scheduler:
         if not failures:
             _log("job succeeded")
             return 0
-        named = root or failures
-        desc = "; ".join(f"rank {r}: {d}" for r, d in sorted(named.items()))
-        print(f"autopar: error: job failed ({desc})", file=sys.stderr, flush=True)
+        print(f"autopar: error: job failed ({self.describe(root or failures)})", file=sys.stderr, flush=True)
         return 1
+
+    def describe(self, failures: dict[int, str]) -> str:
+        """The failed ranks in one line; a host whose every rank went silent is named as lost with its ranks
+        (a host that vanished -- power, cable, all its processes killed -- not one process that crashed)."""
+        hosts = self.admission.hosts
+        parts, done = [], set()
+        for r in sorted(failures):
+            if r in done:
+                continue
+            host = hosts.get(r, "?")
+            on_host = [q for q in range(self.world_size) if hosts.get(q) == host]
+            silent = [q for q in on_host if failures.get(q, "").startswith("no heartbeat")]
+            if len(on_host) > 1 and silent == on_host:
+                parts.append(f"host {host} lost: ranks {', '.join(map(str, on_host))} silent for "
+                             f"{self.hb_timeout:.0f} s (the host, its network or all its processes are gone)")
+                done.update(on_host)
+            else:
+                parts.append(f"rank {r} on {host}: {failures[r]}")
+                done.add(r)
+        return "; ".join(parts)
 
     def _linger(self, seconds: float = 3.0) -> None:
         """Keep the store up briefly so that waiting workers read the abort reason instead of a dead socket."""

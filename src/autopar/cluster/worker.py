@@ -16,12 +16,18 @@ import torch.distributed as dist
 
 from autopar.cluster import protocol as P
 from autopar.cluster.env import ClusterEnv, cluster_timeout, heartbeat_timeout
+from autopar.cluster.netutil import interface_towards
 from autopar.errors import ClusterError
 
 
-def host_id() -> str:
-    """Identity of this host for local-rank numbering (``AUTOPAR_HOST_ID`` lets one machine act as several)."""
-    return os.environ.get("AUTOPAR_HOST_ID") or socket.gethostname()
+def host_id(master_addr: str = "127.0.0.1") -> str:
+    """Identity of this host for local-rank numbering and for naming a lost host: ``AUTOPAR_HOST_ID`` (lets one
+    machine act as several), else the host name and, across hosts, the address this host reaches the scheduler
+    from (host names repeat: containers, cloned images)."""
+    if os.environ.get("AUTOPAR_HOST_ID"):
+        return os.environ["AUTOPAR_HOST_ID"]
+    found = interface_towards(master_addr)
+    return f"{socket.gethostname()} ({found[1]})" if found else socket.gethostname()
 
 
 def connect(cenv: ClusterEnv, timeout: float) -> dist.TCPStore:
@@ -96,7 +102,7 @@ def register(cenv: ClusterEnv) -> tuple[dist.TCPStore, int, list[str]]:
     store = connect(cenv, timeout)
     n = store.add(P.REQ_COUNT, 1)
     req = {
-        "host": host_id(),
+        "host": host_id(cenv.master_addr),
         "hostname": socket.gethostname(),
         "pid": os.getpid(),
         "node_id": os.environ.get("MS_NODE_ID") or None,
@@ -165,9 +171,12 @@ class Watchdog:
         # A connection of its own: the main thread may be blocked in the store (e.g. process-group setup).
         self.store = connect(cenv, 30.0)
         self.thread = threading.Thread(target=self._loop, name="autopar-watchdog", daemon=True)
+        self._call_since: float | None = None  # when the watchdog's store call in progress began
+        self.deadman = threading.Thread(target=self._deadman, name="autopar-deadman", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
+        self.deadman.start()
         atexit.register(self.report_exit)
         _watch_exit_calls(self)
 
@@ -183,9 +192,13 @@ class Watchdog:
         while not self._stop.wait(P.HEARTBEAT_INTERVAL):
             try:
                 with self._io:
-                    self.store.add(P.hb_key(self.rank), 1)
-                    aborted = self.store.check([P.ABORT])
-                    reason = self.store.get(P.ABORT).decode() if aborted else None
+                    self._call_since = time.monotonic()
+                    try:
+                        self.store.add(P.hb_key(self.rank), 1)
+                        aborted = self.store.check([P.ABORT])
+                        reason = self.store.get(P.ABORT).decode() if aborted else None
+                    finally:
+                        self._call_since = None
                 last_ok = time.monotonic()
             except Exception:
                 if time.monotonic() - last_ok > min(limit, 5.0) and not self._stop.is_set():
@@ -195,6 +208,18 @@ class Watchdog:
                 self.abort_reason = reason
                 self._report("aborted", f"aborted: {reason}")
                 self._die(f"job aborted ({reason}); rank {self.rank} stops")
+
+    def _deadman(self) -> None:
+        """Stop the process when a store call of the watchdog hangs: across hosts a pulled cable or a powered-off
+        scheduler host resets nothing, and a blocked socket read would wait (and the ranks' collectives with it)
+        for as long as TCP retransmits -- many minutes. The scheduler gives up on a silent rank after the same
+        ``AUTOPAR_HEARTBEAT_TIMEOUT``."""
+        limit = max(heartbeat_timeout(), P.STORE_OP_TIMEOUT_S)
+        while not self._stop.wait(0.5):
+            since = self._call_since
+            if since is not None and time.monotonic() - since > limit:
+                self._call_since = None
+                self._die(self._lost_scheduler() + f" (no answer for {limit:.0f} s)")
 
     def wait_for_abort(self, timeout: float) -> str | None:
         """After a collective failed: did the job abort because of another rank, or lose its scheduler?
