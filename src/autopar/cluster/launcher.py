@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from autopar.cluster.netutil import bind_listener, interface_towards
+from autopar.cluster.netutil import bind_listener, interface_towards, local_addresses
 from autopar.cluster.supervisor import Streamer, Supervisor, describe_exit, tail  # noqa: F401 (re-exported)
 from autopar.errors import ClusterError
 
@@ -114,16 +114,13 @@ def _resolve(cfg: LaunchConfig) -> _Layout:
 def _find_self(hosts, node_rank_of) -> int:
     """This host's line: by its names, then by its addresses -- a hostfile may list names this host does not call
     itself (cluster DNS, /etc/hosts aliases) or addresses; each entry is then resolved and compared."""
-    import psutil
-
     names = [socket.gethostname(), socket.getfqdn(), "localhost", "127.0.0.1"]
     for name in names:
         try:
             return node_rank_of(hosts, name)
         except ClusterError:
             continue
-    mine = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
-    mine -= {"127.0.0.1", "::1"}
+    mine = set(local_addresses()) - {"127.0.0.1", "::1"}
     for i, h in enumerate(hosts):
         try:
             resolved = {info[4][0] for info in socket.getaddrinfo(h.host, None, type=socket.SOCK_STREAM)}

@@ -40,11 +40,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(_resolve(host)).is_loopback
-    except (ValueError, ClusterError):
-        return False
+def local_addresses() -> dict[str, str]:
+    """This host's IP addresses (any interface, loopback included), each with its interface's name."""
+    import psutil
+
+    return {a.address.split("%")[0]: name for name, addrs in psutil.net_if_addrs().items() for a in addrs
+            if a.family in (socket.AF_INET, socket.AF_INET6)}
 
 
 def _resolve(host: str) -> str:
@@ -62,8 +63,6 @@ def interface_towards(host: str) -> tuple[str, str] | None:
     127.0.1.1 or 127.0.0.1 -- fine on one host, unreachable from any other, so a multi-host job dies in
     ``connectFullMesh``. The interface that routes to the rendezvous host is the one the peers can reach.
     """
-    import psutil
-
     ip = _resolve(host)
     if ipaddress.ip_address(ip).is_loopback:
         return None
@@ -74,7 +73,5 @@ def interface_towards(host: str) -> tuple[str, str] | None:
         except OSError:
             return None
         local = probe.getsockname()[0]
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.address.split("%")[0] == local for a in addrs):
-            return name, local
-    return None
+    name = local_addresses().get(local)
+    return (name, local) if name else None
