@@ -1,9 +1,14 @@
-"""``autopar plan MODEL -n N``: the AUTO_PARALLEL plan for a network, as a table, with data parallel's totals.
+"""``autopar plan MODEL -n N``: the plan for a network on N devices, as a table, with data parallel's totals.
 
 MODEL is ``resnet50``, ``mlp``, ``transformer`` or ``path/to/file.py:function`` where the function returns
-``(network, loss_fn_or_None, sample_inputs)`` with the *global* batch. The machine model comes from the cache of
-a calibration on this host with N local workers (run first when missing; ``--no-calibrate`` uses documented
-default constants instead).
+``(network, loss_fn_or_None, sample_inputs)`` with the *global* batch: the AUTO_PARALLEL operator-level plan. The
+machine model comes from the cache of a calibration on this host with N local workers (run first when missing;
+``--no-calibrate`` uses documented default constants instead).
+
+MODEL ``gpt`` plans a GPT decoder of any size (``--size 1.3b|13b|175b`` or ``--layers --hidden [--heads]``), built on
+the meta device, over data x tensor x pipeline parallelism and ZeRO on a cluster: ``--machine a100-ib`` (a preset)
+or ``--machine cluster.json`` (same form); without ``--machine`` it plans for this host. ``--tp/--pp/--micro-batch/
+--zero/--recompute`` pin parts of the plan (to predict a configuration you have in mind).
 """
 from __future__ import annotations
 
@@ -23,8 +28,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=32, help="batch size per device (global = batch x N)")
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--width", type=int, default=4096, help="mlp width / transformer model size")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128, help="transformer sequence length")
+    p.add_argument("--layers", type=int, default=None, help="mlp / gpt layers (mlp: 4)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (transformer: 128, gpt: 2048)")
+    g = p.add_argument_group("gpt on a cluster")
+    g.add_argument("--size", default=None, help="a GPT-3 shape: 1.3b, 13b or 175b")
+    g.add_argument("--hidden", type=int, default=None, help="gpt hidden size")
+    g.add_argument("--heads", type=int, default=None, help="gpt attention heads (default hidden / 128)")
+    g.add_argument("--vocab", type=int, default=51200)
+    g.add_argument("--global-batch", type=int, default=512, help="sequences per step")
+    g.add_argument("--machine", default=None, help="preset name or cluster JSON file (default: this host)")
+    g.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default bf16, fp32 on this host)")
+    g.add_argument("--tp", type=int, default=None, help="pin the tensor-parallel degree")
+    g.add_argument("--pp", type=int, default=None, help="pin the pipeline stages")
+    g.add_argument("--micro-batch", type=int, default=None, help="pin the micro-batch size")
+    g.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3), help="pin the ZeRO level")
+    g.add_argument("--recompute", default=None, choices=("on", "off"), help="pin activation recomputation")
     p.add_argument("--memory-limit", default=None, help="per device, e.g. 2GB (default: available memory / N)")
     p.add_argument("--search-mode", default="dynamic_programming",
                    choices=("dynamic_programming", "recursive_programming", "sharding_propagation"))
@@ -45,11 +63,11 @@ def build(args: argparse.Namespace):
         x = torch.randn(b, 3, args.image_size, args.image_size)
         return resnet50(num_classes=10), SoftmaxCrossEntropyExpand(sparse=True), (x, torch.randint(0, 10, (b,)))
     if args.model == "mlp":
-        return mlp(args.width, args.layers), torch.nn.MSELoss(), (torch.randn(b, args.width),
+        return mlp(args.width, args.layers or 4), torch.nn.MSELoss(), (torch.randn(b, args.width),
                                                                   torch.randn(b, args.width))
     if args.model == "transformer":
         return (TransformerBlock(args.width, 8, 4 * args.width), torch.nn.MSELoss(),
-                (torch.randn(b, args.seq, args.width), torch.randn(b, args.seq, args.width)))
+                (torch.randn(b, args.seq or 128, args.width), torch.randn(b, args.seq or 128, args.width)))
     path, _, func = args.model.partition(":")
     if not path.endswith(".py") or not Path(path).is_file():
         raise ConfigError(f"unknown model {args.model!r}: use resnet50, mlp, transformer or FILE.py:FUNCTION")
@@ -88,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.nproc < 1:
         raise ConfigError(f"-n must be positive, got {args.nproc}")
+    if args.model == "gpt":
+        return run_gpt(args)
     network, loss_fn, sample = build(args)
     machine = MachineModel(device_num=args.nproc) if args.no_calibrate else machine_for(args.nproc, args.recalibrate)
     limit = _memory_bytes(args.memory_limit, "--memory-limit") if args.memory_limit else None
@@ -101,4 +121,47 @@ def run(args: argparse.Namespace) -> int:
         layouts.update({} if plan.pure_data_parallel else plan.layouts())
         save_strategy_file(args.out, layouts, list(network.named_parameters()))
         print(f"strategy file: {args.out}")
+    return 0
+
+
+def gpt_config(args: argparse.Namespace):
+    from autopar.parallel.auto.gpt import PRESETS, GPTConfig
+
+    if args.size:
+        if args.size.lower() not in PRESETS:
+            raise ConfigError(f"unknown --size {args.size!r}; expected one of {', '.join(PRESETS)}")
+        base = PRESETS[args.size.lower()]
+        return GPTConfig(args.layers or base.layers, args.hidden or base.hidden, args.heads or base.heads,
+                         args.seq or base.seq, args.vocab)
+    if not args.layers or not args.hidden:
+        raise ConfigError("autopar plan gpt needs --size 1.3b|13b|175b or --layers and --hidden")
+    heads = args.heads or max(1, args.hidden // 128)
+    return GPTConfig(args.layers, args.hidden, heads, args.seq or 2048, args.vocab)
+
+
+def run_gpt(args: argparse.Namespace) -> int:
+    import sys
+
+    from autopar.context import _memory_bytes
+    from autopar.parallel.auto.hardware import ClusterSpec, load_cluster
+    from autopar.parallel.auto.mesh_search import plan_gpt
+
+    config = gpt_config(args)
+    if args.machine:
+        spec = load_cluster(args.machine)
+        dtype = args.dtype or "bf16"
+    else:
+        from autopar.parallel.auto.machine import MachineModel, available_memory
+
+        model = MachineModel(device_num=args.nproc) if args.no_calibrate else machine_for(args.nproc, args.recalibrate)
+        model.memory_per_device = available_memory() / args.nproc
+        spec = ClusterSpec.from_machine_model(model, args.nproc)
+        dtype = args.dtype or "fp32"
+    limit = _memory_bytes(args.memory_limit, "--memory-limit") if args.memory_limit else None
+    fixed = {"tp": args.tp, "pp": args.pp, "micro_batch": args.micro_batch, "zero": args.zero,
+             "recompute": None if args.recompute is None else args.recompute == "on"}
+    print(f"[autopar] planning {config.describe()} on {args.nproc} x {spec.device_name} ({spec.name})...",
+          file=sys.stderr, flush=True)
+    plan = plan_gpt(config, spec, args.nproc, args.global_batch, dtype, limit, fixed=fixed)
+    print(plan.explain())
     return 0

@@ -46,6 +46,9 @@ class Choice:
     memory: float
     is_dp: bool
     label: str
+    optimizer: float = 0.0  # of ``compute``: the optimizer step's memory traffic (once per step, not per micro-batch)
+    param_bytes: float = 0.0  # this device's slice of the node's parameters
+    activation_bytes: float = 0.0  # activations this device keeps for the backward pass
 
 
 def _splittable(node: OpNode) -> list[str]:
@@ -70,6 +73,11 @@ def _describe(node: OpNode, splits: dict[str, int], device_num: int) -> str:
     if not any(v > 1 for v in splits.values()):
         return "replicated"
     names = {"n": "batch", "o": "out-ch", "c": "in-ch", "j": "out", "k": "contract", "i": "rows"}
+    if node.kind == "matmul" and len(node.spec.inputs[0]) == 4:  # attention: (batch, heads, rows, contract)
+        names.update(o="heads", j="cols")
+    elif node.kind == "softmax":
+        dims = ("batch", "heads", "rows", "cols") if len(node.spec.inputs[0]) == 4 else ()
+        names = {c: (dims[i] if i < len(dims) else f"dim {i}") for i, c in enumerate(node.spec.inputs[0])}
     batch = node.spec.inputs[0][0] if node.spec.inputs and node.spec.inputs[0] else None
     parts = []
     for c, v in splits.items():
@@ -109,6 +117,21 @@ def reshard_cost(machine: MachineModel, src, dst, nbytes: float, mesh: tuple[int
         elif isinstance(p, Shard) and isinstance(q, Shard):
             cost += 2 * machine.collective("all_to_all", local, n)
     return cost
+
+
+def through_view(placements, dims: tuple | None) -> tuple:
+    """A consumer's placements in its producer's dimensions (``dims``: the edge's dimension map); a split of a
+    dimension the producer's splits do not carry over becomes a shard no producer layout has (costs a reshard)."""
+    if dims is None:
+        return tuple(placements)
+    out = []
+    for p in placements:
+        if isinstance(p, Shard):
+            d = dims[p.dim] if p.dim < len(dims) else None
+            out.append(Shard(d) if d is not None else Shard(1000 + p.dim))
+        else:
+            out.append(p)
+    return tuple(out)
 
 
 def dp_placements(shape: tuple[int, ...], device_num: int, mesh: tuple[int, ...]):
@@ -162,9 +185,9 @@ class NodeCosts:
         node, mesh = self.node, self.mesh
         splits = {label: plan.device_matrix[axis] for label, axis in plan.label_axis}
         parts = math.prod(splits.values()) if splits else 1
-        kind = "conv" if node.kind == "conv" else "matmul"
+        kind = {"conv": "conv", "softmax": "other"}.get(node.kind, "matmul")
         grad_comm = act_comm = 0.0
-        memory = moved = 0.0
+        memory = moved = activations = 0.0
         for i, (shape, pname) in enumerate(zip(node.shapes, node.param_names)):
             layout: Layout = plan.inputs[i]
             local = nbytes(layout.slice_shape, node.itemsize)
@@ -176,19 +199,24 @@ class NodeCosts:
             else:
                 act_comm += machine.collective("all_reduce", local, group)
                 memory += local
+                if not isinstance(node.in_sources.get(i), int):  # another node's output is counted there
+                    activations += local
         out_split = math.prod(plan.device_matrix[a] for a in plan.output_map if a >= 0) if plan.output_map else 1
         memory += nbytes(node.out_shape, node.itemsize) / out_split
+        activations += nbytes(node.out_shape, node.itemsize) / out_split
         moved += nbytes(node.out_shape, node.itemsize) / out_split
         compute = machine.compute(kind, 3.0 * node.flops / parts, 3.0 * moved)  # forward + 2x backward
         backward = compute * 2.0 / 3.0
         # the optimizer step streams parameter, gradient and state (read) and parameter and state (written)
         params = sum(nbytes(plan.inputs[i].slice_shape, node.itemsize) for i, n in enumerate(node.param_names) if n)
-        compute += (3 + 2 * OPTIMIZER_SLOTS) * params / machine.memory_bandwidth
+        optimizer = (3 + 2 * OPTIMIZER_SLOTS) * params / machine.memory_bandwidth
+        compute += optimizer
         in_pl = tuple(plan.inputs[i].placements(mesh) for i in range(len(node.shapes)))
         out_pl = output_placements(plan.device_matrix, plan.output_map, plan.partial_axes, "sum"
                                    if plan.reduction == "avg" else plan.reduction, mesh)
         return Choice(strategy, plan, in_pl, out_pl, compute, backward, grad_comm, act_comm, memory, is_dp,
-                      "data parallel" if is_dp else _describe(node, splits, self.device_num))
+                      "data parallel" if is_dp else _describe(node, splits, self.device_num), optimizer, params,
+                      activations)
 
     def boundary_cost(self, c: Choice, machine: MachineModel) -> float:
         """Resharding from the batch-split / replicated inputs and to the data-parallel consumers."""

@@ -1,7 +1,8 @@
 """Graph capture: one real forward pass (without gradients) of the network and its loss, recorded as operators.
 
 Only the operators whose strategy the planner chooses become nodes: ``nn.Linear``, ``nn.Conv2d`` and the
-``MatMul`` / ``BatchMatMul`` operators (those that hold parameters or dominate compute). Everything between them is
+``MatMul`` / ``BatchMatMul`` / ``Softmax`` operators (those that hold parameters, dominate compute, or -- the softmax
+of attention scores -- hold the largest activation). Everything between them is
 classified by how the semi-auto runtime will execute it, which is what decides the communication the plan costs:
 
 - *transparent* (element-wise activations, view-like functions): the layout passes through unchanged;
@@ -12,7 +13,10 @@ classified by how the semi-auto runtime will execute it, which is what decides t
 
 Every tensor carries its *source*: the node that laid it out, or "dp" (batch split) / "rep" (whole on every rank).
 A node's input from another node is an edge (resharding between their layouts); an input from "dp" or an output
-that a data-parallel consumer takes costs a resharding to or from the batch split.
+that a data-parallel consumer takes costs a resharding to or from the batch split. Views between two nodes
+(reshape, transpose, permute) are followed dimension by dimension, so that ``[b, s, h] -> [b, heads, s, h/heads]``
+keeps a split of ``h`` as a split of the heads: each tensor carries, per dimension, the producer's dimension whose
+split it continues (the edge's *dimension map*).
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 from autopar.labels import call_loss
 from autopar.ops import primitive as _primitive
 from autopar.ops.comm import _CommPrimitive
-from autopar.ops.math import BatchMatMul, MatMul, ShardablePrimitive
+from autopar.ops.math import BatchMatMul, MatMul, ShardablePrimitive, Softmax
 from autopar.ops.spec import OpSpec
 from autopar.parallel.modules import Conv2dOp, LinearOp, _Sharded
 # (importing the runtime also installs its operator executor, which the tracer stacks its own on top of)
@@ -40,7 +44,7 @@ DP, REP = "dp", "rep"
 class OpNode:
     index: int
     name: str
-    kind: str  # linear | conv | matmul
+    kind: str  # linear | conv | matmul | softmax
     target: Any  # the module or operator a strategy is given to
     spec: OpSpec
     shapes: tuple  # every tensor input's shape (activations and parameters)
@@ -58,6 +62,7 @@ class OpNode:
 class Graph:
     nodes: list[OpNode]
     edges: list[tuple[int, int, int]]  # (producer node, consumer node, consumer input)
+    edge_dims: dict  # (producer, consumer, input) -> per consumer dimension, the producer's dimension (or None)
     joins: list[tuple[int, int]]  # (a, b): b's output is resharded to a's layout
     other_flops: float  # forward FLOPs of everything else (data-parallel: divided over the devices)
     other_activation_bytes: float  # their saved activations (batch split)
@@ -76,8 +81,37 @@ def _flops(kind: str, shapes, out_shape, groups: int = 1) -> float:
     if kind == "conv":
         w = shapes[1]
         return 2.0 * _numel(out_shape) * (w[1] * w[2] * w[3])
+    if kind == "softmax":
+        return 5.0 * _numel(out_shape)  # max, subtract, exp, sum, divide
     a = shapes[0]
     return 2.0 * _numel(out_shape) * a[-1] if kind == "matmul" else 0.0
+
+
+_VIEWS = {"reshape", "view", "transpose", "permute", "contiguous", "flatten", "unflatten", "swapaxes"}
+
+
+def _view_dims(before: tuple, after: tuple, dims: tuple) -> tuple:
+    """Per dimension of a reshaped tensor, the producer dimension whose split it continues (the leading factor of
+    a split dimension, the first of merged ones); None where a split would not carry over."""
+    out: list = [None] * len(after)
+    i = j = 0
+    while i < len(before) and j < len(after):
+        if before[i] == after[j]:
+            out[j] = dims[i]
+            i, j = i + 1, j + 1
+            continue
+        first_j, a, b = j, before[i], after[j]
+        lead = dims[i]
+        i, j = i + 1, j + 1
+        while a != b:
+            if a < b:
+                a *= before[i]
+                i += 1
+            else:
+                b *= after[j]
+                j += 1
+        out[first_j] = lead
+    return tuple(out)
 
 
 class _Recorder(TorchFunctionMode):
@@ -107,6 +141,8 @@ class Tracer:
         self.edges: list[tuple[int, int, int]] = []
         self.joins: list[tuple[int, int]] = []
         self.source: dict[int, Any] = {}
+        self.dims: dict[int, tuple] = {}  # tensor id -> producer dimension per dimension (views of a node's output)
+        self.edge_dims: dict = {}
         self.keep: list[torch.Tensor] = []  # ids stay unique while the trace runs
         self.depth = 0
         self.other_flops = 0.0
@@ -147,6 +183,8 @@ class Tracer:
             node.in_sources[i] = src
             if isinstance(src, int):
                 self.edges.append((src, node.index, i))
+                if id(tensors[i]) in self.dims:
+                    self.edge_dims[(src, node.index, i)] = self.dims[id(tensors[i])]
         self.nodes.append(node)
         return node
 
@@ -189,9 +227,9 @@ class Tracer:
 
     def primitive(self, op, args, kwargs):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if isinstance(op, (MatMul, BatchMatMul)):
+        if isinstance(op, (MatMul, BatchMatMul, Softmax)):
             self.depth += 1
-            kind = "matmul"
+            kind = "softmax" if isinstance(op, Softmax) else "matmul"
             node = self.add_node(self.names.get(id(op), type(op).__name__), kind, op, op.spec(*args), tensors,
                                  op.strategy)
             out = op.compute(*args, **kwargs)
@@ -214,6 +252,14 @@ class Tracer:
         if not tensors or not any(isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]):
             return
         first = self._src(tensors[0])
+        if isinstance(first, int) and isinstance(out, torch.Tensor):
+            self._follow_dims(func, tensors[0], out)
+        elif isinstance(first, int) and isinstance(out, (tuple, list)):  # split / chunk: pieces keep the rank
+            dims = self.dims.get(id(tensors[0]), tuple(range(tensors[0].dim())))
+            for piece in out:
+                if isinstance(piece, torch.Tensor) and piece.dim() == tensors[0].dim():
+                    self.dims[id(piece)] = tuple(None if a != b else d
+                                                 for a, b, d in zip(piece.shape, tensors[0].shape, dims))
         for other in tensors[1:]:
             src = self._src(other)
             if isinstance(src, int) and isinstance(first, int) and src != first:
@@ -223,6 +269,34 @@ class Tracer:
             elif isinstance(first, int) and src == DP and other.shape == tensors[0].shape:
                 self.nodes[first].out_to_dp += 1
         self._set(out, first)
+
+    def _follow_dims(self, func, x: torch.Tensor, out: torch.Tensor) -> None:
+        dims = self.dims.get(id(x), tuple(range(x.dim())))
+        name = getattr(func, "__name__", "")
+        if tuple(out.shape) == tuple(x.shape) and name not in ("transpose", "permute", "swapaxes"):
+            mapped = dims  # element-wise, or a view that keeps the shape
+        elif name in _VIEWS and out.numel() == x.numel():
+            if name in ("transpose", "swapaxes", "permute"):
+                mapped = self._permuted(func, x, out, dims)
+            else:
+                mapped = _view_dims(tuple(x.shape), tuple(out.shape), dims)
+        else:
+            return
+        if mapped is not None and mapped != tuple(range(out.dim())):
+            self.dims[id(out)] = mapped
+
+    @staticmethod
+    def _permuted(func, x, out, dims):
+        # recover the permutation from strides: a transposed/permuted view reorders x's strides
+        if out.dim() != x.dim():
+            return None
+        order = []
+        for st, size in zip(out.stride(), out.shape):
+            match = [d for d in range(x.dim()) if x.stride()[d] == st and x.shape[d] == size and d not in order]
+            if not match:
+                return None
+            order.append(match[0])
+        return tuple(dims[d] for d in order)
 
     # -- running ------------------------------------------------------------------------------------------------
     def run(self, fn, *inputs) -> Any:
@@ -269,7 +343,7 @@ def capture(network: torch.nn.Module, loss_fn: torch.nn.Module | None, inputs: t
         for node in tracer.nodes:
             node.name = node.name.removeprefix("network.")
             node.param_names = tuple(p.removeprefix("network.") if p else p for p in node.param_names)
-    return Graph(tracer.nodes, tracer.edges, tracer.joins, tracer.other_flops, tracer.other_bytes, batch,
+    return Graph(tracer.nodes, tracer.edges, tracer.edge_dims, tracer.joins, tracer.other_flops, tracer.other_bytes, batch,
                  time.perf_counter() - start)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 
 from autopar.errors import StrategyError
-from autopar.parallel.auto.costs import NodeCosts, nbytes, reshard_cost
+from autopar.parallel.auto.costs import NodeCosts, nbytes, reshard_cost, through_view
 from autopar.parallel.auto.graph import Graph
 from autopar.parallel.auto.machine import MachineModel
 
@@ -37,8 +37,10 @@ class Problem:
         self.pairs: list[tuple[int, int, list[list[float]]]] = []  # (u, v, cost[s][t])
         for u, v, k in graph.edges:
             shape, item = graph.nodes[v].shapes[k], graph.nodes[v].itemsize
-            table = [[reshard_cost(machine, cu.out_placements, cv.in_placements[k], nbytes(shape, item),
-                                   costs[u].mesh) for cv in costs[v].choices] for cu in costs[u].choices]
+            dims = graph.edge_dims.get((u, v, k))
+            table = [[reshard_cost(machine, cu.out_placements, through_view(cv.in_placements[k], dims),
+                                   nbytes(shape, item), costs[u].mesh) for cv in costs[v].choices]
+                     for cu in costs[u].choices]
             self.pairs.append((u, v, table))
         for a, b in graph.joins:  # b's output resharded to a's layout
             shape, item = graph.nodes[b].out_shape, graph.nodes[b].itemsize
