@@ -1,4 +1,4 @@
-"""Benchmark workload: one model under one strategy (auto | dp | megatron | sharded), timed; rank 0 prints the
+"""Benchmark workload: one model under one strategy (auto | dp | megatron | sharded | mixed), timed; rank 0 prints the
 measured steady step time and the cost model's prediction for the same assignment (one JSON line)."""
 import argparse
 import os
@@ -23,7 +23,42 @@ MODELS = {
 }
 
 
+HAND = ("megatron", "sharded", "mixed")
+
+
+def _mixed(name: str, net: torch.nn.Module, n: int) -> None:
+    """Data x tensor: on 4+ ranks a (n/2 data) x (2 tensor) mesh of Megatron pairs; on 2 ranks half the network
+    tensor parallel (MLP: the first two layers; transformer: attention) and the rest data parallel."""
+    if n >= 4 and n % 2 == 0:
+        d, t = n // 2, 2
+        col, row, c3, r3 = ((d, 1), (t, 1)), ((d, t), (1, t)), ((d, 1, 1), (t, 1)), ((d, 1, t), (1, t))
+        if name == "mlp":
+            for i, layer in enumerate(net):
+                if isinstance(layer, torch.nn.Linear):
+                    autopar.shard(layer, col if i % 4 == 0 else row)
+        else:
+            for mod in (net.q, net.k, net.v, net.ff1):
+                autopar.shard(mod, c3)
+            for mod in (net.proj, net.ff2):
+                autopar.shard(mod, r3)
+        return
+    col, row, dp = ((1, 1), (n, 1)), ((1, n), (1, n)), ((n, 1), (1, 1))
+    if name == "mlp":
+        linears = [m for m in net if isinstance(m, torch.nn.Linear)]
+        for i, layer in enumerate(linears):
+            autopar.shard(layer, (col if i == 0 else row) if i < 2 else dp)
+    else:
+        c3, r3, dp3 = ((1, 1, 1), (n, 1)), ((1, 1, n), (1, n)), ((n, 1, 1), (1, 1))
+        for mod in (net.q, net.k, net.v):
+            autopar.shard(mod, c3)
+        autopar.shard(net.proj, r3)
+        for mod in (net.ff1, net.ff2):
+            autopar.shard(mod, dp3)
+
+
 def hand_annotate(name: str, net: torch.nn.Module, strategy: str, n: int) -> None:
+    if strategy == "mixed":
+        return _mixed(name, net, n)
     col, row = ((1, 1), (n, 1)), ((1, n), (1, n))
     if name == "mlp":
         for i, layer in enumerate(net):
@@ -48,9 +83,9 @@ def predicted(name, strategy, n):
     from autopar.parallel.auto.plan import plan_network
 
     net, loss, per_device, make = MODELS[name]()
-    if strategy in ("megatron", "sharded"):
+    if strategy in HAND:
         hand_annotate(name, net, strategy, n)
-    mode = "sharding_propagation" if strategy in ("megatron", "sharded") else "dynamic_programming"
+    mode = "sharding_propagation" if strategy in HAND else "dynamic_programming"
     plan = plan_network(net, loss, make(per_device * n), n, load_or_calibrate(), mode)
     if strategy == "dp":
         return plan.dp_totals.step
@@ -60,7 +95,7 @@ def predicted(name, strategy, n):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", choices=sorted(MODELS), required=True)
-    p.add_argument("--strategy", choices=("auto", "dp", "megatron", "sharded"), required=True)
+    p.add_argument("--strategy", choices=("auto", "dp") + HAND, required=True)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args()
@@ -69,7 +104,7 @@ def main():
     init()
     n, rank = get_group_size(), get_rank()
     net, loss, per_device, make = MODELS[args.model]()
-    if args.strategy in ("megatron", "sharded"):
+    if args.strategy in HAND:
         hand_annotate(args.model, net, args.strategy, n)
     torch.manual_seed(rank)
     batches = [make(per_device) for _ in range(args.steps)]

@@ -49,11 +49,27 @@ def test_memory_limit_forces_sharding_and_an_infeasible_one_is_a_clear_error():
     free = plan_network(mlp(1024, 4), torch.nn.MSELoss(), sample, 2, MachineModel(device_num=2))
     limited = plan_network(mlp(1024, 4), torch.nn.MSELoss(), sample, 2, MachineModel(device_num=2),
                            memory_limit=free.dp_totals.memory * 0.7)
-    assert free.pure_data_parallel and not limited.pure_data_parallel
+    assert free.pure_data_parallel and free.zero_level is None  # DDP where data parallel fits
+    assert limited.zero_level or not limited.pure_data_parallel  # ZeRO or a layout: whichever is predicted faster
     assert limited.totals.memory <= free.dp_totals.memory * 0.7
     with pytest.raises(StrategyError, match=r"no plan fits the memory limit of 1.0 MiB per device on 2 devices; "
                                             r"the smallest plan found needs [\d.]+ MiB"):
         plan_network(mlp(1024, 4), torch.nn.MSELoss(), sample, 2, MachineModel(device_num=2), memory_limit=2**20)
+
+
+def test_data_parallel_that_does_not_fit_gets_zero_when_no_layout_fits():
+    """Large batch, small weights: the activations dominate and no layout of the operators beats data parallel's
+    memory; sharding the optimizer state, gradients and weights (ZeRO level 3) is the one plan that fits."""
+    net = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(256, 256), torch.nn.ReLU())][:-1])
+    sample = (torch.randn(4096, 256), torch.randn(4096, 256))
+    plan = plan_network(net, torch.nn.MSELoss(), sample, 2, MachineModel(device_num=2), memory_limit=18.3 * 2**20)
+    assert plan.pure_data_parallel and plan.zero_level == "level3", plan.explain()
+    assert plan.totals.memory <= 18.3 * 2**20 < plan.dp_totals.memory
+    text = plan.explain()
+    assert "data parallel + ZeRO level1 (optimizer state sharded over 2)" in text
+    assert "chosen: data parallel + ZeRO level3" in text and "no layout of the operators fits" in text
+    with pytest.raises(StrategyError, match=r"data parallel with ZeRO level3 needs 18\.0 MiB"):
+        plan_network(net, torch.nn.MSELoss(), sample, 2, MachineModel(device_num=2), memory_limit=17 * 2**20)
 
 
 def test_search_modes_and_user_strategies():
@@ -98,3 +114,18 @@ def test_auto_parallel_job_calibrates_plans_and_trains_like_one_process(procs, t
     assert "AUTO_PARALLEL plan on 2 devices" in (tmp_path / "logs" / "auto_parallel_plan.txt").read_text()
     strategy = json.loads((tmp_path / "out.strategy.json").read_text())["parameters"]
     assert any(-1 != a for e in strategy.values() for a in e["tensor_map"])
+
+
+def test_auto_parallel_job_that_only_fits_with_zero_trains_like_one_process(procs, tmp_path):
+    res = procs.run(autopar_cmd("launch", "-n", "2", "--log-dir", str(tmp_path / "logs"),
+                                str(SCRIPTS / "auto_train.py"), str(tmp_path / "out"), "zero"),
+                    procs.env(AUTOPAR_CACHE_DIR=str(tmp_path / "cache")), timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    log = (tmp_path / "logs" / "worker_0.log").read_text()
+    assert "AUTO_PARALLEL: data parallel + ZeRO level3" in log, log
+    for rank in range(2):
+        r = json.load(open(tmp_path / f"out.{rank}"))
+        assert r["diff"] <= 1e-5 and r["sharded"], r  # FSDP2 holds each weight as a Shard(0) DTensor
+        assert r["local_params"] * 2 == r["full_params"]
+    assert "ZeRO level3 (optimizer state, gradients and weights sharded over 2)" in (
+        tmp_path / "logs" / "auto_parallel_plan.txt").read_text()

@@ -91,3 +91,13 @@ def test_strategy_file_round_trip(tmp_path, n):
     params = [("w", torch.zeros(8 // n, 4)), ("b", torch.zeros(4))]
     save_strategy_file(str(tmp_path / "s.json"), layouts, params)
     assert load_strategy_file(str(tmp_path / "s.json")) == layouts
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_megatron_transformer_with_torch_attention_in_a_plain_loop(procs, tmp_path, n):
+    """On 4 ranks the heads are split over both axes of the 2 x 2 mesh: torch's batched ``@`` on such tensors failed
+    inside DTensor's view propagation (_StridedShard) before autopar ran it on the local heads."""
+    launch(procs, tmp_path, n, "semi_auto_transformer.py", str(tmp_path / "tr"))
+    for res in results(tmp_path, "tr", n):
+        assert res["loss"] <= TOL and res["param"] <= TOL, res
+        assert res["q_local"] * n == res["q_full"]

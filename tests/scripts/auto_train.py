@@ -1,6 +1,12 @@
-"""Worker: AUTO_PARALLEL picks the plan (with a real calibration of this machine) for an MLP whose weights do not
-fit the per-device memory limit under data parallelism; the plan trains 3 steps and must equal the unsharded MLP
-trained in one process. argv: OUT_JSON"""
+"""Worker: AUTO_PARALLEL picks the plan (with a real calibration of this machine) for an MLP that does not fit the
+per-device memory limit under data parallelism; the plan trains 3 steps and must equal the unsharded MLP trained in
+one process. argv: OUT_JSON [zero]
+
+- default: 4 x Linear(512, 512), 8 samples per rank: 4 MiB of weights, x3 with gradients and momentum = 12 MiB under
+  data parallel; 7.5 MB fits a layout of sharded weights (6.2 MB) but not ZeRO level 3 (8.1 MB): the searched plan.
+- ``zero``: 4 x Linear(256, 256), 2048 samples per rank: the activations dominate, every layout of the operators
+  needs 19.0 MB (data parallel splits them best), ZeRO level 3 18.0 MB: under 18.3 MB only ZeRO level 3 fits.
+"""
 import json
 import sys
 
@@ -11,12 +17,15 @@ from torch.distributed.tensor import DTensor
 import autopar
 import autopar.dataset as ds
 from autopar.communication import get_group_size, get_rank, init
+from autopar.context import managed
 from autopar.nn import Momentum
 from autopar.train import Model
 
 out = sys.argv[1]
-# 4 x Linear(512, 512): 4 MiB of weights, x3 with gradients and momentum = 12 MiB under data parallel
-autopar.set_auto_parallel_context(parallel_mode="auto_parallel", gradients_mean=True, max_device_memory="9MB",
+ZERO = len(sys.argv) > 2 and sys.argv[2] == "zero"
+WIDTH, PER_RANK = (256, 2048) if ZERO else (512, 8)
+autopar.set_auto_parallel_context(parallel_mode="auto_parallel", gradients_mean=True,
+                                  max_device_memory="18.3MB" if ZERO else "7.5MB",
                                   strategy_ckpt_save_file=out + ".strategy.json")
 init()
 rank, n = get_rank(), get_group_size()
@@ -26,26 +35,27 @@ def make():
     torch.manual_seed(0)
     layers = []
     for _ in range(4):
-        layers += [torch.nn.Linear(512, 512), torch.nn.ReLU()]
+        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU()]
     return torch.nn.Sequential(*layers[:-1])
 
 
 rng = np.random.default_rng(0)
-X = rng.standard_normal((48, 512)).astype(np.float32)
-Y = rng.standard_normal((48, 512)).astype(np.float32)
+X = rng.standard_normal((3 * PER_RANK * 2, WIDTH)).astype(np.float32)
+Y = rng.standard_normal((3 * PER_RANK * 2, WIDTH)).astype(np.float32)
 net = make()
-data = ds.NumpySlicesDataset({"x": X, "y": Y}, shuffle=False, num_shards=n, shard_id=rank).batch(8)
+data = ds.NumpySlicesDataset({"x": X, "y": Y}, shuffle=False, num_shards=n, shard_id=rank).batch(PER_RANK)
 model = Model(net, torch.nn.MSELoss(), Momentum(net.parameters(), 0.01, 0.9))
 model.train(1, data, dataset_sink_mode=True, sink_size=3)
 
 ref = make()
 opt = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
-for step in range(3):
-    idx = np.arange(step * 8 * n, (step + 1) * 8 * n)  # the ranks' interleaved shards = the next 8n samples
-    loss = torch.nn.functional.mse_loss(ref(torch.tensor(X[idx])), torch.tensor(Y[idx]))
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
+with managed():  # the reference is one process: its first call must not parallelize (and plan) it
+    for step in range(3):
+        idx = np.arange(step * PER_RANK * n, (step + 1) * PER_RANK * n)  # the ranks' interleaved shards
+        loss = torch.nn.functional.mse_loss(ref(torch.tensor(X[idx])), torch.tensor(Y[idx]))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
 full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in net.state_dict().items()}
 diff = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
 local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in net.parameters())

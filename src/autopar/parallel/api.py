@@ -142,10 +142,11 @@ def _tuned(prepared: Prepared, network: torch.nn.Module, optimizer: torch.optim.
 
 
 def _prepare_data_parallel(network, loss_fn, mode, device, world, ctx, layerwise) -> Prepared:
-    if _zero_level(ctx, mode):
+    planned = network.__dict__.get("_autopar_zero_level")  # AUTO_PARALLEL chose data parallel with ZeRO
+    if planned or _zero_level(ctx, mode):
         from autopar.parallel import optimizer_shard
 
-        _shard_optimizer(network, ctx)
+        _shard_optimizer(network, ctx, planned)
         return Prepared(mode, network, device, world, _loss_caller(network, loss_fn),
                         no_sync=lambda: optimizer_shard.no_sync(network))
     from autopar.parallel.data_parallel import wrap_data_parallel
@@ -243,6 +244,9 @@ def parallelize(network: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
         from autopar.parallel.auto.api import plan_and_apply
 
         plan_and_apply(network, None, sample)
+        if network.__dict__.get("_autopar_zero_level"):  # the plan: data parallel with the optimizer sharded
+            _shard_optimizer(network, ctx, network.__dict__["_autopar_zero_level"])
+            return network
     if runtime_of(network) is None:
         _prepare_layouts(network, None, optimizer, ctx.parallel_mode, _comm.device(), _comm.get_group_size(), ctx)
     elif optimizer is not None:
@@ -354,12 +358,12 @@ def _zero_level(ctx, mode: ParallelMode) -> str | None:
     return level
 
 
-def _shard_optimizer(network: torch.nn.Module, ctx) -> None:
+def _shard_optimizer(network: torch.nn.Module, ctx, level: str | None = None) -> None:
     from autopar.parallel.optimizer_shard import is_sharded, shard_optimizer
 
     if not is_sharded(network):
         _equalize_replicas(network, ctx, set())
-        shard_optimizer(network, _zero_level(ctx, ctx.parallel_mode), ctx.gradients_mean)
+        shard_optimizer(network, level or _zero_level(ctx, ctx.parallel_mode), ctx.gradients_mean)
 
 
 def finish_gradients(network: torch.nn.Module) -> None:

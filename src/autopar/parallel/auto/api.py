@@ -29,10 +29,10 @@ def plan_and_apply(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sa
     batch = _global_batch(sample)
     plan = plan_network(network, loss_fn, batch, n, machine, ctx.search_mode, limit)
     if dist.is_initialized() and n > 1:  # every rank runs rank 0's plan (one source of truth)
-        box = [plan.choice if dist.get_rank() == 0 else None, plan.pure_data_parallel]
+        box = [plan.choice if dist.get_rank() == 0 else None, plan.pure_data_parallel, plan.zero_level]
         dist.broadcast_object_list(box, src=0)
-        plan.choice, plan.pure_data_parallel = box
-    plan.apply()
+        plan.choice, plan.pure_data_parallel, plan.zero_level = box
+    plan.apply(network)
     if not dist.is_initialized() or dist.get_rank() == 0:
         _report(plan)
     if ctx.strategy_ckpt_save_file:

@@ -68,6 +68,7 @@ class Graph:
     other_activation_bytes: float  # their saved activations (batch split)
     batch: int
     seconds: float = 0.0
+    elementwise_bytes: float = 0.0  # memory traffic of the element-wise functions and activations between nodes
 
 
 def _numel(shape) -> int:
@@ -147,6 +148,7 @@ class Tracer:
         self.depth = 0
         self.other_flops = 0.0
         self.other_bytes = 0.0
+        self.elementwise_bytes = 0.0
         self.names = {id(m): n for n, m in network.named_modules()}
         self.param_names = {id(p): n for n, p in network.named_parameters()}
         self.handles: list = []
@@ -218,6 +220,7 @@ class Tracer:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if isinstance(module, LAYOUT_TRANSPARENT) and tensors:
             self._set(out, self._src(tensors[0]))
+            self.elementwise_bytes += 2.0 * tensors[0].numel() * tensors[0].element_size()  # read + write
             return
         self._set(out, DP)
         for t in tree_flatten(out)[0]:
@@ -252,6 +255,9 @@ class Tracer:
         if not tensors or not any(isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]):
             return
         first = self._src(tensors[0])
+        if getattr(func, "__name__", "") not in _VIEWS:  # views move nothing; the rest reads and writes
+            self.elementwise_bytes += sum(t.numel() * t.element_size() for t in tensors) + sum(
+                o.numel() * o.element_size() for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor))
         if isinstance(first, int) and isinstance(out, torch.Tensor):
             self._follow_dims(func, tensors[0], out)
         elif isinstance(first, int) and isinstance(out, (tuple, list)):  # split / chunk: pieces keep the rank
@@ -344,7 +350,7 @@ def capture(network: torch.nn.Module, loss_fn: torch.nn.Module | None, inputs: t
             node.name = node.name.removeprefix("network.")
             node.param_names = tuple(p.removeprefix("network.") if p else p for p in node.param_names)
     return Graph(tracer.nodes, tracer.edges, tracer.edge_dims, tracer.joins, tracer.other_flops, tracer.other_bytes, batch,
-                 time.perf_counter() - start)
+                 time.perf_counter() - start, tracer.elementwise_bytes)
 
 
 class _Pair(torch.nn.Module):

@@ -124,8 +124,11 @@ def _rate(fn, flops: float, seconds: float = 0.25) -> float:
     return flops / float(elapsed)
 
 
-def calibrate(sizes: tuple[int, ...] = (2**14, 2**18, 2**21, 2**23)) -> MachineModel:
-    """Measure this job's machine (collective: every rank must call it). A few seconds."""
+def calibrate(sizes: tuple[int, ...] = (2**14, 2**18, 2**21, 2**23, 2**26)) -> MachineModel:
+    """Measure this job's machine (collective: every rank must call it). A few seconds.
+
+    The sizes reach 64 MiB: gradients of a few hundred MB are common, and a fit on messages up to 8 MiB predicted the
+    268 MB all-reduce of bench/auto_vs_hand.py's MLP about 2x too fast on loopback gloo."""
     from autopar.comm import management
 
     n = dist.get_world_size()

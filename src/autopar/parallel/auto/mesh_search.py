@@ -5,7 +5,8 @@ per (tensor-parallel degree ``t``, micro-batch ``b``) by the operator-level sear
 ILP, every operator's strategy chosen, on the tensor group's own links -- and then reused for every layer (the
 layers are the same; Alpa clusters them the same way). Around it the mesh search enumerates:
 
-- ``t``: a divisor of the devices per node (tensor parallelism stays inside a node, where NVLink is);
+- ``t``: a divisor of the devices per node (where NVLink is), or two nodes' worth -- costed on the network, so
+  tensor parallelism leaves a node only if the cost model finds that faster;
 - ``p`` pipeline stages (1F1B schedule, ``M`` micro-batches): step = (M + p - 1) x the slowest stage's micro-batch
   time, so the bubble is (p - 1) / (M + p - 1); activations of ``min(p, M)`` micro-batches are in flight on the
   first stage;
@@ -88,7 +89,11 @@ def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: t
     total = problem.total(choice) - optimizer
     b = int(inputs[0].shape[0])
     split = t if b % t == 0 else 1  # data-parallel operators (norms, the loss) split the batch when they can
-    other = machine.compute("other", 3.0 * graph.other_flops / split, 3.0 * 2 * graph.other_activation_bytes / split)
+    # norms and the loss (batch split when possible), and the element-wise work between the planned operators
+    # (biases, GELU, the causal mask and scaling of the scores: split with the tensors they follow, taken as split
+    # over the group): memory-bound, forward + backward ~ 3x the traffic
+    other = machine.compute("other", 3.0 * graph.other_flops / split, 3.0 * (
+        2 * graph.other_activation_bytes / split + graph.elementwise_bytes / t))
     compute = sum(c.compute for c in chosen) - optimizer + other
     itemsize = inputs[0].element_size()
     params = sum(c.param_bytes for c in chosen) / itemsize + _other_params(module, graph)
@@ -151,13 +156,14 @@ class MeshPlan:
     def explain(self) -> str:
         c, cfg = self.best, self.config
         gib = 2**30
+        where = "inside a node" if c.t <= self.spec.devices_per_node else "across nodes"
         lines = [
             f"{cfg.describe()}; global batch {self.global_batch} sequences, {self.dtype}",
             f"on {self.devices} x {self.spec.device_name} ({self.spec.name}: {self.spec.devices_per_node} per node, "
             f"{math.ceil(self.devices / self.spec.devices_per_node)} nodes); searched {self.considered} plans in "
             f"{self.seconds:.1f} s, {self.too_big} did not fit {self.memory_limit / gib:.1f} GiB per device",
             "",
-            f"mesh: {c.mesh()}  (tensor groups inside a node, data-parallel groups {c.t} ranks apart, "
+            f"mesh: {c.mesh()}  (tensor groups {where}, data-parallel groups {c.t} ranks apart, "
             f"stages {c.t * c.d} ranks apart)",
             f"pipeline: {c.p} stage(s) of {math.ceil(cfg.layers / c.p)} layers, 1F1B, {c.m} micro-batches of {c.b}; "
             f"bubble (p-1)/(m+p-1) = {c.bubble:.1%}",
@@ -292,7 +298,7 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: int, dtype: str = "bf16",
-             memory_limit: float | None = None, max_micro_batch: int = 16, progress=None,
+             memory_limit: float | None = None, max_micro_batch: int = 8, progress=None,
              fixed: dict | None = None) -> MeshPlan:
     """The fastest (data, tensor, pipeline, ZeRO, recompute) plan of ``config`` on ``devices`` of ``spec``.
 
@@ -318,8 +324,10 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
     limit = memory_limit or spec.memory * MEMORY_HEADROOM
     planner = _Planner(config, spec, dtype)
     fitting, smallest, considered = [], None, 0
-    tp_options = [t for t in range(1, spec.devices_per_node + 1) if spec.devices_per_node % t == 0
-                  and devices % t == 0 and config.heads % t == 0 and keep("tp", t)]
+    # every divisor of a node, and one step across nodes (two nodes' worth), for the cost model to reject
+    tp_options = [t for t in list(range(1, spec.devices_per_node + 1)) + [2 * spec.devices_per_node]
+                  if (t > spec.devices_per_node or spec.devices_per_node % t == 0) and devices % t == 0
+                  and config.heads % t == 0 and keep("tp", t)]
     for t in tp_options:
         for p in range(1, min(config.layers, devices // t) + 1):
             if (devices // t) % p or not keep("pp", p):

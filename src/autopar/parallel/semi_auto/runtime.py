@@ -45,6 +45,7 @@ from autopar.parallel import state_dict as _state_dict
 from autopar.parallel.grad_sync import LAYOUT, GradSync
 from autopar.parallel.layout import Layout
 from autopar.parallel.mesh import world_mesh, world_size
+from autopar.parallel.semi_auto import local_matmul
 from autopar.parallel.semi_auto import placements as P
 from autopar.parallel.semi_auto.inputs import dataset_input
 from autopar.parallel.semi_auto.leaves import LAYOUT_TRANSPARENT, is_annotated
@@ -90,6 +91,7 @@ class SemiAutoRuntime:
         self.optimizers: list[torch.optim.Optimizer] = []
         self.loss_was_global = False
         self._depth = 0
+        self._matmul_mode = None
         self._hooked: set[int] = set()
         self._strategy_written = False
         self.sync = GradSync(self.device_num, gradients_mean, loss_was_global=lambda: self.loss_was_global)
@@ -148,6 +150,8 @@ class SemiAutoRuntime:
                 return False
             _local.runtime = self
             self.loss_was_global = False
+            if len(world_mesh().shape) > 1:  # a dimension may be split over two mesh axes
+                self._matmul_mode = local_matmul.enter()
         self._depth += 1
         return True
 
@@ -155,6 +159,9 @@ class SemiAutoRuntime:
         self._depth -= 1
         if self._depth == 0:
             _local.runtime = None
+            mode, self._matmul_mode = self._matmul_mode, None
+            if mode is not None:
+                local_matmul.leave(mode)
 
     def _root_pre(self, module, args, kwargs):
         outer = self._depth == 0

@@ -1,0 +1,119 @@
+"""The cluster planner against published GPT training runs: predicted vs measured, side by side.
+
+For each published run the planner predicts the run's own configuration (tensor, pipeline degrees, micro-batch where
+published, full activation recomputation where used) on the machine preset of that cluster, and then searches freely
+for the same model, devices and batch. Sources and every figure are cited in the rows below; rows marked [S] come from
+a secondary transcription only.
+
+    python bench/published_gpt.py [--out bench/results/published_gpt.json]
+
+What the published runs used and the planner does not model: the interleaved 1F1B schedule (a smaller bubble),
+sequence parallelism and selective recomputation; kernel fusion is folded into the preset's assumed matmul
+efficiency. Table 1 counts recomputation's FLOPs (its Eq. 3), so those rows compare TFLOP/s on that basis.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from autopar.parallel.auto.gpt import GPTConfig
+from autopar.parallel.auto.hardware import load_cluster
+from autopar.parallel.auto.mesh_search import plan_gpt
+
+MEGATRON_2021 = "Narayanan et al. 2021, arXiv 2104.04473, Table 1 (Selene, interleaved 1F1B, full recomputation)"
+KORTHIKANTI = "Korthikanti et al. 2022, arXiv 2205.05198, Tables 3 and 5 [S] (full recomputation column)"
+ZERO3 = "Narayanan et al. 2021, arXiv 2104.04473, Table 2: ZeRO-3 (DeepSpeed) without model parallelism"
+DGXC = ("NVIDIA dgxc-benchmarking README_175b (github.com/NVIDIA/dgxc-benchmarking, 0b71cfd), NeMo GPT-3 175B "
+        "BF16, TP4 PP8 VP12 MBS1")
+
+# (name, source, layers, hidden, heads, gpus, batch, tp, pp, micro-batch or None, recompute, machine,
+#  published: {"tflops_per_gpu": .. counting recomputation} or {"step_s": ..})
+RUNS = [
+    ("1.7B", MEGATRON_2021, 24, 2304, 24, 32, 512, 1, 1, None, True, "a100-ib", {"tflops_per_gpu": 137}),
+    ("3.6B", MEGATRON_2021, 30, 3072, 32, 64, 512, 2, 1, None, True, "a100-ib", {"tflops_per_gpu": 138}),
+    ("7.5B", MEGATRON_2021, 36, 4096, 32, 128, 512, 4, 1, None, True, "a100-ib", {"tflops_per_gpu": 142}),
+    ("18.4B", MEGATRON_2021, 40, 6144, 48, 256, 1024, 8, 1, None, True, "a100-ib", {"tflops_per_gpu": 135}),
+    ("39.1B", MEGATRON_2021, 48, 8192, 64, 512, 1536, 8, 2, None, True, "a100-ib", {"tflops_per_gpu": 138}),
+    ("76.1B", MEGATRON_2021, 60, 10240, 80, 1024, 1792, 8, 4, None, True, "a100-ib", {"tflops_per_gpu": 140}),
+    ("145.6B", MEGATRON_2021, 80, 12288, 96, 1536, 2304, 8, 8, None, True, "a100-ib", {"tflops_per_gpu": 148}),
+    ("310.1B", MEGATRON_2021, 96, 16384, 128, 1920, 2160, 8, 16, None, True, "a100-ib", {"tflops_per_gpu": 155}),
+    ("529.6B", MEGATRON_2021, 105, 20480, 128, 2520, 2520, 8, 35, None, True, "a100-ib", {"tflops_per_gpu": 163}),
+    ("1008B", MEGATRON_2021, 128, 25600, 160, 3072, 3072, 8, 64, None, True, "a100-ib", {"tflops_per_gpu": 163}),
+    ("22B", KORTHIKANTI, 48, 6144, 64, 8, 4, 8, 1, 4, True, "a100-ib", {"step_s": 1.42}),
+    ("175B", KORTHIKANTI, 96, 12288, 96, 64, 64, 8, 8, 1, True, "a100-ib", {"step_s": 18.13}),
+    ("530B", KORTHIKANTI, 105, 20480, 128, 280, 280, 8, 35, 1, True, "a100-ib", {"step_s": 49.05}),
+    ("1T", KORTHIKANTI, 128, 25600, 160, 512, 512, 8, 64, 1, True, "a100-ib", {"step_s": 94.42}),
+    ("175B ZeRO-3", ZERO3, 96, 12288, 96, 384, 1536, 1, 1, 4, True, "a100-ib", {"tflops_per_gpu": 144}),
+    ("175B ZeRO-3", ZERO3, 96, 12288, 96, 768, 1536, 1, 1, 2, True, "a100-ib", {"tflops_per_gpu": 88}),
+    ("175B ZeRO-3", ZERO3, 96, 12288, 96, 1536, 1536, 1, 1, 1, True, "a100-ib", {"tflops_per_gpu": 44}),
+    ("175B", DGXC, 96, 12288, 96, 128, 256, 4, 8, 1, None, "h100-ib", {"step_s": 8.309}),
+    ("175B", DGXC, 96, 12288, 96, 1024, 2048, 4, 8, 1, None, "h100-ib", {"step_s": 8.453}),
+]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    args = p.parse_args()
+    rows = []
+    for name, source, layers, hidden, heads, gpus, batch, tp, pp, micro, recompute, machine, published in RUNS:
+        start = time.perf_counter()
+        cfg = GPTConfig(layers, hidden, heads)
+        spec = load_cluster(machine)
+        fixed = {"tp": tp, "pp": pp, "micro_batch": micro, "recompute": recompute}
+        if source == ZERO3:
+            fixed["zero"] = 3
+        elif pp > 1:
+            fixed["zero"] = 0 if source in (MEGATRON_2021, KORTHIKANTI) else None
+        pinned = plan_gpt(cfg, spec, gpus, batch, fixed=fixed)
+        free = plan_gpt(cfg, spec, gpus, batch)
+        c, f = pinned.best, free.best
+        row = {"model": name, "source": source, "machine": machine, "gpus": gpus, "global_batch": batch,
+               "published_config": {"tp": tp, "pp": pp, "dp": gpus // (tp * pp), "micro_batch": micro},
+               "predicted_config": {"micro_batch": c.b, "zero": c.zero, "recompute": c.recompute},
+               "predicted_step_s": round(c.step, 3), "predicted_mfu": round(pinned.mfu(), 3),
+               "predicted_tflops_per_gpu_with_recompute": round(pinned.tflops_per_device(with_recompute=True), 1),
+               "free_search": {"mesh": f.mesh(), "micro_batch": f.b, "zero": f.zero, "recompute": f.recompute,
+                               "step_s": round(f.step, 3), "mfu": round(free.mfu(), 3)},
+               "plan_seconds": round(time.perf_counter() - start, 2)}
+        if "tflops_per_gpu" in published:
+            pub = published["tflops_per_gpu"]
+            row["published_tflops_per_gpu"] = pub
+            row["error_pct"] = round(100 * (row["predicted_tflops_per_gpu_with_recompute"] - pub) / pub, 1)
+        else:
+            pub = published["step_s"]
+            row["published_step_s"] = pub
+            row["error_pct"] = round(100 * (c.step - pub) / pub, 1)
+        rows.append(row)
+        print(f"[bench] {name} on {gpus} ({machine}): error {row['error_pct']:+.1f}%", file=sys.stderr, flush=True)
+    errors = sorted(abs(r["error_pct"]) for r in rows)
+    out = {"rows": rows, "summary": {"runs": len(rows), "median_abs_error_pct": errors[len(errors) // 2],
+                                     "max_abs_error_pct": errors[-1]}}
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(table(rows), file=sys.stderr)
+
+
+def table(rows: list[dict]) -> str:
+    """The README's markdown table."""
+    lines = ["| model | GPUs | batch | published (t, p, d) | published | predicted | error | planner's own choice |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        pc, f = r["published_config"], r["free_search"]
+        if "published_tflops_per_gpu" in r:
+            pub, pred = f"{r['published_tflops_per_gpu']} TFLOP/s", f"{r['predicted_tflops_per_gpu_with_recompute']} TFLOP/s"
+        else:
+            pub, pred = f"{r['published_step_s']} s/step", f"{r['predicted_step_s']} s/step"
+        lines.append(f"| {r['model']} ({r['machine']}) | {r['gpus']} | {r['global_batch']} | "
+                     f"({pc['tp']}, {pc['pp']}, {pc['dp']}) | {pub} | {pred} | {r['error_pct']:+.1f}% | "
+                     f"{f['mesh']}, micro {f['micro_batch']}, ZeRO {f['zero']}, MFU {f['mfu']:.0%} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
