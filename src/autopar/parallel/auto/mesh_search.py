@@ -180,7 +180,7 @@ class MeshPlan:
             f"one decoder layer on a tensor group of {c.t}, micro-batch {c.b} (every layer the same):",
         ]
         lines += _table(self.layer_for(c).rows())
-        lines.append(f"output head and loss on the last stage:")
+        lines.append("output head and loss on the last stage:")
         lines += _table(self.head_for(c).rows())
         lines.append("")
         lines.append("runners-up:")
