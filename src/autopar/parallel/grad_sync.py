@@ -82,7 +82,15 @@ class GradSync:
         from torch.distributed.tensor import DTensor
 
         if isinstance(g, DTensor) and tuple(g.placements) != placements:
+            before = g._local_tensor.untyped_storage().data_ptr()
             g = g.redistribute(mesh, placements)
+            s = self.scale()
+            if s != 1.0 and g._local_tensor.untyped_storage().data_ptr() != before:
+                # a fresh tensor (the all-reduce of a partial sum is out of place): scale it where it lies instead
+                # of allocating and faulting in another gradient-sized buffer
+                with torch.no_grad():
+                    g._local_tensor.mul_(s)
+                return g
         return self._scaled(g, copy=False)
 
     def _replicated(self, g: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,8 @@ For a node under a strategy (all seconds per training step, on one device):
 - **memory**: the parameter slice times (1 + gradient + optimizer slots) plus the activations kept for backward.
 
 Compute is a roofline: the slower of the arithmetic (FLOPs / calibrated rate) and streaming the operands through
-memory (a small-batch layer is bound by reading its weights), plus the optimizer step's memory traffic.
+memory (a small-batch layer is bound by reading its weights), plus the optimizer step at its calibrated rate (the
+per-parameter loop on DTensors for layouts, the fused kernel for pure data parallel).
 """
 from __future__ import annotations
 
@@ -207,9 +208,10 @@ class NodeCosts:
         moved += nbytes(node.out_shape, node.itemsize) / out_split
         compute = machine.compute(kind, 3.0 * node.flops / parts, 3.0 * moved)  # forward + 2x backward
         backward = compute * 2.0 / 3.0
-        # the optimizer step streams parameter, gradient and state (read) and parameter and state (written)
+        # the optimizer step over this device's slice, at the calibrated rate of the layout modes (DTensor
+        # parameters: no fused kernel); pure data parallel's fused rate replaces it in its totals (plan.py)
         params = sum(nbytes(plan.inputs[i].slice_shape, node.itemsize) for i, n in enumerate(node.param_names) if n)
-        optimizer = (3 + 2 * OPTIMIZER_SLOTS) * params / machine.memory_bandwidth
+        optimizer = params / machine.optimizer_rate("layout")
         compute += optimizer
         in_pl = tuple(plan.inputs[i].placements(mesh) for i in range(len(node.shapes)))
         out_pl = output_placements(plan.device_matrix, plan.output_map, plan.partial_axes, "sum"

@@ -43,6 +43,15 @@ class MachineModel:
     source: str = "default constants (not calibrated)"
     memory_bandwidth: float = 1.0e10  # bytes/s one device streams (weights of a small-batch layer are memory-bound)
     memory_per_device: float | None = None  # bytes available to one process
+    # bytes of parameters one optimizer step (SGD with momentum) updates per second: "fused" is data parallel's
+    # fused kernel on plain tensors; "layout" the per-parameter loop on DTensor parameters (the layout modes),
+    # which the fused kernels do not take. None: derived from the memory bandwidth (5 and 10 passes).
+    optimizer_rates: dict | None = None
+
+    def optimizer_rate(self, kind: str) -> float:
+        if self.optimizer_rates and kind in self.optimizer_rates:
+            return float(self.optimizer_rates[kind])
+        return self.memory_bandwidth / (5.0 if kind == "fused" else 10.0)
 
     def collective(self, kind: str, nbytes: float, n: int) -> float:
         if n <= 1 or nbytes <= 0:
@@ -152,7 +161,31 @@ def calibrate(sizes: tuple[int, ...] = (2**14, 2**18, 2**21, 2**23, 2**26)) -> M
     model.flops["other"] = _rate(lambda: torch.relu(y * 1.5 + 1.0), 3 * (1 << 20))
     big, dst = torch.randn(16 << 20, device=device), torch.empty(16 << 20, device=device)
     model.memory_bandwidth = _rate(lambda: dst.copy_(big), 2 * 4 * (16 << 20))  # read + write, in bytes/s
+    model.optimizer_rates = _optimizer_rates(device)
     return model
+
+
+def _optimizer_rates(device, numel: int = 4 << 20) -> dict:
+    """Parameter bytes per second of an SGD-with-momentum step: fused on a plain tensor (data parallel) and the
+    per-parameter loop on a replicated DTensor (the layout modes)."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from autopar.parallel.mesh import world_mesh
+
+    rates = {}
+    plain = torch.nn.Parameter(torch.randn(numel, device=device))
+    plain.grad = torch.randn(numel, device=device)
+    mesh = world_mesh()
+    laid = torch.nn.Parameter(distribute_tensor(torch.randn(numel, device=device), mesh,
+                                                [Replicate()] * mesh.ndim))
+    laid.grad = distribute_tensor(torch.randn(numel, device=device), mesh, [Replicate()] * mesh.ndim)
+    for kind, param, options in (("fused", plain, {"fused": True}), ("layout", laid, {})):
+        try:
+            opt = torch.optim.SGD([param], lr=1e-9, momentum=0.9, **options)
+        except (RuntimeError, TypeError):  # no fused kernel here: what data parallel then runs
+            opt = torch.optim.SGD([param], lr=1e-9, momentum=0.9)
+        rates[kind] = _rate(opt.step, 4.0 * numel)
+    return rates
 
 
 def load_or_calibrate(force: bool = False) -> MachineModel:

@@ -125,7 +125,9 @@ def _dp_totals(p: Problem, dp: list[int], other_compute: float, other_grad_bytes
         for k, s in enumerate(dp) for i, name in enumerate(p.graph.nodes[k].param_names) if name)
     buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
     allreduce = buckets * machine.collective("all_reduce", grad_bytes / buckets, n)
-    compute = other_compute + sum(p.costs[k].choices[s].compute for k, s in enumerate(dp))
+    fused = machine.optimizer_rate("fused")  # DDP's parameters are plain tensors: the fused optimizer kernel
+    compute = other_compute + sum(p.costs[k].choices[s].compute - p.costs[k].choices[s].optimizer
+                                  + p.costs[k].choices[s].param_bytes / fused for k, s in enumerate(dp))
     backward = sum(p.costs[k].choices[s].backward for k, s in enumerate(dp))
     others = sum(p.costs[k].choices[s].act_comm + p.costs[k].boundary_cost(p.costs[k].choices[s], machine)
                  for k, s in enumerate(dp))
@@ -151,14 +153,15 @@ def _zero_totals(p: Problem, dp: list[int], dp_totals: Totals, other_param_bytes
     chosen = [p.costs[k].choices[s] for k, s in enumerate(dp)]
     params = other_param_bytes + sum(c.param_bytes for c in chosen)
     largest = max([c.param_bytes for c in chosen] + [0.0])
-    optimizer = sum(c.optimizer for c in chosen)
+    fused = params / machine.optimizer_rate("fused")  # what data parallel's totals hold for the step
+    layout = params / machine.optimizer_rate("layout")  # FSDP2's parameters are DTensors: no fused kernel
     backward = sum(c.backward for c in chosen)
-    forward = dp_totals.compute - backward - optimizer
+    forward = dp_totals.compute - backward - fused
     state = params * (2 + OPTIMIZER_SLOTS)
     others = dp_totals.memory - state  # activations and what is not a parameter
     gather = machine.collective("all_gather", params, n)
     scatter = machine.collective("reduce_scatter", params, n)
-    compute = dp_totals.compute - optimizer + optimizer / n
+    compute = dp_totals.compute - fused + layout / n
     out = {}
     for level in ("level1", "level2", "level3"):
         if level == "level3":
