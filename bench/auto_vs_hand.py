@@ -7,13 +7,14 @@ channels), mixed (data x tensor: a 2 x 2 mesh of Megatron pairs on 4 ranks; half
 best hand strategy, each prediction's error, and whether the predicted ranking matches the measured one. A fresh
 calibration is made for the run (``AUTOPAR_CACHE_DIR`` in a temporary folder).
 
-    python bench/auto_vs_hand.py [--nproc 2 4] [--models resnet50 mlp transformer] [--steps 10]
+    python bench/auto_vs_hand.py [--nproc 2 4] [--models resnet50 mlp transformer] [--steps 10] [--rounds 3]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,53 +32,72 @@ def main() -> None:
     p.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
     p.add_argument("--models", nargs="+", default=["resnet50", "mlp", "transformer"])
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds; each strategy's median is reported")
     args = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="autopar-auto-"))
     os.environ["AUTOPAR_CACHE_DIR"] = str(tmp / "cache")  # calibrated in this run, on this load
-    report = {}
-    errors = []
+    runs: dict = {}  # (model, n) -> strategy -> [measured], predicted, error
     for n in args.nproc:
         # calibrate this (backend, N) once, outside the timed runs
         subprocess.run([sys.executable, "-m", "autopar.cli.main", "plan", "mlp", "-n", str(n), "--width", "256"],
                        check=True, capture_output=True)
-        for model in args.models:
-            case = {}
-            for strategy in STRATEGIES[model]:
-                logs = tmp / f"{model}-{strategy}-{n}"
-                logs.mkdir()
-                cmd = [sys.executable, "-m", "autopar.cli.main", "launch", "-n", str(n), "--log-dir", str(logs),
-                       str(WORK / "auto_vs_hand.py"), "--model", model, "--strategy", strategy, "--steps",
-                       str(args.steps)]
-                try:
-                    rows = _run(cmd, 1, logs)
-                except SystemExit as exc:
-                    case[strategy] = {"error": str(exc).splitlines()[0][:200]}
-                    continue
-                measured = max(r["steady_step_s"] for r in rows)
-                pred = rows[0]["predicted_step_s"]
-                case[strategy] = {"measured_step_s": round(measured, 4), "predicted_step_s": round(pred, 4),
-                                  "error_pct": round(100 * (pred - measured) / measured, 1)}
-                errors.append(abs(pred - measured) / measured)
-                print(f"[bench] {model} n={n} {strategy}: {case[strategy]}", file=sys.stderr, flush=True)
-            hands = {k: v for k, v in case.items() if k != "auto" and "measured_step_s" in v}
-            if "measured_step_s" in case.get("auto", {}) and hands:
-                best = min(v["measured_step_s"] for v in hands.values())
-                case["auto_vs_best_hand"] = round(case["auto"]["measured_step_s"] / best, 3)
-                case["auto_within_10pct"] = case["auto_vs_best_hand"] <= 1.10
-                ok = hands  # auto is one of them again (or close): its place in the order is noise
-                pairs = [(a, b) for a in ok for b in ok if a < b and abs(ok[a]["measured_step_s"] -
-                         ok[b]["measured_step_s"]) > 0.1 * min(ok[a]["measured_step_s"], ok[b]["measured_step_s"])]
-                case["pairs_apart_over_10pct_ordered_right"] = f"{sum(1 for a, b in pairs if (ok[a]['measured_step_s'] < ok[b]['measured_step_s']) == (ok[a]['predicted_step_s'] < ok[b]['predicted_step_s']))}/{len(pairs)}"
-                measured_rank = sorted(ok, key=lambda k: ok[k]["measured_step_s"])
-                predicted_rank = sorted(ok, key=lambda k: ok[k]["predicted_step_s"])
-                case["measured_ranking"], case["predicted_ranking"] = measured_rank, predicted_rank
-                case["ranking_matches"] = measured_rank == predicted_rank
-            report[f"{model}/n{n}"] = case
+    for rnd in range(args.rounds):  # every plan once per round, so slow drifts of this machine hit them alike
+        for n in args.nproc:
+            for model in args.models:
+                case = runs.setdefault((model, n), {})
+                for strategy in STRATEGIES[model]:
+                    logs = tmp / f"{model}-{strategy}-{n}-{rnd}"
+                    logs.mkdir()
+                    cmd = [sys.executable, "-m", "autopar.cli.main", "launch", "-n", str(n), "--log-dir", str(logs),
+                           str(WORK / "auto_vs_hand.py"), "--model", model, "--strategy", strategy, "--steps",
+                           str(args.steps)]
+                    entry = case.setdefault(strategy, {"measured": []})
+                    try:
+                        rows = _run(cmd, 1, logs)
+                    except SystemExit as exc:
+                        entry["error"] = str(exc).splitlines()[0][:200]
+                        continue
+                    entry["measured"].append(max(r["steady_step_s"] for r in rows))
+                    entry["predicted"] = rows[0]["predicted_step_s"]
+                    print(f"[bench] round {rnd + 1} {model} n={n} {strategy}: measured {entry['measured'][-1]:.3f} s, "
+                          f"predicted {entry['predicted']:.3f} s", file=sys.stderr, flush=True)
+    report, errors = {}, []
+    for (model, n), strategies in runs.items():
+        case = {}
+        for strategy, entry in strategies.items():
+            if not entry["measured"]:
+                case[strategy] = {"error": entry.get("error", "no run")}
+                continue
+            measured, pred = statistics.median(entry["measured"]), entry["predicted"]
+            case[strategy] = {"measured_step_s": round(measured, 4), "rounds": [round(v, 4) for v in entry["measured"]],
+                              "predicted_step_s": round(pred, 4), "error_pct": round(100 * (pred - measured) / measured, 1)}
+            errors.append(abs(pred - measured) / measured)
+        hands = {k: v for k, v in case.items() if k != "auto" and "measured_step_s" in v}
+        if "measured_step_s" in case.get("auto", {}) and hands:
+            best = min(v["measured_step_s"] for v in hands.values())
+            case["auto_vs_best_hand"] = round(case["auto"]["measured_step_s"] / best, 3)
+            case["auto_within_10pct"] = case["auto_vs_best_hand"] <= 1.10
+            ok = hands  # auto is one of them again (or close): its place in the order is noise
+            pairs = [(a, b) for a in ok for b in ok if a < b and abs(ok[a]["measured_step_s"] -
+                     ok[b]["measured_step_s"]) > 0.1 * min(ok[a]["measured_step_s"], ok[b]["measured_step_s"])]
+            right = sum(1 for a, b in pairs if (ok[a]["measured_step_s"] < ok[b]["measured_step_s"])
+                        == (ok[a]["predicted_step_s"] < ok[b]["predicted_step_s"]))
+            case["pairs_apart_over_10pct_ordered_right"] = f"{right}/{len(pairs)}"
+            measured_rank = sorted(ok, key=lambda k: ok[k]["measured_step_s"])
+            predicted_rank = sorted(ok, key=lambda k: ok[k]["predicted_step_s"])
+            case["measured_ranking"], case["predicted_ranking"] = measured_rank, predicted_rank
+            case["ranking_matches"] = measured_rank == predicted_rank
+        report[f"{model}/n{n}"] = case
     if errors:
-        report["summary"] = {"plans": len(errors), "median_abs_error_pct": round(100 * sorted(errors)[len(errors) // 2], 1),
-                             "max_abs_error_pct": round(100 * max(errors), 1),
-                             "rankings_right": sum(1 for v in report.values() if v.get("ranking_matches")),
-                             "cases": sum(1 for v in report.values() if "ranking_matches" in v)}
+        errors.sort()
+        cases = [v for v in report.values() if "ranking_matches" in v]
+        report["summary"] = {"plans": len(errors), "rounds": args.rounds,
+                             "median_abs_error_pct": round(100 * errors[len(errors) // 2], 1),
+                             "max_abs_error_pct": round(100 * errors[-1], 1),
+                             "rankings_right": sum(1 for v in cases if v["ranking_matches"]), "cases": len(cases),
+                             "pairs_over_10pct_apart_ordered_right": "{}/{}".format(
+                                 sum(int(v["pairs_apart_over_10pct_ordered_right"].split("/")[0]) for v in cases),
+                                 sum(int(v["pairs_apart_over_10pct_ordered_right"].split("/")[1]) for v in cases))}
     print(json.dumps(report, indent=2))
 
 
