@@ -220,6 +220,10 @@ class NodeCosts:
                       "data parallel" if is_dp else _describe(node, splits, self.device_num), optimizer, params,
                       activations)
 
+    def comm(self, c: Choice, machine: MachineModel) -> float:
+        """Everything ``c`` communicates on its own: gradient and activation all-reduces, boundary reshardings."""
+        return c.grad_comm + c.act_comm + self.boundary_cost(c, machine)
+
     def boundary_cost(self, c: Choice, machine: MachineModel) -> float:
         """Resharding from the batch-split / replicated inputs and to the data-parallel consumers."""
         node, cost = self.node, 0.0

@@ -57,6 +57,10 @@ class OpNode:
     in_sources: dict[int, Any] = field(default_factory=dict)  # activation input -> DP | REP | node index
     out_to_dp: int = 0  # how many consumers take the output in the batch-split layout
 
+    def shapes_text(self) -> str:
+        """``a b -> out`` (the first two inputs), as the plan tables show it."""
+        return " ".join("x".join(map(str, s)) for s in self.shapes[:2]) + " -> " + "x".join(map(str, self.out_shape))
+
 
 @dataclass
 class Graph:

@@ -33,6 +33,7 @@ from autopar.parallel.auto.costs import NodeCosts, graph_costs
 from autopar.parallel.auto.gpt import GPTConfig, GPTHead, GPTLayer, TokenLoss
 from autopar.parallel.auto.graph import Graph, capture
 from autopar.parallel.auto.hardware import ClusterSpec
+from autopar.parallel.auto.plan import other_param_bytes
 from autopar.parallel.auto.search import Problem, solve_ilp
 
 WEIGHT_GRAD_BYTES = 4  # bf16 weight + bf16 gradient per parameter
@@ -54,7 +55,6 @@ class LayerPlan:
     choice: list[int]
     time: float  # forward + backward seconds: compute, tensor-group communication, resharding (no optimizer step)
     forward: float
-    comm: float
     param_count: float  # this device's parameters (the planned operators' slices + the small replicated ones)
     activation_bytes: float
     input_bytes: float  # the layer input a recomputing layer keeps
@@ -63,16 +63,9 @@ class LayerPlan:
         out = []
         for n, node in enumerate(self.graph.nodes):
             c = self.costs[n].choices[self.choice[n]]
-            comm = c.grad_comm + c.act_comm + self.costs[n].boundary_cost(c, self.problem.machine)
-            shapes = " ".join("x".join(map(str, s)) for s in node.shapes[:2]) + " -> " + "x".join(map(str, node.out_shape))
-            out.append((node.name, node.kind, shapes, str(c.strategy), c.label, (c.compute - c.optimizer) * 1e3,
-                        comm * 1e3))
+            out.append((node.name, node.kind, node.shapes_text(), str(c.strategy), c.label,
+                        (c.compute - c.optimizer) * 1e3, self.costs[n].comm(c, self.problem.machine) * 1e3))
         return out
-
-
-def _other_params(module: torch.nn.Module, graph: Graph) -> int:
-    covered = {p for node in graph.nodes for p in node.param_names if p}
-    return sum(p.numel() for n, p in module.named_parameters() if n not in covered)
 
 
 def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: tuple, t: int, spec: ClusterSpec,
@@ -96,10 +89,10 @@ def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: t
         2 * graph.other_activation_bytes / split + graph.elementwise_bytes / t))
     compute = sum(c.compute for c in chosen) - optimizer + other
     itemsize = inputs[0].element_size()
-    params = sum(c.param_bytes for c in chosen) / itemsize + _other_params(module, graph)
+    params = (sum(c.param_bytes for c in chosen) + other_param_bytes(module, graph)) / itemsize
     activations = sum(c.activation_bytes for c in chosen) + graph.other_activation_bytes / split
-    return LayerPlan(t, b, graph, costs, problem, choice, total + other, compute / 3.0, total - compute + other,
-                     params, activations, inputs[0].numel() * itemsize / split)
+    return LayerPlan(t, b, graph, costs, problem, choice, total + other, compute / 3.0, params, activations,
+                     inputs[0].numel() * itemsize / split)
 
 
 @dataclass
@@ -133,8 +126,7 @@ class MeshPlan:
     dtype: str
     best: Candidate
     ranked: list[Candidate]
-    layer: LayerPlan
-    head: LayerPlan
+    planner: "_Planner"  # holds the module plans of every (tensor degree, micro-batch) it costed
     considered: int
     too_big: int
     seconds: float
@@ -179,9 +171,9 @@ class MeshPlan:
             "",
             f"one decoder layer on a tensor group of {c.t}, micro-batch {c.b} (every layer the same):",
         ]
-        lines += _table(self.layer_for(c).rows())
+        lines += _table(self.planner.layer(c.t, c.b).rows())
         lines.append("output head and loss on the last stage:")
-        lines += _table(self.head_for(c).rows())
+        lines += _table(self.planner.head(c.t, c.b).rows())
         lines.append("")
         lines.append("runners-up:")
         lines.append(f"  {'mesh':<24} {'micro':>5} {'m':>5} {'ZeRO':>4} {'recomp':>6} {'bubble':>7} {'step s':>8} "
@@ -190,10 +182,6 @@ class MeshPlan:
             lines.append(f"  {r.mesh():<24} {r.b:>5} {r.m:>5} {r.zero:>4} {'full' if r.recompute else 'off':>6} "
                          f"{r.bubble:>7.1%} {r.step:>8.3f} {r.memory / gib:>6.1f} {self.mfu(r):>6.1%}")
         return "\n".join(lines)
-
-    # filled by the search: the module plans of the chosen (t, b)
-    layer_for: object = None
-    head_for: object = None
 
 
 def _table(rows: list[tuple]) -> list[str]:
@@ -365,9 +353,5 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
             f"{limit / 2**30:.1f} GiB usable")
     fitting.sort(key=lambda k: (k.step, k.memory))
     best = fitting[0]
-    plan = MeshPlan(config, spec, devices, global_batch, dtype, best, fitting, planner.layer(best.t, best.b),
-                    planner.head(best.t, best.b), considered, considered - len(fitting),
-                    time.perf_counter() - start, limit)
-    plan.layer_for = lambda c: planner.layer(c.t, c.b)
-    plan.head_for = lambda c: planner.head(c.t, c.b)
-    return plan
+    return MeshPlan(config, spec, devices, global_batch, dtype, best, fitting, planner, considered,
+                    considered - len(fitting), time.perf_counter() - start, limit)

@@ -75,9 +75,8 @@ class Plan:
         rows = []
         for n, node in enumerate(self.graph.nodes):
             c = self.chosen(n)
-            comm = c.grad_comm + c.act_comm + self.costs[n].boundary_cost(c, self.problem.machine)
-            shapes = " ".join("x".join(map(str, s)) for s in node.shapes[:2]) + " -> " + "x".join(map(str, node.out_shape))
-            rows.append((node.name, node.kind, shapes, str(c.strategy), c.label, c.compute * 1e3, comm * 1e3,
+            comm = self.costs[n].comm(c, self.problem.machine)
+            rows.append((node.name, node.kind, node.shapes_text(), str(c.strategy), c.label, c.compute * 1e3, comm * 1e3,
                          c.memory / 2**20))
         widths = [max(len(str(r[i])) for r in rows + [("operator", "kind", "shapes", "strategy", "layout")])
                   for i in range(5)]
@@ -106,7 +105,7 @@ class Plan:
         return "\n".join(lines)
 
 
-def _other_param_bytes(network: torch.nn.Module, graph: Graph) -> float:
+def other_param_bytes(network: torch.nn.Module, graph: Graph) -> float:
     covered = {p for node in graph.nodes for p in node.param_names if p}
     return float(sum(p.numel() * p.element_size() for n, p in network.named_parameters() if n not in covered))
 
@@ -138,7 +137,7 @@ ZERO_WHAT = {"level1": "optimizer state", "level2": "optimizer state and gradien
              "level3": "optimizer state, gradients and weights"}
 
 
-def _zero_totals(p: Problem, dp: list[int], dp_totals: Totals, other_param_bytes: float) -> dict[str, Totals]:
+def _zero_totals(p: Problem, dp: list[int], dp_totals: Totals, other_params: float) -> dict[str, Totals]:
     """Data parallel with the optimizer sharded (FSDP2, :mod:`autopar.parallel.optimizer_shard`), per level.
 
     Memory at the peak of a step: levels 1 and 2 gather every weight for forward and backward (FSDP2 keeps them
@@ -151,7 +150,7 @@ def _zero_totals(p: Problem, dp: list[int], dp_totals: Totals, other_param_bytes
     if n <= 1:
         return {}
     chosen = [p.costs[k].choices[s] for k, s in enumerate(dp)]
-    params = other_param_bytes + sum(c.param_bytes for c in chosen)
+    params = other_params + sum(c.param_bytes for c in chosen)
     largest = max([c.param_bytes for c in chosen] + [0.0])
     fused = params / machine.optimizer_rate("fused")  # what data parallel's totals hold for the step
     layout = params / machine.optimizer_rate("layout")  # FSDP2's parameters are DTensors: no fused kernel
@@ -174,26 +173,31 @@ def _zero_totals(p: Problem, dp: list[int], dp_totals: Totals, other_param_bytes
     return out
 
 
+def _fitting(zero: dict[str, Totals], memory_limit: float | None) -> dict[str, Totals]:
+    return {k: z for k, z in zero.items() if memory_limit is None or z.memory <= memory_limit}
+
+
 def plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sample: tuple, device_num: int,
                  machine: MachineModel, search_mode: str = "dynamic_programming",
                  memory_limit: float | None = None) -> Plan:
     """Capture, cost, search, compare with data parallelism; the result can ``apply()`` and ``explain()``."""
     graph = capture(network, loss_fn, sample)
     costs = graph_costs(graph, machine, device_num)
-    other_params = _other_param_bytes(network, graph)
+    other_params = other_param_bytes(network, graph)
     const_memory = graph.other_activation_bytes / device_num + other_params * 3
     problem = Problem(graph, costs, machine, const_memory, memory_limit)
     user_given = any(node.fixed is not None for node in graph.nodes)
     dp = problem.dp_choice()
+    other_compute = machine.compute("other", 3.0 * graph.other_flops / device_num)
     try:
         choice, seconds = search(problem, search_mode)
     except StrategyError as exc:  # no layout fits: data parallel with its optimizer sharded may
         if user_given or dp is None:
             raise
         free = Problem(graph, costs, machine, const_memory, None)
-        dp_totals = _dp_totals(free, dp, machine.compute("other", 3.0 * graph.other_flops / device_num), other_params)
+        dp_totals = _dp_totals(free, dp, other_compute, other_params)
         zero = _zero_totals(free, dp, dp_totals, other_params)
-        fitting = {k: z for k, z in zero.items() if memory_limit is None or z.memory <= memory_limit}
+        fitting = _fitting(zero, memory_limit)
         if not fitting:
             smallest = min(zero.values(), key=lambda z: z.memory)
             raise StrategyError(f"{exc}; data parallel with ZeRO level3 needs {smallest.memory / 2**20:.1f} MiB") from None
@@ -201,8 +205,6 @@ def plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, samp
         return Plan(graph, costs, free, dp, device_num, search_mode, 0.0, zero[level], dp_totals, True,
                     f"data parallel + ZeRO {level} ({zero[level].step * 1e3:.1f} ms per step): no layout of the "
                     f"operators fits the memory limit ({exc})", zero, level)
-    choice, seconds = choice, seconds
-    other_compute = machine.compute("other", 3.0 * graph.other_flops / device_num)
     searched = _totals(problem, choice, other_compute)
     dp_totals = _dp_totals(problem, dp, other_compute, other_params) if dp is not None else None
     zero = _zero_totals(problem, dp, dp_totals, other_params) if dp is not None and not user_given else {}
@@ -224,7 +226,7 @@ def plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, samp
     level = None
     dp_fits = dp_totals is not None and problem.fits(dp)
     if zero and not dp_fits:  # data parallel does not fit: with its optimizer sharded it may, and beat the layouts
-        fitting = {k: z for k, z in zero.items() if memory_limit is None or z.memory <= memory_limit}
+        fitting = _fitting(zero, memory_limit)
         best = min(fitting, key=lambda k: fitting[k].step, default=None)
         chosen_fits = memory_limit is None or totals.memory <= memory_limit
         if best is not None and (fitting[best].step < totals.step or not chosen_fits):

@@ -31,8 +31,7 @@ class Problem:
                  memory_limit: float | None):
         self.graph, self.costs, self.machine = graph, costs, machine
         self.const_memory, self.memory_limit = const_memory, memory_limit
-        self.node_cost = [[c.compute + c.grad_comm + c.act_comm + nc.boundary_cost(c, machine) for c in nc.choices]
-                          for nc in costs]
+        self.node_cost = [[c.compute + nc.comm(c, machine) for c in nc.choices] for nc in costs]
         self.memory = [[c.memory for c in nc.choices] for nc in costs]
         self.pairs: list[tuple[int, int, list[list[float]]]] = []  # (u, v, cost[s][t])
         for u, v, k in graph.edges:
