@@ -112,15 +112,10 @@ for key, kwargs, ref in (("sum/Momentum/plain_before", {"mean": False}, referenc
         results[key] = compare(net, opt, ref)
     except Exception as exc:  # noqa: BLE001
         results[key] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
-with warnings.catch_warnings(record=True) as caught:  # a key it cannot honour yet warns, never silently
+with warnings.catch_warnings(record=True) as caught:  # a mode that does not shard says so, never silently
     warnings.simplefilter("always")
     autopar.reset_auto_parallel_context()
-    autopar.set_auto_parallel_context(parallel_mode="data_parallel", enable_parallel_optimizer=True,
-                                      parallel_optimizer_config={"optimizer_weight_shard_size": 2})
-    run_net = make_net()
-    torch.nn.functional.cross_entropy(run_net(local(0)[0]), local(0)[1]).backward()
-    autopar.reset_auto_parallel_context()  # a mode that does not shard yet says so
-    autopar.set_auto_parallel_context(parallel_mode="semi_auto_parallel", enable_parallel_optimizer=True)
+    autopar.set_auto_parallel_context(parallel_mode="hybrid_parallel", enable_parallel_optimizer=True)
     run_net = make_net()
     torch.nn.functional.cross_entropy(run_net(local(0)[0]), local(0)[1]).backward()
 results["warns"] = {"messages": [str(w.message) for w in caught]}

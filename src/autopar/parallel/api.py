@@ -186,7 +186,8 @@ def _prepare_layouts(network, loss_fn, optimizer, mode, device, world, ctx) -> P
     runtime = runtime_of(network) or SemiAutoRuntime(
         gradients_mean=ctx.gradients_mean, full_batch=ctx.full_batch, parameter_broadcast=ctx.parameter_broadcast,
         strategy_save_file=ctx.strategy_ckpt_save_file, strategy_load_file=ctx.strategy_ckpt_load_file,
-        dataset_strategy=ctx.dataset_strategy)
+        dataset_strategy=ctx.dataset_strategy, zero_level=_zero_level(ctx, mode),
+        zero_shard_size=_zero_shard_size(ctx) if _zero_level(ctx, mode) else None)
     root = network if loss_fn is None else _WithLoss(network, loss_fn)
     runtime.add_root(network)  # first: parameters and operators are named as in the user's network
     runtime.add_root(root)
@@ -347,15 +348,24 @@ def _prepare_pipeline(network, loss_fn, mode, device, world, ctx) -> Prepared:
 
 
 def _zero_level(ctx, mode: ParallelMode) -> str | None:
-    """The optimizer-sharding level to apply, or None; asked for in a mode that does not shard yet: warn once."""
+    """The optimizer-sharding level to apply, or None; asked for in a mode that does not shard (hybrid parallel,
+    whose layerwise parameters the network reduces itself): warn once."""
     from autopar.parallel.optimizer_shard import level_of
 
     level = level_of(ctx)
-    if level and mode is not ParallelMode.DATA_PARALLEL:
-        _warn_once(f"zero/{mode.value}", f"autopar: enable_parallel_optimizer shards the optimizer in data_parallel "
-                   f"only so far; {mode.value} trains with the whole optimizer state on every rank")
+    if level and mode not in (ParallelMode.DATA_PARALLEL, ParallelMode.SEMI_AUTO_PARALLEL,
+                              ParallelMode.AUTO_PARALLEL):
+        _warn_once(f"zero/{mode.value}", f"autopar: enable_parallel_optimizer shards the optimizer in data_parallel, "
+                   f"semi_auto_parallel and auto_parallel; {mode.value} trains with the whole optimizer state on "
+                   f"every rank")
         return None
     return level
+
+
+def _zero_shard_size(ctx) -> int:
+    from autopar.parallel.optimizer_shard import shard_size_of
+
+    return shard_size_of(ctx, _comm.get_group_size() if _comm.is_initialized() else 1)
 
 
 def _shard_optimizer(network: torch.nn.Module, ctx, level: str | None = None) -> None:
@@ -363,7 +373,8 @@ def _shard_optimizer(network: torch.nn.Module, ctx, level: str | None = None) ->
 
     if not is_sharded(network):
         _equalize_replicas(network, ctx, set())
-        shard_optimizer(network, level or _zero_level(ctx, ctx.parallel_mode), ctx.gradients_mean)
+        shard_optimizer(network, level or _zero_level(ctx, ctx.parallel_mode), ctx.gradients_mean,
+                        _zero_shard_size(ctx))
 
 
 def finish_gradients(network: torch.nn.Module) -> None:

@@ -54,6 +54,11 @@ def flat_mesh() -> DeviceMesh:
     return _mesh((world_size(),), _comm.device().type if _comm.is_initialized() else "cpu")
 
 
+def mesh_of_shape(shape: tuple[int, ...]) -> DeviceMesh:
+    """Another view of the same ranks (row-major), e.g. the (groups, group size) mesh of hybrid sharding."""
+    return _mesh(tuple(shape), _comm.device().type if _comm.is_initialized() else "cpu")
+
+
 def mesh_shape() -> tuple[int, ...]:
     return tuple(world_mesh().shape)
 

@@ -17,12 +17,22 @@ Why FSDP2 and not ``ZeroRedundancyOptimizer``: FSDP2's slices are DTensors, whic
 reload onto any world size); ``ZeroRedundancyOptimizer`` keeps whole parameters on every rank (no weight or gradient
 saving) and its state dict must be consolidated on one rank, which DCP does not read.
 
+``optimizer_weight_shard_size=s`` (MindSpore's key, in the context or the config): each parameter is sharded over
+groups of ``s`` consecutive ranks and replicated across the groups -- FSDP2's hybrid sharding (HSDP) on a
+``(world/s, s)`` mesh: gradients reduce-scattered inside a group, then all-reduced across groups. Less memory saved
+than sharding over every rank, less of the traffic on the slower links between groups.
+
+In the layout modes (SEMI_AUTO / AUTO) the same levels shard each laid-out parameter over the mesh axes where its
+layout replicates it (:func:`storage_placements`, applied by the layout runtime), so a tensor-parallel weight is
+split by its strategy and then by ZeRO over the data-parallel ranks.
+
 Exact: the same data gives the same parameters as DATA_PARALLEL (gradients averaged with ``gradients_mean``, summed
 without, as MindSpore).
 """
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 
 import torch
@@ -46,10 +56,6 @@ def level_of(ctx) -> str | None:
     level = config.get("optimizer_level", "level1")
     if level not in LEVELS:
         raise ConfigError(f"parallel_optimizer_config optimizer_level={level!r}; expected one of {sorted(LEVELS)}")
-    size = config.get("optimizer_weight_shard_size", ctx.optimizer_weight_shard_size)
-    if size not in (None, -1, 0):
-        warnings.warn(f"optimizer_weight_shard_size={size} is not applied yet: the optimizer is sharded over all "
-                      "data-parallel ranks", stacklevel=3)
     if config.get("parallel_optimizer_threshold") not in (None, 0):
         warnings.warn("parallel_optimizer_threshold is not applied: every parameter is sharded", stacklevel=3)
     if config.get("gradient_accumulation_shard"):
@@ -58,22 +64,84 @@ def level_of(ctx) -> str | None:
     return level
 
 
+def shard_size_of(ctx, world: int) -> int:
+    """How many ranks one parameter is sharded over: ``optimizer_weight_shard_size`` (config first, then the
+    context's key), all ``world`` ranks when unset (-1, 0 or None). A size that does not divide the ranks is an
+    error."""
+    config = dict(ctx.parallel_optimizer_config or {})
+    size = config.get("optimizer_weight_shard_size", ctx.optimizer_weight_shard_size)
+    if size in (None, -1, 0):
+        return world
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"optimizer_weight_shard_size must be a positive integer (or -1: all ranks), got {size!r}")
+    if size > world or world % size:
+        raise ConfigError(f"optimizer_weight_shard_size={size} must divide the {world} data-parallel ranks")
+    return size
+
+
+def hybrid_mesh(shard_size: int):
+    """All ranks on one axis (``shard_size`` = world), or ``(world / shard_size, shard_size)``: replicate across
+    the groups, shard inside each group of consecutive ranks."""
+    from autopar.parallel.mesh import flat_mesh, world_size, mesh_of_shape
+
+    world = world_size()
+    if shard_size >= world:
+        return flat_mesh()
+    return mesh_of_shape((world // shard_size, shard_size))
+
+
+def storage_placements(layout_placements: tuple, shape: tuple[int, ...], mesh_shape: tuple[int, ...],
+                       shard_size: int | None = None) -> tuple:
+    """Where a laid-out parameter is stored under ZeRO: its layout's placements with the replicated mesh axes
+    (the innermost ones covering ``shard_size`` ranks; all when None) turned into ``Shard(d)`` of one dimension
+    ``d`` that no other axis splits -- the largest that divides evenly, else the largest that is at least as
+    large as the group. A parameter with no such dimension (a scalar) stays as its layout says. The runtime
+    redistributes from here to the layout on each use: an all-gather forward, a reduce-scatter of the gradient
+    backward (DTensor's own autograd)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    replicated = [m for m, p in enumerate(layout_placements) if isinstance(p, Replicate)]
+    chosen: list[int] = []
+    for m in reversed(replicated):  # innermost axes first: groups of consecutive ranks, as MindSpore's shard groups
+        group = math.prod(mesh_shape[a] for a in chosen)
+        if shard_size is not None and group * mesh_shape[m] > shard_size:
+            continue
+        chosen.append(m)
+    group = math.prod(mesh_shape[a] for a in chosen)
+    if not chosen or group == 1:
+        return tuple(layout_placements)
+    taken = {p.dim for p in layout_placements if isinstance(p, Shard)}
+    free = [d for d in range(len(shape)) if d not in taken]
+    even = [d for d in free if shape[d] % group == 0]
+    fits = [d for d in free if shape[d] >= group]
+    dims = even or fits
+    if not dims:
+        return tuple(layout_placements)
+    d = max(dims, key=lambda k: (shape[k], -k))
+    out = list(layout_placements)
+    for m in chosen:
+        out[m] = Shard(d)
+    return tuple(out)
+
+
 def is_sharded(network: torch.nn.Module) -> bool:
     return "_autopar_zero" in network.__dict__
 
 
-def shard_optimizer(network: torch.nn.Module, level: str, gradients_mean: bool) -> None:
+def shard_optimizer(network: torch.nn.Module, level: str, gradients_mean: bool, shard_size: int | None = None
+                    ) -> None:
     """Shard ``network`` in place: every module owning trainable parameters gets its own FSDP2 group (gathered
-    only while it computes), the network the rest. Replaced parameters are recorded, so optimizers made before
-    are moved onto the slices before their next step."""
+    only while it computes), the network the rest; over all ranks, or hybrid (HSDP) over groups of
+    ``shard_size``. Replaced parameters are recorded, so optimizers made before are moved onto the slices before
+    their next step."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    from autopar.parallel.mesh import flat_mesh
+    from autopar.parallel.mesh import world_size
 
     if is_sharded(network):
         return
     before = dict(network.named_parameters())
-    mesh = flat_mesh()
+    mesh = hybrid_mesh(shard_size or world_size())
     reshard = LEVELS[level]
     owners = [m for m in network.modules() if m is not network
               and any(p.requires_grad for p in m.parameters(recurse=False))]

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, distribute_tensor
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -44,7 +44,7 @@ from autopar.ops.primitive import Primitive
 from autopar.parallel import state_dict as _state_dict
 from autopar.parallel.grad_sync import LAYOUT, GradSync
 from autopar.parallel.layout import Layout
-from autopar.parallel.mesh import world_mesh, world_size
+from autopar.parallel.mesh import mesh_shape, world_mesh, world_size
 from autopar.parallel.semi_auto import local_matmul
 from autopar.parallel.semi_auto import placements as P
 from autopar.parallel.semi_auto.inputs import dataset_input
@@ -72,8 +72,14 @@ _primitive.set_executor(_execute)
 class SemiAutoRuntime:
     def __init__(self, gradients_mean: bool, full_batch: bool = False, parameter_broadcast: bool = False,
                  strategy_save_file: str | None = None, strategy_load_file: str | None = None,
-                 dataset_strategy: Any = "data_parallel"):
+                 dataset_strategy: Any = "data_parallel", zero_level: str | None = None,
+                 zero_shard_size: int | None = None):
         self.device_num = world_size()
+        # optimizer sharding (enable_parallel_optimizer): parameters stored split over the mesh axes their layout
+        # replicates them on, gathered to the layout for each use (parallel.optimizer_shard.storage_placements)
+        self.zero_level = zero_level
+        self.zero_shard_size = zero_shard_size
+        self._leaf_params: dict[int, list[tuple[str, DTensor]]] = {}  # id(leaf module) -> its ZeRO-stored params
         self.gradients_mean = gradients_mean
         self.full_batch = full_batch
         self.dataset_strategy = dataset_strategy if isinstance(dataset_strategy, (tuple, list)) else None
@@ -120,6 +126,8 @@ class SemiAutoRuntime:
                 owners = self.owners.setdefault(name, [])
                 if (module, attr) not in owners:
                     owners.append((module, attr))
+        if self.zero_level:
+            self._shard_leaf_parameters(root)
         root.register_forward_pre_hook(self._root_pre, with_kwargs=True)
         root.register_forward_hook(self._root_post, always_call=True)
         if self.parameter_broadcast and self.device_num > 1:
@@ -202,11 +210,17 @@ class SemiAutoRuntime:
     def _leaf_pre(self, module, args):
         if active_runtime() is not self or is_annotated(module):
             return None
+        for attr, stored in self._leaf_params.get(id(module), ()):
+            # ZeRO: the whole parameter for this call only (an all-gather; its gradient is reduce-scattered back)
+            module._parameters[attr] = stored.redistribute(stored.device_mesh, P.replicate_placements()).to_local(
+                grad_placements=tuple(Partial() for _ in stored.placements))
         return tree_map(lambda t: P.to_data_parallel_local(t) if isinstance(t, DTensor) else t, args)
 
     def _leaf_post(self, module, args, output):
         if active_runtime() is not self or is_annotated(module):
             return None
+        for attr, stored in self._leaf_params.get(id(module), ()):
+            module._parameters[attr] = stored
         n = self.device_num
 
         def wrap(t):
@@ -305,7 +319,7 @@ class SemiAutoRuntime:
             raise StrategyError(f"parameter '{name}' is used by {prev[0]} and by {who}: one parameter must have one "
                                 f"strategy for all its operators (layouts {prev[2]} vs {layout})")
         if isinstance(param, DTensor):
-            if tuple(param.placements) != layout.placements():
+            if tuple(param.placements) not in (layout.placements(), self._stored(layout.placements(), param.shape)):
                 raise StrategyError(f"parameter '{name}' is laid out as {self.param_layout[name][2]} but {who} needs "
                                     f"{layout}")
             return param
@@ -314,11 +328,15 @@ class SemiAutoRuntime:
         return self._lay_out(param, name, layout)
 
     def _lay_out(self, param: torch.nn.Parameter, name: str, layout: Layout) -> torch.nn.Parameter:
+        return self._replace(param, name, self._stored(layout.placements(), tuple(param.shape)))
+
+    def _replace(self, param: torch.nn.Parameter, name: str, placements: tuple,
+                 default_owner: tuple | None = None) -> torch.nn.Parameter:
         """Replace ``param`` in every module that owns it by a DTensor parameter holding this rank's slice."""
         with torch.no_grad():
-            sharded = distribute_tensor(param.detach(), world_mesh(), layout.placements(), src_data_rank=0)
+            sharded = distribute_tensor(param.detach(), world_mesh(), placements, src_data_rank=0)
         new = torch.nn.Parameter(sharded, requires_grad=param.requires_grad)
-        for module, attr in self.owners.get(name, []):
+        for module, attr in self.owners.get(name) or [default_owner]:
             module._parameters[attr] = new
             _state_dict.install(module)
         self.converted[param] = new
@@ -327,6 +345,37 @@ class SemiAutoRuntime:
         self.sync.attach(new, LAYOUT)
         self._remap_optimizers()
         return new
+
+    def _stored(self, placements: tuple, shape: tuple[int, ...]) -> tuple:
+        """Where a parameter of this layout lives between uses: the layout itself, or under ZeRO also split over
+        the axes the layout replicates it on."""
+        if not self.zero_level:
+            return tuple(placements)
+        from autopar.parallel.optimizer_shard import storage_placements
+
+        return storage_placements(tuple(placements), tuple(shape), mesh_shape(), self.zero_shard_size)
+
+    def _shard_leaf_parameters(self, root: torch.nn.Module) -> None:
+        """ZeRO for the parameters of plain torch leaf modules (they run data-parallel on the local batch): store
+        each split over the ranks, put the whole one back into the module around each of its calls
+        (:meth:`_leaf_pre` / :meth:`_leaf_post`). Rank 0's initial values, as any layout."""
+        for module in root.modules():
+            if (id(module) not in self._hooked or is_annotated(module) or id(module) in self._leaf_params):
+                continue
+            stored = []
+            for attr, param in list(module._parameters.items()):
+                if param is None or isinstance(param, DTensor) or not param.requires_grad:
+                    continue
+                name = self.param_names.get(param, attr)
+                placements = self._stored(P.replicate_placements(), tuple(param.shape))
+                if placements == P.replicate_placements():
+                    continue  # nothing to split (a scalar): it stays whole and all-reduced
+                stored.append((attr, self._replace(param, name, placements, default_owner=(module, attr))))
+                layout = Layout.replicated(tuple(param.shape), self.device_num)
+                self.param_layout[name] = (f"data-parallel module '{self.names.get(id(module), '?')}'",
+                                           layout.placements(), layout)
+            if stored:
+                self._leaf_params[id(module)] = stored
 
     def preset_layout(self, name: str, layout: Layout) -> None:
         """Lay parameter ``name`` out now (a strategy to load a checkpoint into, or one read from a file); the
