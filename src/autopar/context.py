@@ -80,7 +80,7 @@ class _AutoParallelContext:
     parallel_optimizer_config: dict = field(default_factory=dict)  # {"optimizer_level": "level1|level2|level3"}
     pipeline_stages: int = 1  # > 1: nn.PipelineCell runs on torch.distributed.pipelining (parallel.pipeline)
     pipeline_config: dict = field(default_factory=dict)  # {"pipeline_scheduler": "1f1b" | "gpipe"}
-    optimizer_weight_shard_size: int = -1  # -1: all data-parallel ranks (other sizes warn: not applied yet)
+    optimizer_weight_shard_size: int = -1  # -1: all data-parallel ranks; s: hybrid, groups of s ranks
     loss_repeated_mean: bool = True
     gradient_fp32_sync: bool = True
     all_reduce_fusion_config: list = field(default_factory=list)

@@ -142,7 +142,8 @@ def _tuned(prepared: Prepared, network: torch.nn.Module, optimizer: torch.optim.
 
 
 def _prepare_data_parallel(network, loss_fn, mode, device, world, ctx, layerwise) -> Prepared:
-    planned = network.__dict__.get("_autopar_zero_level")  # AUTO_PARALLEL chose data parallel with ZeRO
+    # AUTO_PARALLEL chose data parallel with ZeRO, or parallelize(zero=...) sharded it already
+    planned = network.__dict__.get("_autopar_zero_level") or network.__dict__.get("_autopar_zero")
     if planned or _zero_level(ctx, mode):
         from autopar.parallel import optimizer_shard
 
@@ -210,17 +211,22 @@ def _layout_mode(network: torch.nn.Module) -> bool:
 
 
 def parallelize(network: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                sample: list | None = None) -> torch.nn.Module:
+                sample: list | None = None, *, zero: str | int | None = None,
+                zero_shard_size: int | None = None) -> torch.nn.Module:
     """Make ``network`` train under the current parallel context when a loop calls it directly -- the PyTorch
     door's one call, like ``fully_shard(model)``. Optional: the first call of the network in a parallel mode does
     it by itself (:mod:`autopar.parallel.entry`). AUTO_PARALLEL plans on ``sample`` (the network's inputs).
 
     SEMI_AUTO/AUTO lay parameters out as slices on the first forward; DATA/HYBRID (and SEMI_AUTO without any
     strategy) keep them whole. Either way hooks complete the gradients inside every backward, and optimizers --
-    made before or after -- are moved onto the parameters that train before their next step."""
+    made before or after -- are moved onto the parameters that train before their next step.
+
+    ``zero`` (1, 2, 3 or "level1".."level3") shards the optimizer state (and gradients, weights) of this network
+    over the data-parallel ranks, ``zero_shard_size`` over groups of that many ranks (hybrid): the PyTorch
+    spelling of ``enable_parallel_optimizer`` / ``optimizer_weight_shard_size``, for this network only."""
     if not _comm.is_initialized():
         raise ConfigError("parallelize: call autopar.communication.init() first")
-    ctx = _context.auto_parallel_context()
+    ctx = _with_zero(_context.auto_parallel_context(), zero, zero_shard_size)
     if ctx.parallel_mode is ParallelMode.STAND_ALONE:
         return network
     _to_device(network, _comm.device())
@@ -253,6 +259,19 @@ def parallelize(network: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     elif optimizer is not None:
         runtime_of(network).attach_optimizer(optimizer)
     return network
+
+
+def _with_zero(ctx, zero, shard_size):
+    """The context as seen by one ``parallelize(zero=..., zero_shard_size=...)`` call."""
+    if zero is None and shard_size is None:
+        return ctx
+    import dataclasses
+
+    level = f"level{zero}" if isinstance(zero, int) and not isinstance(zero, bool) else (zero or "level1")
+    config = dict(ctx.parallel_optimizer_config or {}, optimizer_level=level)
+    if shard_size is not None:
+        config["optimizer_weight_shard_size"] = shard_size
+    return dataclasses.replace(ctx, enable_parallel_optimizer=True, parallel_optimizer_config=config)
 
 
 def _to_device(network: torch.nn.Module, device: torch.device) -> None:

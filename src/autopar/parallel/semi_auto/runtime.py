@@ -25,6 +25,7 @@ moved onto the slices before their next step.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from typing import Any
@@ -49,6 +50,7 @@ from autopar.parallel.semi_auto import local_matmul
 from autopar.parallel.semi_auto import placements as P
 from autopar.parallel.semi_auto.inputs import dataset_input
 from autopar.parallel.semi_auto.leaves import LAYOUT_TRANSPARENT, is_annotated
+from autopar.parallel.semi_auto.regather import Regather
 from autopar.parallel.semi_auto.strategy_file import load_strategy_file, save_strategy_file
 from autopar.parallel.strategy import data_parallel_strategy, derive_plan
 
@@ -80,6 +82,7 @@ class SemiAutoRuntime:
         self.zero_level = zero_level
         self.zero_shard_size = zero_shard_size
         self._leaf_params: dict[int, list[tuple[str, DTensor]]] = {}  # id(leaf module) -> its ZeRO-stored params
+        self._regathers: dict[int, Regather] = {}  # id(leaf module) -> its level-3 hooks while it runs
         self.gradients_mean = gradients_mean
         self.full_batch = full_batch
         self.dataset_strategy = dataset_strategy if isinstance(dataset_strategy, (tuple, list)) else None
@@ -115,7 +118,7 @@ class SemiAutoRuntime:
             if (leaf and not isinstance(module, (Primitive, *LAYOUT_TRANSPARENT))
                     and id(module) not in self._hooked):
                 module.register_forward_pre_hook(self._leaf_pre)
-                module.register_forward_hook(self._leaf_post)
+                module.register_forward_hook(self._leaf_post, always_call=True)
                 self._hooked.add(id(module))
         for module_name, module in root.named_modules(remove_duplicate=False):
             for attr, param in list(module._parameters.items()):
@@ -210,10 +213,17 @@ class SemiAutoRuntime:
     def _leaf_pre(self, module, args):
         if active_runtime() is not self or is_annotated(module):
             return None
-        for attr, stored in self._leaf_params.get(id(module), ()):
+        stored_params = self._leaf_params.get(id(module), ())
+        regather = Regather() if stored_params and self.zero_level == "level3" else None
+        for attr, stored in stored_params:
             # ZeRO: the whole parameter for this call only (an all-gather; its gradient is reduce-scattered back)
             module._parameters[attr] = stored.redistribute(stored.device_mesh, P.replicate_placements()).to_local(
                 grad_placements=tuple(Partial() for _ in stored.placements))
+            if regather is not None:
+                regather.add(module._parameters[attr], stored, P.replicate_placements())
+        if regather is not None:
+            regather.__enter__()  # left in _leaf_post (always called, also when the forward raises)
+            self._regathers[id(module)] = regather
         return tree_map(lambda t: P.to_data_parallel_local(t) if isinstance(t, DTensor) else t, args)
 
     def _leaf_post(self, module, args, output):
@@ -221,6 +231,9 @@ class SemiAutoRuntime:
             return None
         for attr, stored in self._leaf_params.get(id(module), ()):
             module._parameters[attr] = stored
+        regather = self._regathers.pop(id(module), None)
+        if regather is not None:
+            regather.__exit__(None, None, None)
         n = self.device_num
 
         def wrap(t):
@@ -250,20 +263,24 @@ class SemiAutoRuntime:
         plan = derive_plan(self.name_of(op), spec, strategy, shapes, self.device_num)
         local_args = list(args)
         mesh = world_mesh()
+        regather = Regather() if self.zero_level == "level3" else None
         for k, i in enumerate(positions):
             layout = plan.inputs[k]
-            dt = self._input(args[i], op, plan, layout)
+            dt = stored = self._input(args[i], op, plan, layout)
             target = layout.placements()
             if tuple(dt.placements) != target:
                 dt = dt.redistribute(mesh, target)
             grad_placements = P.placements_for(layout, plan.absent_axes(k), grad_partial=True)
             local_args[i] = dt.to_local(grad_placements=grad_placements)
+            if regather is not None and dt is not stored and isinstance(stored, torch.nn.Parameter):
+                regather.add(local_args[i], stored, target)  # ZeRO-3: gathered again for the backward
         bias = getattr(op, "bias_index", None)
         if plan.partial_axes and bias is not None and bias < len(local_args) and local_args[bias] is not None:
             # the output is a partial sum over the split contraction: each part carries 1/k of the bias
             parts = math.prod(plan.device_matrix[a] for a in plan.partial_axes)
             local_args[bias] = local_args[bias] / parts
-        out = op.compute(*local_args, **kwargs)
+        with regather if regather is not None and regather.gathered else contextlib.nullcontext():
+            out = op.compute(*local_args, **kwargs)
         partial, reduction = plan.partial_axes, plan.reduction
         if partial and reduction in ("max", "min"):
             out = P.all_reduce_extreme(out, plan.device_matrix, partial, reduction)

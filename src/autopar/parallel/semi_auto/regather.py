@@ -1,0 +1,48 @@
+"""ZeRO level 3 in the layout modes: a parameter gathered for an operator is not kept alive until the backward.
+
+The layout runtime gathers a ZeRO-stored parameter (split over the data-parallel axes) to its operator's layout
+for each use. Autograd would keep that whole copy until the backward, because the operator saves it -- which is
+what levels 1 and 2 do (FSDP2's ``reshard_after_forward=False``). Level 3 frees it after the forward and gathers it
+again when the backward unpacks it: ``torch.autograd.graph.saved_tensors_hooks`` replace a saved tensor that lives
+in a gathered parameter's storage by a note (which parameter, which layout, which view) -- one more all-gather per
+use, as FSDP2's level 3.
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+class Regather(torch.autograd.graph.saved_tensors_hooks):
+    def __init__(self):
+        # (storage address, device, stored param, placements) -- never the whole copy itself: autograd keeps the
+        # pack hook (and so this object) with every tensor it saved, which would keep the copies alive
+        self.gathered: list[tuple[int, torch.device, DTensor, tuple]] = []
+        super().__init__(self._pack, self._unpack)
+
+    def add(self, local: torch.Tensor, stored: DTensor, placements: tuple) -> None:
+        self.gathered.append((local.untyped_storage().data_ptr(), local.device, stored, tuple(placements)))
+
+    def _pack(self, t: torch.Tensor):
+        if not t.is_floating_point():
+            return t
+        ptr = t.untyped_storage().data_ptr()
+        for address, device, stored, placements in self.gathered:
+            if address == ptr and device == t.device:
+                return _Note(stored, placements, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+        return t
+
+    @staticmethod
+    def _unpack(saved):
+        if not isinstance(saved, _Note):
+            return saved
+        with torch.no_grad():
+            whole = saved.stored.redistribute(saved.stored.device_mesh, saved.placements).to_local()
+        return whole.as_strided(saved.size, saved.stride, saved.offset)
+
+
+class _Note:
+    __slots__ = ("stored", "placements", "size", "stride", "offset")
+
+    def __init__(self, stored, placements, size, stride, offset):
+        self.stored, self.placements, self.size, self.stride, self.offset = stored, placements, size, stride, offset
