@@ -3,7 +3,8 @@
 An MLP (default 8 x 2048^2 + head: ~33.6M parameters; --hidden 3584 gives ~103M) trained with AdamW, global batch
 32. Per configuration (medians over rounds): steady step time, and per rank the MB of parameters, gradients and
 optimizer state it holds (its shards) -- expect 1/N for what a level shards -- and peak RSS. For the pipeline: step
-time vs one process and the measured bubble 1 - T_single / (S x T_pipeline) against (S-1)/(M+S-1).
+time vs one process and the measured bubble 1 - T_single / (N x T_pipeline) against (S-1)/(M+S-1) (S = 2 stages x
+N/2 replicas).
 
     python bench/sharding.py [--world 2] [--rounds 3] [--hidden 2048] [--layers 8] [--micro 8]
 """
@@ -37,7 +38,7 @@ def main() -> None:
         for mode in MODES:
             logs = tmp / f"{mode}-{rnd}"
             logs.mkdir()
-            n = 1 if mode == "single" else (2 if mode == "pipeline" else args.world)
+            n = 1 if mode == "single" else args.world  # the pipeline: 2 stages x world/2 replicas
             cmd = [sys.executable, "-m", "autopar.cli.main", "launch", "-n", str(n), "--log-dir", str(logs),
                    str(WORK / "sharding.py"), "--mode", mode, "--hidden", str(args.hidden), "--layers",
                    str(args.layers), "--micro", str(args.micro), "--steps", str(args.steps)]
@@ -58,7 +59,8 @@ def main() -> None:
         out[level]["state_vs_dp"] = round(out[level]["optimizer_state_mb_per_rank"] / dp["optimizer_state_mb_per_rank"], 3)
     s, m = 2, args.micro
     out["pipeline"]["speedup_vs_single"] = round(out["single"]["steady_step_s"] / out["pipeline"]["steady_step_s"], 3)
-    out["pipeline"]["bubble_measured"] = round(1 - out["single"]["steady_step_s"] / (s * out["pipeline"]["steady_step_s"]), 3)
+    # ideal: one process's step spread over all the ranks; what is missing is the bubble (and micro-batch overhead)
+    out["pipeline"]["bubble_measured"] = round(1 - out["single"]["steady_step_s"] / (args.world * out["pipeline"]["steady_step_s"]), 3)
     out["pipeline"]["bubble_model"] = round((s - 1) / (m + s - 1), 3)
     out["config"] = {"hidden": args.hidden, "layers": args.layers, "global_batch": 32, "micro_batches": m,
                      "world": args.world, "threads_per_rank": 1, "optimizer": "AdamW", "rounds": args.rounds}

@@ -50,7 +50,8 @@ def main() -> None:
     runner = None
     if args.mode == "pipeline":
         runner = autopar.PipelineParallel(net, loss_fn, args.micro, split_points=[str(2 * (args.layers // 2))])
-    local = args.batch if args.mode in ("single", "pipeline") else args.batch // world
+    # the pipeline: 2 stages x world/2 replicas, each replica's batch split into micro-batches
+    local = args.batch if args.mode == "single" else args.batch // (world // 2 if args.mode == "pipeline" else world)
     x, y = torch.randn(local, args.hidden), torch.randint(0, 10, (local,))
     clock = StepClock(warmup=2)
     for _ in range(args.steps):

@@ -68,8 +68,44 @@ def test_data_parallel_that_does_not_fit_gets_zero_when_no_layout_fits():
     text = plan.explain()
     assert "data parallel + ZeRO level1 (optimizer state sharded over 2)" in text
     assert "chosen: data parallel + ZeRO level3" in text and "no layout of the operators fits" in text
-    with pytest.raises(StrategyError, match=r"data parallel with ZeRO level3 needs 18\.0 MiB"):
-        plan_network(net, torch.nn.MSELoss(), sample, 2, MachineModel(device_num=2), memory_limit=17 * 2**20)
+    tighter = plan_network(net, torch.nn.MSELoss(), sample, 2, MachineModel(device_num=2), memory_limit=17 * 2**20)
+    assert tighter.pipeline is not None and tighter.pipeline.memory <= 17 * 2**20, tighter.explain()  # only a pipeline
+    with pytest.raises(StrategyError, match=r"data parallel with ZeRO level3 needs 18\.0 MiB; a pipeline of 2 stages "
+                                            r"needs \d+\.\d MiB"):
+        plan_network(net, torch.nn.MSELoss(), sample, 2, MachineModel(device_num=2), memory_limit=2**20)
+
+
+def test_pipelines_are_weighed_balanced_and_explained():
+    """A chain of cells can be cut: each stage count's best micro-batch count, balanced stages, the bubble in the
+    table; chosen when nothing else fits. A forward that is not a chain of cells, or a loop that runs its own
+    backward, says why no pipeline was weighed."""
+    net = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(256, 256), torch.nn.ReLU())][:-1])
+    sample = (torch.randn(2048, 256), torch.randn(2048, 256))
+    free = plan_network(net, torch.nn.MSELoss(), sample, 4, MachineModel(device_num=4))
+    assert free.pure_data_parallel and free.pipeline is None, free.explain()
+    assert [(o.stages, o.replicas) for o in free.pipelines] == [(2, 2), (4, 1)]
+    two, four = free.pipelines
+    assert two.split_points == ["8"] and four.split_points == ["4", "8", "12"]  # 2 linear layers per stage of 4
+    assert two.bubble == pytest.approx(1 / (two.micro_batches + 1)) and two.micro_batches >= 2
+    assert two.memory < free.dp_totals.memory / 2
+    limited = plan_network(net, torch.nn.MSELoss(), sample, 4, MachineModel(device_num=4), memory_limit=6 * 2**20)
+    assert limited.pipeline is not None and limited.pipeline.memory <= 6 * 2**20, limited.explain()
+    text = limited.explain()
+    assert "chosen: pipeline " in text and "bubble" in text and "micro-batches of" in text and "split before" in text
+    loop = plan_network(net, None, sample[:1], 4, MachineModel(device_num=4), pipeline_note="the loop runs its backward")
+    assert not loop.pipelines and "pipeline: not weighed -- the loop runs its backward" in loop.explain()
+
+    class Residual(torch.nn.Module):  # the same cell before and after another: not a chain
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.a(self.b(self.a(x)))
+
+    odd = plan_network(Residual(), torch.nn.MSELoss(), (torch.randn(32, 64), torch.randn(32, 64)), 2,
+                       MachineModel(device_num=2))
+    assert not odd.pipelines and "cell 'a' runs twice" in odd.explain()
 
 
 def test_search_modes_and_user_strategies():
@@ -129,3 +165,21 @@ def test_auto_parallel_job_that_only_fits_with_zero_trains_like_one_process(proc
         assert r["local_params"] * 2 == r["full_params"]
     assert "ZeRO level3 (optimizer state, gradients and weights sharded over 2)" in (
         tmp_path / "logs" / "auto_parallel_plan.txt").read_text()
+
+
+def test_auto_parallel_job_that_only_fits_as_a_pipeline_trains_like_one_process(procs, tmp_path):
+    """4 ranks, a limit only a pipeline meets: AUTO cuts the network into stages (the table shows stages,
+    micro-batches and the bubble), Model.train runs it on the ranks' data-parallel shards, the result equals one
+    process and every rank ends with the whole trained network (Model.eval agrees)."""
+    res = procs.run(autopar_cmd("launch", "-n", "4", "--log-dir", str(tmp_path / "logs"),
+                                str(SCRIPTS / "auto_train.py"), str(tmp_path / "out"), "pipeline"),
+                    procs.env(AUTOPAR_CACHE_DIR=str(tmp_path / "cache")), timeout=400)
+    assert res.returncode == 0, res.stdout + res.stderr + (tmp_path / "logs" / "worker_0.log").read_text()
+    log = (tmp_path / "logs" / "worker_0.log").read_text()
+    assert "AUTO_PARALLEL: pipeline " in log and "no layout of the operators fits" in log, log
+    table = (tmp_path / "logs" / "auto_parallel_plan.txt").read_text()
+    assert "pipeline 2 stages x 2 replicas" in table and "pipeline 4 stages x 1 replica" in table, table
+    assert "micro-batches of" in table and "bubble" in table and "split before" in table, table
+    for rank in range(4):
+        r = json.load(open(tmp_path / f"out.{rank}"))
+        assert r["diff"] <= 1e-5 and r["eval_diff"] <= 1e-5, r

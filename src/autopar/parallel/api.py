@@ -54,6 +54,8 @@ class Prepared:
     channels_last: bool = False  # feed 4-D inputs in channels-last memory format (parallel.tuning)
     compiled: bool = False  # GRAPH_MODE: the forward runs through torch.compile
     runs_backward: bool = False  # pipeline: forward_loss runs the backward too (and returns the detached loss)
+    # pipeline: make every stage's parameters current on every rank (each rank trains only its stage's)
+    sync_parameters: Callable[[], None] = field(default=lambda: None)
 
 
 def has_strategies(*modules: torch.nn.Module | None) -> bool:
@@ -108,12 +110,14 @@ def prepare(network: torch.nn.Module, loss_fn: torch.nn.Module | None = None,
     if mode is ParallelMode.AUTO_PARALLEL:
         if layerwise:
             raise ConfigError(f"layerwise_parallel parameters {layerwise} need parallel_mode=hybrid_parallel")
-        if runtime_of(network) is None:
+        if runtime_of(network) is None and network.__dict__.get("_autopar_planned_pipeline") is None:
             if sample is None:
                 raise ConfigError("AUTO_PARALLEL plans on a batch: give Model.train a dataset (or call the network)")
             from autopar.parallel.auto.api import plan_and_apply
 
             plan_and_apply(network, loss_fn, sample)
+        if network.__dict__.get("_autopar_planned_pipeline") is not None:
+            return _prepare_planned_pipeline(network, loss_fn, mode, device, world, ctx)
         if has_strategies(network, loss_fn) or runtime_of(network) is not None:
             return _prepare_layouts(network, loss_fn, optimizer, mode, device, world, ctx)
         return _tuned(_prepare_data_parallel(network, loss_fn, mode, device, world, ctx, layerwise), network, optimizer)
@@ -361,9 +365,24 @@ def _prepare_pipeline(network, loss_fn, mode, device, world, ctx) -> Prepared:
         runner = PipelineParallel(backbone, loss, network.micro_size, split_points_from_stages(backbone, stages),
                                   schedule=str(config.get("pipeline_scheduler", "1f1b")).lower(),
                                   gradients_mean=ctx.gradients_mean)
-    return Prepared(mode, network, device, world, lambda inputs: runner.step(*inputs), runs_backward=True)
+    return Prepared(mode, network, device, world, lambda inputs: runner.step(*inputs), runs_backward=True,
+                    sync_parameters=runner.gather_parameters)
 
 
+
+
+def _prepare_planned_pipeline(network, loss_fn, mode, device, world, ctx) -> Prepared:
+    """AUTO_PARALLEL cut the network into stages (:mod:`autopar.parallel.auto.pipeline_plan`): Model's steps run
+    on the pipeline engine, as ``pipeline_stages`` does."""
+    from autopar.parallel.pipeline import PipelineParallel, pipeline_of
+
+    option = network.__dict__["_autopar_planned_pipeline"]
+    runner = pipeline_of(network) or PipelineParallel(network, loss_fn, option.micro_batches, option.split_points,
+                                                      gradients_mean=ctx.gradients_mean)
+    # each rank was given its data-parallel share (the plan is for the global batch): a replica's batch is the
+    # shares of its stages' ranks together
+    return Prepared(mode, network, device, world, lambda inputs: runner.step(*runner.replica_batch(inputs)),
+                    runs_backward=True, sync_parameters=runner.gather_parameters)
 
 
 def _zero_level(ctx, mode: ParallelMode) -> str | None:

@@ -195,6 +195,20 @@ class PipelineParallel:
         self._reduce_gradients()
         return loss
 
+    def replica_batch(self, inputs) -> tuple:
+        """The batches the ranks of this replica's stages hold, concatenated in rank order: what the replica
+        trains on when every rank was given its own data-parallel share (AUTO_PARALLEL's planned pipeline)."""
+        if self.num_stages == 1:
+            return tuple(inputs)
+        out = []
+        for t in inputs:
+            if isinstance(t, torch.Tensor) and t.dim():
+                parts = [torch.empty_like(t) for _ in range(self.num_stages)]
+                dist.all_gather(parts, t.contiguous(), group=self.pp_group)
+                t = torch.cat(parts)
+            out.append(t)
+        return tuple(out)
+
     def _reduce_gradients(self) -> None:
         if self.replicas == 1:
             return
@@ -208,6 +222,12 @@ class PipelineParallel:
     def full_parameters(self):
         """Every rank holds every stage's current parameters and buffers (broadcast from their stage): what an
         integrated or sliced save needs so that any layout can read it."""
+        self.gather_parameters()
+        yield
+
+    def gather_parameters(self) -> None:
+        """Broadcast every stage's parameters and buffers from its ranks to all: after it the whole network is
+        current on every rank (``Model`` does it when training ends and before it evaluates or predicts)."""
         if self.stage_module is not None and self.num_stages > 1:
             state = {**dict(self.network.named_parameters()), **dict(self.network.named_buffers())}
             with torch.no_grad():
@@ -215,7 +235,6 @@ class PipelineParallel:
                     if name in state:
                         dist.broadcast(state[name].data, src=dist.get_global_rank(self.pp_group, stage),
                                        group=self.pp_group)
-        yield
 
 
 def pipeline_of(network: torch.nn.Module) -> PipelineParallel | None:

@@ -235,6 +235,7 @@ class Model:
             cb_list.on_train_epoch_end(run_context)
             if run_context.get_stop_requested():
                 break
+        prepared.sync_parameters()  # a pipeline trained each stage on its ranks: the whole network current everywhere
         cb_list.on_train_end(run_context)
 
     @staticmethod
@@ -276,6 +277,7 @@ class Model:
             raise ConfigError("Model.eval needs metrics, e.g. Model(net, loss, opt, metrics={'acc'})")
         network = self._eval_network or self._network
         prepared = self._prepare()
+        prepared.sync_parameters()
         full_batch = prepared.runtime is not None and prepared.runtime.full_batch
         for metric in self._metrics.values():
             metric.clear()
@@ -329,6 +331,7 @@ class Model:
         was_training = network.training
         network.eval()
         prepared = self._prepare()
+        prepared.sync_parameters()
         with torch.no_grad(), (managed() if prepared.runtime is None else contextlib.nullcontext()), \
                 self._precision.autocast():
             out = network(*self._to_device(list(predict_data)))

@@ -27,11 +27,13 @@ def plan_and_apply(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sa
     limit = ctx.max_device_memory or _context.run_context().max_device_memory or machine.memory_per_device
     n = dist.get_world_size() if dist.is_initialized() else 1
     batch = _global_batch(sample)
-    plan = plan_network(network, loss_fn, batch, n, machine, ctx.search_mode, limit)
+    note = None if loss_fn is not None else ("the training loop runs its own backward; Model.train (or "
+                                             "autopar.PipelineParallel) runs a pipeline's step")
+    plan = plan_network(network, loss_fn, batch, n, machine, ctx.search_mode, limit, pipeline_note=note)
     if dist.is_initialized() and n > 1:  # every rank runs rank 0's plan (one source of truth)
-        box = [plan.choice if dist.get_rank() == 0 else None, plan.pure_data_parallel, plan.zero_level]
+        box = [plan.choice if dist.get_rank() == 0 else None, plan.pure_data_parallel, plan.zero_level, plan.pipeline]
         dist.broadcast_object_list(box, src=0)
-        plan.choice, plan.pure_data_parallel, plan.zero_level = box
+        plan.choice, plan.pure_data_parallel, plan.zero_level, plan.pipeline = box
     plan.apply(network)
     if not dist.is_initialized() or dist.get_rank() == 0:
         _report(plan)

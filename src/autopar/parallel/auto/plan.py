@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -10,10 +10,15 @@ from autopar.errors import StrategyError
 from autopar.parallel.auto.costs import OPTIMIZER_SLOTS, NodeCosts, graph_costs
 from autopar.parallel.auto.graph import Graph, capture
 from autopar.parallel.auto.machine import MachineModel
+from autopar.parallel.auto.pipeline_plan import PipelineOption, fits, pipeline_options
 from autopar.parallel.auto.search import Problem, search
 from autopar.parallel.layout import Layout
 
 DDP_BUCKET_BYTES = 25 * 2**20
+# A pipeline replaces a plan that fits only when predicted at least this much faster: its per-micro-batch costs are
+# the least certain part of the model here (bench/sharding.py, 33.6M MLP on 2 CPU ranks: predicted 0.51x data
+# parallel's step, measured 1.08x), and a wrong cut costs a whole training run. Where nothing else fits, it is chosen.
+PIPELINE_MARGIN = 0.75
 
 
 @dataclass
@@ -42,6 +47,9 @@ class Plan:
     reason: str
     zero: dict = None  # ZeRO level -> Totals of data parallel with that level of optimizer sharding
     zero_level: str | None = None  # chosen: data parallel on FSDP2 with this level (pure_data_parallel is True)
+    pipelines: list = field(default_factory=list)  # PipelineOption per stage count
+    pipeline_note: str | None = None  # why no pipeline was weighed
+    pipeline: PipelineOption | None = None  # chosen: the network cut into stages (Model.train runs it)
 
     def chosen(self, n: int):
         return self.costs[n].choices[self.choice[n]]
@@ -49,7 +57,12 @@ class Plan:
     # -- running it -------------------------------------------------------------------------------------------
     def apply(self, network: torch.nn.Module | None = None) -> None:
         """Annotate the network's operators/modules with the chosen strategies (nothing for pure data parallel,
-        which then runs on DDP). A strategy the user gave is left as it was."""
+        which then runs on DDP). A strategy the user gave is left as it was. A pipeline is recorded on the network
+        for the training preparation to build."""
+        if self.pipeline is not None:
+            if network is not None:
+                network.__dict__["_autopar_planned_pipeline"] = self.pipeline
+            return
         if self.pure_data_parallel:
             if self.zero_level and network is not None:  # data-parallel preparation shards the optimizer so
                 network.__dict__["_autopar_zero_level"] = self.zero_level
@@ -101,6 +114,10 @@ class Plan:
                              f"{z.comm * 1e3:.1f}; memory {z.memory / 2**20:.1f} MiB per device")
         else:
             lines.append("data parallel: not possible for this network on this many devices")
+        for option in self.pipelines:
+            lines.append(option.describe() + ("" if fits(option, self.problem.memory_limit) else " (does not fit)"))
+        if self.pipeline_note:
+            lines.append(f"pipeline: not weighed -- {self.pipeline_note}")
         lines.append(f"chosen: {self.reason}")
         return "\n".join(lines)
 
@@ -179,8 +196,10 @@ def _fitting(zero: dict[str, Totals], memory_limit: float | None) -> dict[str, T
 
 def plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sample: tuple, device_num: int,
                  machine: MachineModel, search_mode: str = "dynamic_programming",
-                 memory_limit: float | None = None) -> Plan:
-    """Capture, cost, search, compare with data parallelism; the result can ``apply()`` and ``explain()``."""
+                 memory_limit: float | None = None, pipeline_note: str | None = None) -> Plan:
+    """Capture, cost, search, compare with data parallelism (with and without ZeRO) and pipelines; the result can
+    ``apply()`` and ``explain()``. ``pipeline_note``: why pipelines are not to be weighed (a loop that runs its own
+    backward cannot run one)."""
     graph = capture(network, loss_fn, sample)
     costs = graph_costs(graph, machine, device_num)
     other_params = other_param_bytes(network, graph)
@@ -189,22 +208,37 @@ def plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, samp
     user_given = any(node.fixed is not None for node in graph.nodes)
     dp = problem.dp_choice()
     other_compute = machine.compute("other", 3.0 * graph.other_flops / device_num)
+    if user_given:
+        pipeline_note = pipeline_note or "the user gave strategies"
+    pipelines: list[PipelineOption] = []
+    if pipeline_note is None and dp is not None:
+        batch = next((t.shape[0] for t in sample if isinstance(t, torch.Tensor) and t.dim()), 0)
+        pipelines, pipeline_note = pipeline_options(network, problem, dp, device_num, batch, other_compute,
+                                                    other_params)
+    best_pipeline = min((o for o in pipelines if fits(o, memory_limit)), key=lambda o: o.step, default=None)
     try:
         choice, seconds = search(problem, search_mode)
-    except StrategyError as exc:  # no layout fits: data parallel with its optimizer sharded may
+    except StrategyError as exc:  # no layout fits: data parallel with its optimizer sharded, or a pipeline, may
         if user_given or dp is None:
             raise
         free = Problem(graph, costs, machine, const_memory, None)
         dp_totals = _dp_totals(free, dp, other_compute, other_params)
         zero = _zero_totals(free, dp, dp_totals, other_params)
         fitting = _fitting(zero, memory_limit)
-        if not fitting:
+        level = min(fitting, key=lambda k: fitting[k].step, default=None)
+        if best_pipeline is not None and (level is None or best_pipeline.step < PIPELINE_MARGIN * fitting[level].step):
+            return Plan(graph, costs, free, dp, device_num, search_mode, 0.0, _as_totals(best_pipeline), dp_totals,
+                        False, f"{best_pipeline.describe()}: no layout of the operators fits the memory limit ({exc})",
+                        zero, None, pipelines, pipeline_note, best_pipeline)
+        if level is None:
             smallest = min(zero.values(), key=lambda z: z.memory)
-            raise StrategyError(f"{exc}; data parallel with ZeRO level3 needs {smallest.memory / 2**20:.1f} MiB") from None
-        level = min(fitting, key=lambda k: fitting[k].step)
+            leanest = sorted(pipelines, key=lambda o: o.memory)[:1]
+            also = "".join(f"; a pipeline of {o.stages} stages needs {o.memory / 2**20:.1f} MiB" for o in leanest)
+            raise StrategyError(f"{exc}; data parallel with ZeRO level3 needs {smallest.memory / 2**20:.1f} MiB"
+                                f"{also}") from None
         return Plan(graph, costs, free, dp, device_num, search_mode, 0.0, zero[level], dp_totals, True,
                     f"data parallel + ZeRO {level} ({zero[level].step * 1e3:.1f} ms per step): no layout of the "
-                    f"operators fits the memory limit ({exc})", zero, level)
+                    f"operators fits the memory limit ({exc})", zero, level, pipelines, pipeline_note)
     searched = _totals(problem, choice, other_compute)
     dp_totals = _dp_totals(problem, dp, other_compute, other_params) if dp is not None else None
     zero = _zero_totals(problem, dp, dp_totals, other_params) if dp is not None and not user_given else {}
@@ -235,5 +269,15 @@ def plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, samp
             why = "does not fit" if not chosen_fits else f"takes {old.step * 1e3:.1f} ms"
             reason = (f"data parallel + ZeRO {best} ({totals.step * 1e3:.1f} ms per step, {totals.memory / 2**20:.1f} "
                       f"MiB per device); without it: {reason}, which {why}")
+    chosen_fits = memory_limit is None or totals.memory <= memory_limit
+    if best_pipeline is not None and (best_pipeline.step < PIPELINE_MARGIN * totals.step or not chosen_fits):
+        why = "does not fit" if not chosen_fits else f"takes {totals.step * 1e3:.1f} ms"
+        reason = f"{best_pipeline.describe()}; without it: {reason}, which {why}"
+        return Plan(graph, costs, problem, dp, device_num, search_mode, seconds, _as_totals(best_pipeline),
+                    dp_totals, False, reason, zero, None, pipelines, pipeline_note, best_pipeline)
     return Plan(graph, costs, problem, choice, device_num, search_mode, seconds, totals, dp_totals, pure, reason,
-                zero, level)
+                zero, level, pipelines, pipeline_note)
+
+
+def _as_totals(option: PipelineOption) -> Totals:
+    return Totals(option.compute, option.comm, option.memory)
