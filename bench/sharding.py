@@ -1,12 +1,12 @@
 """Optimizer sharding (ZeRO levels on FSDP2) and the 2-stage pipeline vs DATA_PARALLEL and one process, interleaved.
 
-An MLP (default 8 x 2048^2 + head: ~33.6M parameters; --hidden 3584 gives ~103M) trained with AdamW, global batch
-32. Per configuration (medians over rounds): steady step time, and per rank the MB of parameters, gradients and
+An MLP (default 8 x 2048^2 + head: ~33.6M parameters; --hidden 3584 gives ~103M) or a small transformer
+(``--model transformer``: pre-norm blocks, 8 heads, 32 tokens per sample) trained with AdamW, global batch 32. Per configuration (medians over rounds): steady step time, and per rank the MB of parameters, gradients and
 optimizer state it holds (its shards) -- expect 1/N for what a level shards -- and peak RSS. For the pipeline: step
 time vs one process and the measured bubble 1 - T_single / (N x T_pipeline) against (S-1)/(M+S-1) (S = 2 stages x
 N/2 replicas).
 
-    python bench/sharding.py [--world 2] [--rounds 3] [--hidden 2048] [--layers 8] [--micro 8]
+    python bench/sharding.py [--world 2] [--model mlp] [--rounds 3] [--hidden 2048] [--layers 8] [--micro 8]
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ MODES = ("dp", "level1", "level2", "level3", "pipeline", "single")
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=2)
+    p.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--layers", type=int, default=8)
@@ -40,7 +41,7 @@ def main() -> None:
             logs.mkdir()
             n = 1 if mode == "single" else args.world  # the pipeline: 2 stages x world/2 replicas
             cmd = [sys.executable, "-m", "autopar.cli.main", "launch", "-n", str(n), "--log-dir", str(logs),
-                   str(WORK / "sharding.py"), "--mode", mode, "--hidden", str(args.hidden), "--layers",
+                   str(WORK / "sharding.py"), "--mode", mode, "--model", args.model, "--hidden", str(args.hidden), "--layers",
                    str(args.layers), "--micro", str(args.micro), "--steps", str(args.steps)]
             rows[mode].append(_run(cmd, 1, logs))
             print(f"[bench] round {rnd + 1} {mode}: {max(r['steady_step_s'] for r in rows[mode][-1]):.3f} s/step",
@@ -62,7 +63,7 @@ def main() -> None:
     # ideal: one process's step spread over all the ranks; what is missing is the bubble (and micro-batch overhead)
     out["pipeline"]["bubble_measured"] = round(1 - out["single"]["steady_step_s"] / (args.world * out["pipeline"]["steady_step_s"]), 3)
     out["pipeline"]["bubble_model"] = round((s - 1) / (m + s - 1), 3)
-    out["config"] = {"hidden": args.hidden, "layers": args.layers, "global_batch": 32, "micro_batches": m,
+    out["config"] = {"model": args.model, "hidden": args.hidden, "layers": args.layers, "global_batch": 32, "micro_batches": m,
                      "world": args.world, "threads_per_rank": 1, "optimizer": "AdamW", "rounds": args.rounds}
     print(json.dumps(out, indent=2))
 

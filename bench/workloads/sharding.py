@@ -1,8 +1,9 @@
-"""One benchmark run: an MLP trained with AdamW for a few steps in one of DP / ZeRO-1/2/3 / 2-stage pipeline /
-one process, reporting the steady step time and the bytes of parameters + gradients + optimizer state this rank
-holds (its local shards), plus peak RSS.
+"""One benchmark run: an MLP or a small transformer trained with AdamW for a few steps in one of DP / ZeRO-1/2/3 /
+2-stage pipeline / one process, reporting the steady step time and the bytes of parameters + gradients + optimizer
+state this rank holds (its local shards), plus peak RSS.
 
-    autopar launch -n N sharding.py --mode dp|level1|level2|level3|pipeline|single --hidden H --layers L
+    autopar launch -n N sharding.py --mode dp|level1|level2|level3|pipeline|single --model mlp|transformer
+        --hidden H --layers L
 """
 from __future__ import annotations
 
@@ -24,9 +25,40 @@ def held_bytes(tensors) -> int:
     return total
 
 
+class Block(torch.nn.Module):
+    """A pre-norm transformer block (attention written with torch matmuls, as users write it; 4x MLP)."""
+
+    def __init__(self, d: int, heads: int = 8):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = torch.softmax(q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5, dim=-1)
+        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, s, d))
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm2(x))))
+
+
+SEQ = 32
+
+
+def build(model: str, hidden: int, layers: int) -> torch.nn.Sequential:
+    if model == "transformer":
+        return torch.nn.Sequential(*[Block(hidden) for _ in range(layers)], torch.nn.Linear(hidden, 10))
+    mods = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(hidden, hidden), torch.nn.ReLU()]
+    return torch.nn.Sequential(*mods, torch.nn.Linear(hidden, 10))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--mode", required=True)
+    p.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--batch", type=int, default=32, help="global batch")
@@ -41,18 +73,20 @@ def main() -> None:
     init()
     rank, world = get_rank(), get_group_size()
     torch.manual_seed(0)
-    layers = []
-    for _ in range(args.layers):
-        layers += [torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU()]
-    net = torch.nn.Sequential(*layers, torch.nn.Linear(args.hidden, 10))
-    loss_fn = torch.nn.functional.cross_entropy
+    net = build(args.model, args.hidden, args.layers)
+
+    def loss_fn(out, y):  # per token for the transformer
+        return torch.nn.functional.cross_entropy(out.reshape(-1, 10), y.reshape(-1))
+
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
     runner = None
-    if args.mode == "pipeline":
-        runner = autopar.PipelineParallel(net, loss_fn, args.micro, split_points=[str(2 * (args.layers // 2))])
+    if args.mode == "pipeline":  # halfway: after layer L/2 (the MLP's Sequential holds a ReLU after each Linear)
+        half = args.layers // 2 if args.model == "transformer" else 2 * (args.layers // 2)
+        runner = autopar.PipelineParallel(net, loss_fn, args.micro, split_points=[str(half)])
     # the pipeline: 2 stages x world/2 replicas, each replica's batch split into micro-batches
     local = args.batch if args.mode == "single" else args.batch // (world // 2 if args.mode == "pipeline" else world)
-    x, y = torch.randn(local, args.hidden), torch.randint(0, 10, (local,))
+    shape = (local, SEQ, args.hidden) if args.model == "transformer" else (local, args.hidden)
+    x, y = torch.randn(*shape), torch.randint(0, 10, shape[:-1])
     clock = StepClock(warmup=2)
     for _ in range(args.steps):
         if runner is not None:
