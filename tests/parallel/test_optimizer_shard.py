@@ -1,7 +1,9 @@
 """Optimizer sharding (enable_parallel_optimizer, ZeRO levels 1-3 on FSDP2) trains exactly as one process on the
 global batch -- plain torch loops with the optimizer made before or after the first forward, and Model.train --
-holds about 1/N of the optimizer state per rank, and its sliced checkpoint reloads into one process."""
+holds about 1/N of the optimizer state per rank, and its sliced checkpoint reloads into one process and, optimizer
+state included, onto plain data-parallel ranks."""
 import json
+import sys
 
 import pytest
 import torch
@@ -134,3 +136,18 @@ def test_zero_levels_train_exactly_and_shard_the_state(procs, tmp_path, n):
     autopar.load_param_into_net(net, params)
     for name, p in net.named_parameters():
         assert torch.allclose(p, torch.tensor(saved[name]), atol=0, rtol=0), name
+    if n != 4:
+        return
+    # 4 ZeRO-3 ranks -> 2 plain data-parallel ranks -> 1 process, the optimizer state travelling along: each resumed
+    # run continues exactly as one process that never stopped
+    res = procs.run(autopar_cmd("launch", "-n", "2", "--log-dir", str(tmp_path / "logs2"),
+                                str(SCRIPTS / "zero_reload.py"), str(tmp_path / "ckpt"), str(tmp_path / "dp_ckpt"),
+                                str(tmp_path / "reload")), timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr + (tmp_path / "logs2" / "worker_0.log").read_text()
+    for rank in range(2):
+        r = json.load(open(tmp_path / f"reload.{rank}"))
+        assert r["diff"] <= 1e-5 and r["steps"] == 6, r
+    res = procs.run([sys.executable, str(SCRIPTS / "zero_reload.py"), str(tmp_path / "ckpt"),
+                     str(tmp_path / "dp_ckpt"), str(tmp_path / "single.json"), "single"], timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert json.load(open(tmp_path / "single.json"))["diff"] <= 1e-5
