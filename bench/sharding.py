@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dp_throughput import WORK, _run  # noqa: E402
 
-MODES = ("dp", "level1", "level2", "level3", "pipeline", "single")
+MODES = ("dp", "level1", "level2", "level3", "pipeline", "single")  # also "gpipe": the pipeline on GPipe's schedule
 
 
 def main() -> None:
@@ -32,14 +32,15 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--micro", type=int, default=8)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--modes", nargs="+", default=list(MODES), help="e.g. pipeline gpipe single: the two schedules")
     args = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="autopar-sharding-"))
-    rows: dict[str, list[list[dict]]] = {m: [] for m in MODES}
+    rows: dict[str, list[list[dict]]] = {m: [] for m in args.modes}
     for rnd in range(args.rounds):
-        for mode in MODES:
+        for mode in args.modes:
             logs = tmp / f"{mode}-{rnd}"
             logs.mkdir()
-            n = 1 if mode == "single" else args.world  # the pipeline: 2 stages x world/2 replicas
+            n = 1 if mode == "single" else args.world  # a pipeline: 2 stages x world/2 replicas
             cmd = [sys.executable, "-m", "autopar.cli.main", "launch", "-n", str(n), "--log-dir", str(logs),
                    str(WORK / "sharding.py"), "--mode", mode, "--model", args.model, "--hidden", str(args.hidden), "--layers",
                    str(args.layers), "--micro", str(args.micro), "--steps", str(args.steps)]
@@ -54,15 +55,20 @@ def main() -> None:
                      "peak_rss_mb_per_rank": round(statistics.median(max(r["peak_rss_mb"] for r in rs) for rs in runs), 1)}
         for k in ("param_mb", "grad_mb", "optimizer_state_mb"):
             out[mode][k + "_per_rank"] = round(max(r[k] for r in runs[0]), 2)
-    dp = out["dp"]
     for level in ("level1", "level2", "level3"):
-        out[level]["step_vs_dp"] = round(out[level]["steady_step_s"] / dp["steady_step_s"], 3)
-        out[level]["state_vs_dp"] = round(out[level]["optimizer_state_mb_per_rank"] / dp["optimizer_state_mb_per_rank"], 3)
+        if level in out and "dp" in out:
+            dp = out["dp"]
+            out[level]["step_vs_dp"] = round(out[level]["steady_step_s"] / dp["steady_step_s"], 3)
+            out[level]["state_vs_dp"] = round(out[level]["optimizer_state_mb_per_rank"] / dp["optimizer_state_mb_per_rank"], 3)
     s, m = 2, args.micro
-    out["pipeline"]["speedup_vs_single"] = round(out["single"]["steady_step_s"] / out["pipeline"]["steady_step_s"], 3)
-    # ideal: one process's step spread over all the ranks; what is missing is the bubble (and micro-batch overhead)
-    out["pipeline"]["bubble_measured"] = round(1 - out["single"]["steady_step_s"] / (args.world * out["pipeline"]["steady_step_s"]), 3)
-    out["pipeline"]["bubble_model"] = round((s - 1) / (m + s - 1), 3)
+    for piped in ("pipeline", "gpipe"):
+        if piped in out and "single" in out:
+            single = out["single"]["steady_step_s"]
+            out[piped]["speedup_vs_single"] = round(single / out[piped]["steady_step_s"], 3)
+            # ideal: one process's step spread over all the ranks; what is missing is the bubble (and micro-batch
+            # overhead)
+            out[piped]["bubble_measured"] = round(1 - single / (args.world * out[piped]["steady_step_s"]), 3)
+            out[piped]["bubble_model"] = round((s - 1) / (m + s - 1), 3)
     out["config"] = {"model": args.model, "hidden": args.hidden, "layers": args.layers, "global_batch": 32, "micro_batches": m,
                      "world": args.world, "threads_per_rank": 1, "optimizer": "AdamW", "rounds": args.rounds}
     print(json.dumps(out, indent=2))

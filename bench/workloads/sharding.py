@@ -2,7 +2,7 @@
 2-stage pipeline / one process, reporting the steady step time and the bytes of parameters + gradients + optimizer
 state this rank holds (its local shards), plus peak RSS.
 
-    autopar launch -n N sharding.py --mode dp|level1|level2|level3|pipeline|single --model mlp|transformer
+    autopar launch -n N sharding.py --mode dp|level1|level2|level3|pipeline|gpipe|single --model mlp|transformer
         --hidden H --layers L
 """
 from __future__ import annotations
@@ -67,7 +67,7 @@ def main() -> None:
     args = p.parse_args()
     zero = args.mode.startswith("level")
     if args.mode != "single":
-        mode = "semi_auto_parallel" if args.mode == "pipeline" else "data_parallel"
+        mode = "semi_auto_parallel" if args.mode in ("pipeline", "gpipe") else "data_parallel"
         autopar.set_auto_parallel_context(parallel_mode=mode, gradients_mean=True, enable_parallel_optimizer=zero,
                                           parallel_optimizer_config={"optimizer_level": args.mode} if zero else {})
     init()
@@ -80,11 +80,13 @@ def main() -> None:
 
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
     runner = None
-    if args.mode == "pipeline":  # halfway: after layer L/2 (the MLP's Sequential holds a ReLU after each Linear)
+    if args.mode in ("pipeline", "gpipe"):  # halfway: after layer L/2 (the MLP's Sequential: a ReLU after each Linear)
         half = args.layers // 2 if args.model == "transformer" else 2 * (args.layers // 2)
-        runner = autopar.PipelineParallel(net, loss_fn, args.micro, split_points=[str(half)])
+        runner = autopar.PipelineParallel(net, loss_fn, args.micro, split_points=[str(half)],
+                                          schedule="gpipe" if args.mode == "gpipe" else "1f1b")
     # the pipeline: 2 stages x world/2 replicas, each replica's batch split into micro-batches
-    local = args.batch if args.mode == "single" else args.batch // (world // 2 if args.mode == "pipeline" else world)
+    piped = args.mode in ("pipeline", "gpipe")
+    local = args.batch if args.mode == "single" else args.batch // (world // 2 if piped else world)
     shape = (local, SEQ, args.hidden) if args.model == "transformer" else (local, args.hidden)
     x, y = torch.randn(*shape), torch.randint(0, 10, shape[:-1])
     clock = StepClock(warmup=2)
