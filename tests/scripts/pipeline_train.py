@@ -154,6 +154,15 @@ with warnings.catch_warnings(record=True) as caught:
     autopar.reset_auto_parallel_context()
     PipelineParallel(Net(), torch.nn.CrossEntropyLoss(), micro_batches=1, split_points=["l3"])
 errors["bubble"] = " | ".join(str(w.message) for w in caught)
+with warnings.catch_warnings(record=True) as caught:  # optimizer sharding asked for in a pipeline: said, not ignored
+    warnings.simplefilter("always")
+    autopar.reset_auto_parallel_context()
+    autopar.set_auto_parallel_context(parallel_mode="semi_auto_parallel", pipeline_stages=2,
+                                      enable_parallel_optimizer=True)
+    net = staged()
+    Model(nn.PipelineCell(nn.WithLossCell(net, torch.nn.CrossEntropyLoss()), 4),
+          optimizer=torch.optim.SGD(net.parameters(), lr=0.1)).train(1, [replica_batch(0)])
+errors["zero"] = " | ".join(str(w.message) for w in caught)
 results["errors"] = errors
 
 if load_from:  # the 2-stage sliced checkpoint, onto this world size, in plain DATA_PARALLEL

@@ -353,6 +353,7 @@ def _prepare_pipeline(network, loss_fn, mode, device, world, ctx) -> Prepared:
     if has_strategies(network):
         _warn_once("pipeline+strategies", "autopar: shard strategies inside pipeline stages are not applied yet: "
                    "each stage runs whole, replicated over its data-parallel ranks")
+    _warn_zero_in_pipeline(ctx)
     backbone, loss = network.network.backbone_network, network.network._loss_fn
     runner = pipeline_of(backbone)
     if runner is None:
@@ -376,6 +377,7 @@ def _prepare_planned_pipeline(network, loss_fn, mode, device, world, ctx) -> Pre
     on the pipeline engine, as ``pipeline_stages`` does."""
     from autopar.parallel.pipeline import PipelineParallel, pipeline_of
 
+    _warn_zero_in_pipeline(ctx)
     option = network.__dict__["_autopar_planned_pipeline"]
     runner = pipeline_of(network) or PipelineParallel(network, loss_fn, option.micro_batches, option.split_points,
                                                       gradients_mean=ctx.gradients_mean)
@@ -383,6 +385,14 @@ def _prepare_planned_pipeline(network, loss_fn, mode, device, world, ctx) -> Pre
     # shares of its stages' ranks together
     return Prepared(mode, network, device, world, lambda inputs: runner.step(*runner.replica_batch(inputs)),
                     runs_backward=True, sync_parameters=runner.gather_parameters)
+
+
+def _warn_zero_in_pipeline(ctx) -> None:
+    from autopar.parallel.optimizer_shard import level_of
+
+    if level_of(ctx):
+        _warn_once("zero+pipeline", "autopar: enable_parallel_optimizer is not applied inside pipeline stages yet: "
+                   "each stage keeps its whole optimizer state (a stage already holds only its own parameters)")
 
 
 def _zero_level(ctx, mode: ParallelMode) -> str | None:
