@@ -24,7 +24,8 @@ than sharding over every rank, less of the traffic on the slower links between g
 
 In the layout modes (SEMI_AUTO / AUTO) the same levels shard each laid-out parameter over the mesh axes where its
 layout replicates it (:func:`storage_placements`, applied by the layout runtime), so a tensor-parallel weight is
-split by its strategy and then by ZeRO over the data-parallel ranks.
+split by its strategy and then by ZeRO over the data-parallel ranks. Levels 1-2 keep a gathered copy from the forward
+to the backward; level 3 frees it and gathers again for the backward (:mod:`autopar.parallel.semi_auto.regather`).
 
 Exact: the same data gives the same parameters as DATA_PARALLEL (gradients averaged with ``gradients_mean``, summed
 without, as MindSpore).
