@@ -1,6 +1,7 @@
 """Pipeline parallelism (pipeline_stages=2 with nn.PipelineCell and cell.pipeline_stage, and the PyTorch door's
 PipelineParallel with split points) on torch.distributed.pipelining: per-step losses and parameters after 5 steps
-equal one process on the global batch, on 2 stages x 1 and 2 stages x 2 ranks, 1F1B and GPipe; a 2-stage checkpoint
+equal one process on the global batch, on 2 stages x 1 and 2 stages x 2 ranks, 1F1B and GPipe, and interleaved (two
+pieces per rank: MindSpore's pipeline_segment, or virtual_stages=2); a 2-stage checkpoint
 loads into one process (integrated) and onto 4 ranks (sliced); bad input is one line."""
 import json
 
@@ -29,11 +30,12 @@ def _check(results, n):
         assert "enable_parallel_optimizer is not applied inside pipeline stages" in errors["zero"], errors
         reload = r.pop("reload", None)
         assert reload is not None or n == 2, sorted(r)
-        assert len(r) == 5, sorted(r)
+        assert len(r) == 8, sorted(r)
         for key, case in r.items():
             assert "error" not in case, (rank, key, case.get("error"), case.get("trace"))
             assert case["loss_diff"] <= 1e-5 and case["param_diff"] <= 1e-5, (rank, key, case)
             assert case["stage"] == rank // (n // 2), (rank, key, case)
+            assert case.get("pieces", 1) == (2 if key.startswith("interleaved") else 1), (rank, key, case)
         if reload is not None:
             assert reload["files"] == 2 and reload["diff"] == 0.0, reload
 

@@ -90,10 +90,18 @@ class Losses(Callback):
 
 
 def stage_diff(runner: PipelineParallel, ref: dict) -> float:
-    names = [k for k, _ in runner.stage_module.named_parameters()]
-    params = dict(runner.network.named_parameters())
-    assert names, "this stage holds no parameters"
-    return max(float((params[k] - ref[k]).abs().max()) for k in names)
+    name_of = {id(p): k for k, p in runner.network.named_parameters()}  # the stage's parameters are the network's
+    held = [(name_of[id(p)], p) for p in runner.stage_module.parameters()]
+    assert held, "this stage holds no parameters"
+    return max(float((p - ref[k]).abs().max()) for k, p in held)
+
+
+def interleaved() -> Net:
+    """2 stages x 2 segments (MindSpore's pipeline_segment): rank 0 runs l1 and l3, rank 1 l2 and l4."""
+    net = Net()
+    for name, segment, stage in (("l1", 0, 0), ("l2", 0, 1), ("l3", 1, 0), ("l4", 1, 1)):
+        getattr(net, name).pipeline_segment, getattr(net, name).pipeline_stage = segment, stage
+    return net
 
 
 results = {}
@@ -121,6 +129,40 @@ for scheduler in ("1f1b", "gpipe"):
             import traceback
 
             results[key] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}", "trace": traceback.format_exc()[-1500:]}
+for scheduler in ("1f1b", "gpipe"):  # interleaved: two pieces per rank (Interleaved1F1B / LoopedBFS)
+    key = f"interleaved/{scheduler}/SGD"
+    try:
+        set_pipeline(scheduler)
+        autopar.set_auto_parallel_context(pipeline_config={"pipeline_scheduler": scheduler, "pipeline_interleave": True})
+        net = interleaved()
+        model = Model(nn.PipelineCell(nn.WithLossCell(net, torch.nn.CrossEntropyLoss()), micro_size=4),
+                      optimizer=OPTIMIZERS["SGD"](net.parameters()))
+        cb = Losses()
+        model.train(1, [replica_batch(s) for s in range(5)], callbacks=[cb])
+        runner = net.__dict__["_autopar_pipeline"]
+        results[key] = {"loss_diff": max(abs(a - b) for a, b in zip(cb.values, refs["SGD"][0])),
+                        "param_diff": stage_diff(runner, refs["SGD"][1]), "stage": runner.stage_index,
+                        "pieces": len(list(runner.stage_module.children())) if runner.virtual_stages > 1 else 1}
+    except Exception as exc:  # noqa: BLE001
+        import traceback
+
+        results[key] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}", "trace": traceback.format_exc()[-1500:]}
+try:  # the PyTorch door, interleaved: three split points, two virtual stages per rank
+    autopar.reset_auto_parallel_context()
+    net = Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    runner = PipelineParallel(net, torch.nn.functional.cross_entropy, micro_batches=4,
+                              split_points=["l2", "l3", "l4"], virtual_stages=2)
+    losses = []
+    for step in range(5):
+        losses.append(float(runner.step(*replica_batch(step))))
+        opt.step()
+        opt.zero_grad()
+    results["torch/interleaved/AdamW"] = {"loss_diff": max(abs(a - b) for a, b in zip(losses, refs["AdamW"][0])),
+                                          "param_diff": stage_diff(runner, refs["AdamW"][1]),
+                                          "stage": runner.stage_index}
+except Exception as exc:  # noqa: BLE001
+    results["torch/interleaved/AdamW"] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
 try:  # the PyTorch door: split points by name, a plain loop, the optimizer made first
     autopar.reset_auto_parallel_context()
     net = Net()

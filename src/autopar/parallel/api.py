@@ -341,7 +341,7 @@ def _prepare_pipeline(network, loss_fn, mode, device, world, ctx) -> Prepared:
     """``pipeline_stages`` > 1: ``Model(nn.PipelineCell(net_with_loss, micro_size), optimizer=opt)`` on torch's
     pipeline engine (:mod:`autopar.parallel.pipeline`)."""
     from autopar.nn.wrappers import PipelineCell, WithLossCell
-    from autopar.parallel.pipeline import PipelineParallel, pipeline_of, split_points_from_stages
+    from autopar.parallel.pipeline import PipelineParallel, pipeline_of, segments_of, split_points_from_stages
 
     stages = ctx.pipeline_stages
     if (not isinstance(network, PipelineCell) or loss_fn is not None
@@ -360,12 +360,16 @@ def _prepare_pipeline(network, loss_fn, mode, device, world, ctx) -> Prepared:
         config = dict(ctx.pipeline_config or {})
         unknown = set(config) - {"pipeline_scheduler", "pipeline_interleave"}
         if unknown:
-            raise ConfigError(f"pipeline_config: unknown keys {sorted(unknown)}; known: pipeline_scheduler")
-        if config.get("pipeline_interleave"):
-            _warn_once("pipeline_interleave", "autopar: pipeline_interleave is not applied: one stage per rank")
-        runner = PipelineParallel(backbone, loss, network.micro_size, split_points_from_stages(backbone, stages),
+            raise ConfigError(f"pipeline_config: unknown keys {sorted(unknown)}; known: pipeline_scheduler, "
+                              "pipeline_interleave")
+        segments = segments_of(backbone) if config.get("pipeline_interleave") else 1
+        if config.get("pipeline_interleave") and segments == 1:
+            _warn_once("pipeline_interleave", "autopar: pipeline_interleave=True but no cell has pipeline_segment: "
+                       "one piece per stage (set cell.pipeline_segment = v, as MindSpore)")
+        runner = PipelineParallel(backbone, loss, network.micro_size,
+                                  split_points_from_stages(backbone, stages, segments),
                                   schedule=str(config.get("pipeline_scheduler", "1f1b")).lower(),
-                                  gradients_mean=ctx.gradients_mean)
+                                  gradients_mean=ctx.gradients_mean, virtual_stages=segments)
     return Prepared(mode, network, device, world, lambda inputs: runner.step(*inputs), runs_backward=True,
                     sync_parameters=runner.gather_parameters)
 

@@ -44,9 +44,18 @@ def stage_of_modules(network: torch.nn.Module) -> dict[str, int]:
     return stages
 
 
-def split_points_from_stages(network: torch.nn.Module, num_stages: int) -> list[str]:
-    """The module each stage 1..S-1 begins with, from the cells' ``pipeline_stage``; one-line errors for a cell with
-    parameters but no stage, a stage out of range or unused, and stages that do not follow the forward order."""
+def segments_of(network: torch.nn.Module) -> int:
+    """How many virtual segments the cells' ``pipeline_segment`` marks (MindSpore's interleaved pipeline): 1 + the
+    largest, 1 when no cell has one."""
+    return 1 + max([int(getattr(m, "pipeline_segment", 0) or 0) for m in network.modules()] + [0])
+
+
+def split_points_from_stages(network: torch.nn.Module, num_stages: int, segments: int = 1) -> list[str]:
+    """The module each piece after the first begins with, from the cells' ``pipeline_stage`` (and, interleaved,
+    ``pipeline_segment``: piece = segment x S + stage, in forward order); one-line errors for a cell with parameters
+    but no stage, a stage out of range or unused, and stages that do not follow the forward order."""
+    if segments > 1:
+        return _split_points_interleaved(network, num_stages, segments)
     stages = stage_of_modules(network)
     unstaged = [n or type(network).__name__ for n, m in network.named_modules()
                 if stages[n] < 0 and any(True for _ in m.parameters(recurse=False))]
@@ -74,6 +83,34 @@ def split_points_from_stages(network: torch.nn.Module, num_stages: int) -> list[
     return [first[s] for s in range(1, num_stages)]
 
 
+def _split_points_interleaved(network: torch.nn.Module, num_stages: int, segments: int) -> list[str]:
+    stages = stage_of_modules(network)
+    seg: dict[str, int] = {}
+    for name, module in network.named_modules():
+        own = getattr(module, "pipeline_segment", None)
+        seg[name] = int(own) if own is not None else seg.get(name.rpartition(".")[0], 0) if name else 0
+    first: dict[int, str] = {}
+    last = -1
+    for name, module in network.named_modules():
+        if not name or stages[name] < 0:
+            continue
+        if stages[name] >= num_stages:
+            raise ConfigError(f"pipeline_stage {stages[name]} is out of range: pipeline_stages={num_stages} numbers "
+                              f"stages 0..{num_stages - 1}")
+        piece = seg[name] * num_stages + stages[name]
+        parent = name.rpartition(".")[0]
+        if piece < last and (seg.get(parent, 0) * num_stages + stages.get(parent, -1)) != piece:
+            raise ConfigError(f"cell '{name}' (segment {seg[name]}, stage {stages[name]}) runs after a cell of a later "
+                              "piece: segments, then stages, must follow the order the forward runs the cells in")
+        last = max(last, piece)
+        first.setdefault(piece, name)
+    missing = [k for k in range(1, num_stages * segments) if k not in first]
+    if missing:
+        raise ConfigError(f"pipeline_interleave: no cell has pipeline_segment {missing[0] // num_stages} and "
+                          f"pipeline_stage {missing[0] % num_stages}")
+    return [first[k] for k in range(1, num_stages * segments)]
+
+
 def _groups(num_stages: int) -> tuple[Any, Any, int, int]:
     """(pipeline group of this replica, data-parallel group of this stage, stage, replica)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -94,12 +131,18 @@ class PipelineParallel:
     returns the loss (on every rank). Call the optimizer's ``step()`` after it, as after ``loss.backward()``."""
 
     def __init__(self, network: torch.nn.Module, loss_fn: Any, micro_batches: int, split_points: Sequence[str],
-                 schedule: str = "1f1b", gradients_mean: bool = True):
+                 schedule: str = "1f1b", gradients_mean: bool = True, virtual_stages: int = 1):
         if not dist.is_initialized():
             raise ConfigError("pipeline parallel needs the cluster: call autopar.communication.init() first")
         self.network = network
         self.loss_fn = loss_fn
-        self.num_stages = len(split_points) + 1
+        # interleaved: the network cut into S x V pieces, rank s holding pieces s, s + S, ... (a smaller bubble,
+        # (S-1)/(V M + S - 1), for V times the point-to-point traffic)
+        self.virtual_stages = int(virtual_stages)
+        if self.virtual_stages < 1 or (len(split_points) + 1) % self.virtual_stages:
+            raise ConfigError(f"{len(split_points) + 1} pipeline pieces do not split into virtual_stages="
+                              f"{virtual_stages} per stage")
+        self.num_stages = (len(split_points) + 1) // self.virtual_stages
         self.micro_batches = int(micro_batches)
         world = dist.get_world_size()
         if world % self.num_stages:
@@ -129,7 +172,8 @@ class PipelineParallel:
 
     # -- building (on the first batch: the trace needs real shapes) ------------------------------------------------
     def _build(self, inputs: tuple) -> None:
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
+        from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                                  ScheduleLoopedBFS, SplitPoint, pipeline)
 
         from autopar.comm import management as _comm
 
@@ -146,23 +190,30 @@ class PipelineParallel:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ConfigError(f"pipeline: the network could not be split at {self.split_points} ({first}); what "
                               "crosses a stage boundary must be tensors") from None
-        if pipe.num_stages != self.num_stages:
+        pieces = self.num_stages * self.virtual_stages
+        if pipe.num_stages != pieces:
             raise ConfigError(f"pipeline: splitting at {self.split_points} gave {pipe.num_stages} stages, not "
-                              f"{self.num_stages} (is every split point called in the forward?)")
-        self.stage_module = pipe.get_stage_module(self.stage_index)
-        # which stage owns each parameter and buffer (the split graph names them submod_<k>.<network name>)
+                              f"{pieces} (is every split point called in the forward?)")
+        mine = range(self.stage_index, pieces, self.num_stages)  # this rank's pieces (one unless interleaved)
+        modules = [pipe.get_stage_module(k) for k in mine]
+        self.stage_module = modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
+        # which stage owns each parameter and buffer (the split graph names them submod_<piece>.<network name>)
         self.owner = {}
         for name, _ in [*pipe.split_gm.named_parameters(), *pipe.split_gm.named_buffers()]:
             head, _, rest = name.partition(".")
-            self.owner[rest] = int(head.rpartition("_")[2])
-        stage = pipe.build_stage(self.stage_index, _comm.device(), group=self.pp_group)
-        kind = Schedule1F1B if self.schedule_name == "1f1b" else ScheduleGPipe
+            self.owner[rest] = int(head.rpartition("_")[2]) % self.num_stages
+        stages = [pipe.build_stage(k, _comm.device(), group=self.pp_group) for k in mine]
         loss_fn = self.loss_fn
 
         def last_stage_loss(output, label):
             return call_loss(loss_fn, output, label)
 
-        self._schedule = kind(stage, self.micro_batches, loss_fn=last_stage_loss, scale_grads=True)
+        if self.virtual_stages == 1:
+            kind = Schedule1F1B if self.schedule_name == "1f1b" else ScheduleGPipe
+            self._schedule = kind(stages[0], self.micro_batches, loss_fn=last_stage_loss, scale_grads=True)
+        else:  # several pieces per rank: interleaved 1F1B, or looped breadth-first (GPipe's order per piece)
+            kind = ScheduleInterleaved1F1B if self.schedule_name == "1f1b" else ScheduleLoopedBFS
+            self._schedule = kind(stages, self.micro_batches, loss_fn=last_stage_loss, scale_grads=True)
 
     def parameters(self):
         """This rank's stage's parameters (all of the network's before the first step)."""
