@@ -147,37 +147,24 @@ for scheduler in ("1f1b", "gpipe"):  # interleaved: two pieces per rank (Interle
         import traceback
 
         results[key] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}", "trace": traceback.format_exc()[-1500:]}
-try:  # the PyTorch door, interleaved: three split points, two virtual stages per rank
-    autopar.reset_auto_parallel_context()
-    net = Net()
-    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
-    runner = PipelineParallel(net, torch.nn.functional.cross_entropy, micro_batches=4,
-                              split_points=["l2", "l3", "l4"], virtual_stages=2)
-    losses = []
-    for step in range(5):
-        losses.append(float(runner.step(*replica_batch(step))))
-        opt.step()
-        opt.zero_grad()
-    results["torch/interleaved/AdamW"] = {"loss_diff": max(abs(a - b) for a, b in zip(losses, refs["AdamW"][0])),
-                                          "param_diff": stage_diff(runner, refs["AdamW"][1]),
-                                          "stage": runner.stage_index}
-except Exception as exc:  # noqa: BLE001
-    results["torch/interleaved/AdamW"] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
-try:  # the PyTorch door: split points by name, a plain loop, the optimizer made first
-    autopar.reset_auto_parallel_context()
-    net = Net()
-    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
-    runner = PipelineParallel(net, torch.nn.functional.cross_entropy, micro_batches=4, split_points=["l3"])
-    losses = []
-    for step in range(5):
-        losses.append(float(runner.step(*replica_batch(step))))
-        opt.step()
-        opt.zero_grad()
-    results["torch/1f1b/AdamW"] = {"loss_diff": max(abs(a - b) for a, b in zip(losses, refs["AdamW"][0])),
-                                   "param_diff": stage_diff(runner, refs["AdamW"][1]),
-                                   "stage": runner.stage_index}
-except Exception as exc:  # noqa: BLE001
-    results["torch/1f1b/AdamW"] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+# the PyTorch door: split points by name, a plain loop, the optimizer made first; then interleaved (three split
+# points, two virtual stages per rank)
+for key, points, virtual in (("torch/1f1b/AdamW", ["l3"], 1), ("torch/interleaved/AdamW", ["l2", "l3", "l4"], 2)):
+    try:
+        autopar.reset_auto_parallel_context()
+        net = Net()
+        opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+        runner = PipelineParallel(net, torch.nn.functional.cross_entropy, micro_batches=4, split_points=points,
+                                  virtual_stages=virtual)
+        losses = []
+        for step in range(5):
+            losses.append(float(runner.step(*replica_batch(step))))
+            opt.step()
+            opt.zero_grad()
+        results[key] = {"loss_diff": max(abs(a - b) for a, b in zip(losses, refs["AdamW"][0])),
+                        "param_diff": stage_diff(runner, refs["AdamW"][1]), "stage": runner.stage_index}
+    except Exception as exc:  # noqa: BLE001
+        results[key] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
 
 errors = {}
 for case, build in (("no_stage", lambda: Net()), ("bad_stages", staged)):

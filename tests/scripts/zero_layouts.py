@@ -15,14 +15,12 @@ import sys
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
-
 import autopar
 import autopar.nn as nn
 import autopar.ops as ops
 from autopar import Parameter, Tensor
 from autopar.communication import get_group_size, get_rank, init
-from autopar.train import Model
+from zero_common import OPTIMIZERS, full, local_numel, state_held, train
 
 out_prefix, ckpt_dir = sys.argv[1], sys.argv[2]
 init()
@@ -32,9 +30,6 @@ rng = np.random.default_rng(0)
 LOCAL = 4
 X = torch.tensor(rng.standard_normal((5, LOCAL * n, 8)).astype(np.float32))
 Y = torch.tensor(rng.integers(0, 5, (5, LOCAL * n)))
-OPTIMIZERS = {"SGD": lambda ps: torch.optim.SGD(ps, lr=0.1),
-              "Momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-              "AdamW": lambda ps: torch.optim.AdamW(ps, lr=0.01)}
 
 
 class Head(nn.Cell):
@@ -96,33 +91,14 @@ def run(mode: str, level: str, opt_name: str, loop: str, shard_size: int = -1, d
                             zero_shard_size=shard_size if shard_size > 0 else None)
     elif mode == "auto_parallel":
         autopar.parallelize(net, sample=[local(0)[0]])
-    if loop == "model":
-        opt = OPTIMIZERS[opt_name](net.parameters())
-        Model(net, torch.nn.CrossEntropyLoss(), opt).train(1, [local(s) for s in range(5)])
-    else:
-        opt = OPTIMIZERS[opt_name](net.parameters()) if loop == "plain_before" else None
-        for step in range(5):
-            x, y = local(step)
-            loss = torch.nn.functional.cross_entropy(net(x), y)
-            opt = opt or OPTIMIZERS[opt_name](net.parameters())
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-    return net, opt
-
-
-def full(p):
-    return p.full_tensor() if isinstance(p, DTensor) else p
+    return net, train(net, opt_name, loop, [local(s) for s in range(5)])
 
 
 def compare(net, opt, ref) -> dict:
     got = {k: full(v).detach() for k, v in net.named_parameters()}
     diff = max(float((got[k] - ref[k]).abs().max()) for k in ref)
-    held = sum(v.to_local().numel() if isinstance(v, DTensor) else v.numel()
-               for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim())
-    slots = (2 if any("exp_avg" in s for s in opt.state.values()) else 1) if any(opt.state.values()) else 0
-    stored = {k: (v.to_local().numel() if isinstance(v, DTensor) else v.numel(), v.numel())
-              for k, v in net.named_parameters()}
+    held, slots = state_held(opt)
+    stored = {k: (local_numel(v), v.numel()) for k, v in net.named_parameters()}
     return {"diff": diff, "state_held": held, "state_whole": sum(p.numel() for p in ref.values()) * slots,
             "stored": stored, "names": sorted(got) == sorted(ref)}
 

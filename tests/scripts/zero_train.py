@@ -6,7 +6,6 @@ torch loop with the optimizer made before the first forward, one made after it, 
 gradients_mean=False (sums, MindSpore's default) and gradient accumulation under Model. Saves a sliced checkpoint
 of the level3/AdamW/plain case to CKPT_DIR/rank_<r>. Writes {case: result} to OUT_PREFIX.<rank>.
 """
-import copy
 import json
 import sys
 import warnings
@@ -16,7 +15,7 @@ import torch
 
 import autopar
 from autopar.communication import get_group_size, get_rank, init
-from autopar.train import Model
+from zero_common import OPTIMIZERS, full, state_held, train
 
 out_prefix, ckpt_dir = sys.argv[1], sys.argv[2]
 init()
@@ -25,9 +24,6 @@ rng = np.random.default_rng(0)
 LOCAL = 4
 X = torch.tensor(rng.standard_normal((5, LOCAL * n, 8)).astype(np.float32))
 Y = torch.tensor(rng.integers(0, 5, (5, LOCAL * n)))
-OPTIMIZERS = {"SGD": lambda ps: torch.optim.SGD(ps, lr=0.1),
-              "Momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-              "AdamW": lambda ps: torch.optim.AdamW(ps, lr=0.01)}
 
 
 def make_net() -> torch.nn.Module:
@@ -58,32 +54,13 @@ def run(level: str, opt_name: str, loop: str, mean: bool = True, accumulate: int
                                       enable_parallel_optimizer=True,
                                       parallel_optimizer_config={"optimizer_level": level})
     net = make_net()
-    if loop == "model":
-        opt = OPTIMIZERS[opt_name](net.parameters())
-        model = Model(net, torch.nn.CrossEntropyLoss(), opt, grad_accumulation_steps=accumulate)
-        model.train(1, [local(s) for s in range(5)])
-    else:
-        opt = OPTIMIZERS[opt_name](net.parameters()) if loop == "plain_before" else None
-        for step in range(5):
-            x, y = local(step)
-            loss = torch.nn.functional.cross_entropy(net(x), y)
-            opt = opt or OPTIMIZERS[opt_name](net.parameters())
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-    return net, opt
-
-
-def full(p):
-    return p.full_tensor() if hasattr(p, "full_tensor") else p
+    return net, train(net, opt_name, loop, [local(s) for s in range(5)], accumulate)
 
 
 def compare(net, opt, ref) -> dict:
     got = {k: full(v).detach() for k, v in net.named_parameters()}
     diff = max(float((got[k] - ref[k]).abs().max()) for k in ref)
-    held = sum(v.to_local().numel() if hasattr(v, "to_local") else v.numel()
-               for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim())
-    slots = (2 if any("exp_avg" in s for s in opt.state.values()) else 1) if any(opt.state.values()) else 0
+    held, slots = state_held(opt)
     whole = sum(p.numel() for p in ref.values()) * slots
     # a rank's share: ceil(rows / n) rows of each parameter (FSDP pads the last shards)
     share = sum(-(-p.shape[0] // n) * (p.numel() // p.shape[0]) for p in ref.values()) * slots
