@@ -188,11 +188,11 @@ def _prepare_data_parallel(network, loss_fn, mode, device, world, ctx, layerwise
 def _prepare_layouts(network, loss_fn, optimizer, mode, device, world, ctx) -> Prepared:
     from autopar.parallel.semi_auto.runtime import SemiAutoRuntime
 
+    zero = _zero_level(ctx, mode)
     runtime = runtime_of(network) or SemiAutoRuntime(
         gradients_mean=ctx.gradients_mean, full_batch=ctx.full_batch, parameter_broadcast=ctx.parameter_broadcast,
         strategy_save_file=ctx.strategy_ckpt_save_file, strategy_load_file=ctx.strategy_ckpt_load_file,
-        dataset_strategy=ctx.dataset_strategy, zero_level=_zero_level(ctx, mode),
-        zero_shard_size=_zero_shard_size(ctx) if _zero_level(ctx, mode) else None)
+        dataset_strategy=ctx.dataset_strategy, zero_level=zero, zero_shard_size=_zero_shard_size(ctx) if zero else None)
     root = network if loss_fn is None else _WithLoss(network, loss_fn)
     runtime.add_root(network)  # first: parameters and operators are named as in the user's network
     runtime.add_root(root)

@@ -353,7 +353,7 @@ class SemiAutoRuntime:
         with torch.no_grad():
             sharded = distribute_tensor(param.detach(), world_mesh(), placements, src_data_rank=0)
         new = torch.nn.Parameter(sharded, requires_grad=param.requires_grad)
-        for module, attr in self.owners.get(name) or [default_owner]:
+        for module, attr in self.owners.get(name) or ([default_owner] if default_owner else []):
             module._parameters[attr] = new
             _state_dict.install(module)
         self.converted[param] = new
