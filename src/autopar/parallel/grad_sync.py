@@ -70,7 +70,7 @@ class GradSync:
     # CPU host a fresh 64 MiB buffer is 16k page faults (~80 ms measured here). When this backward's gradient becomes
     # the parameter's ``.grad`` itself (``.grad`` was None, the engine will accumulate it), the hook hands it on
     # untouched and the post-accumulate hook completes ``.grad`` in place -- if nothing else shares its storage.
-    def _defer(self, param: torch.nn.Parameter | None, g: torch.Tensor) -> bool:
+    def _defer(self, param: torch.nn.Parameter | None) -> bool:
         if param is None or param.grad is not None or self.yields_to_ddp and _context.is_managed():
             return False
         node = self._accumulator(param)
@@ -134,7 +134,7 @@ class GradSync:
         return g.clone() if copy else g
 
     def _layout(self, g, mesh, placements, ref=None):
-        if _deferrable(g, placements) and self._defer(ref() if ref else None, g):
+        if _deferrable(g, placements) and self._defer(ref() if ref else None):
             return g
         return self._layout_out_of_place(g, mesh, placements)
 
@@ -156,7 +156,7 @@ class GradSync:
     def _replicated(self, g: torch.Tensor, ref=None) -> torch.Tensor:
         if self.yields_to_ddp and _context.is_managed():
             return g
-        if self._defer(ref() if ref else None, g):
+        if self._defer(ref() if ref else None):
             return g
         return self._replicated_out_of_place(g)
 
