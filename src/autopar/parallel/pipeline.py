@@ -33,13 +33,14 @@ from autopar.labels import call_loss, class_indices
 SCHEDULES = ("1f1b", "gpipe")
 
 
-def stage_of_modules(network: torch.nn.Module) -> dict[str, int]:
-    """``{module name: pipeline stage}`` for every module, inherited from the nearest annotated ancestor (-1: none)."""
+def stage_of_modules(network: torch.nn.Module, attr: str = "pipeline_stage", unset: int = -1) -> dict[str, int]:
+    """``{module name: pipeline stage}`` (or another cell attribute, e.g. ``pipeline_segment``) for every module,
+    inherited from the nearest annotated ancestor (``unset``: none)."""
     stages: dict[str, int] = {}
     for name, module in network.named_modules():
-        own = getattr(module, "pipeline_stage", None)
+        own = getattr(module, attr, None)
         parent = name.rpartition(".")[0] if name else None
-        inherited = stages.get(parent, -1) if parent is not None else -1
+        inherited = stages.get(parent, unset) if parent is not None else unset
         stages[name] = int(own) if own is not None else inherited
     return stages
 
@@ -54,14 +55,14 @@ def split_points_from_stages(network: torch.nn.Module, num_stages: int, segments
     """The module each piece after the first begins with, from the cells' ``pipeline_stage`` (and, interleaved,
     ``pipeline_segment``: piece = segment x S + stage, in forward order); one-line errors for a cell with parameters
     but no stage, a stage out of range or unused, and stages that do not follow the forward order."""
-    if segments > 1:
-        return _split_points_interleaved(network, num_stages, segments)
     stages = stage_of_modules(network)
     unstaged = [n or type(network).__name__ for n, m in network.named_modules()
                 if stages[n] < 0 and any(True for _ in m.parameters(recurse=False))]
     if unstaged:
         raise ConfigError(f"pipeline_stages={num_stages}: cell '{unstaged[0]}' has parameters but no pipeline_stage "
                           f"(set cell.pipeline_stage = k on it or a parent){' and more' if len(unstaged) > 1 else ''}")
+    if segments > 1:
+        return _split_points_interleaved(network, stages, num_stages, segments)
     out_of_range = sorted({s for s in stages.values() if s >= num_stages})
     if out_of_range:
         raise ConfigError(f"pipeline_stage {out_of_range[0]} is out of range: pipeline_stages={num_stages} numbers "
@@ -83,12 +84,9 @@ def split_points_from_stages(network: torch.nn.Module, num_stages: int, segments
     return [first[s] for s in range(1, num_stages)]
 
 
-def _split_points_interleaved(network: torch.nn.Module, num_stages: int, segments: int) -> list[str]:
-    stages = stage_of_modules(network)
-    seg: dict[str, int] = {}
-    for name, module in network.named_modules():
-        own = getattr(module, "pipeline_segment", None)
-        seg[name] = int(own) if own is not None else seg.get(name.rpartition(".")[0], 0) if name else 0
+def _split_points_interleaved(network: torch.nn.Module, stages: dict[str, int], num_stages: int,
+                              segments: int) -> list[str]:
+    seg = stage_of_modules(network, "pipeline_segment", unset=0)
     first: dict[int, str] = {}
     last = -1
     for name, module in network.named_modules():
