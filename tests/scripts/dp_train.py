@@ -11,6 +11,7 @@ import torch
 import autopar
 import autopar.dataset as ds
 import autopar.parallel.data_parallel as dp
+from autopar.comm.host_memory import HostGroup
 from autopar.nn import Momentum
 from autopar.train import Model
 
@@ -30,6 +31,16 @@ def counting_hook(state, bucket):
 
 
 dp._sum_hook = counting_hook
+host_calls = [0]
+original_range = HostGroup.all_reduce_range
+
+
+def counting_range(self, start, stop, scale=1.0):
+    host_calls[0] += 1
+    return original_range(self, start, stop, scale)
+
+
+HostGroup.all_reduce_range = counting_range
 x, y = make_data()
 data = ds.NumpySlicesDataset({"x": x, "y": y}, shuffle=False, num_shards=autopar.get_group_size(),
                              shard_id=autopar.get_rank()).batch(batch, drop_remainder=True)
@@ -37,6 +48,6 @@ torch.manual_seed(autopar.get_rank())  # different init per rank: parameter_broa
 net = make_net()
 model = Model(net, torch.nn.CrossEntropyLoss(), Momentum(net.parameters(), 0.1, 0.9), grad_accumulation_steps=accum)
 model.train(1, data, dataset_sink_mode=True, sink_size=3 * accum)
-print(f"RANK {autopar.get_rank()} SUM_HOOK_CALLS {calls[0]}", flush=True)
+print(f"RANK {autopar.get_rank()} SUM_HOOK_CALLS {calls[0]} SHARED_MEMORY_SUMS {host_calls[0]}", flush=True)
 if autopar.get_rank() == 0:
     torch.save({k: v.detach().clone() for k, v in net.state_dict().items()}, out)

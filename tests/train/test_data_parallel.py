@@ -36,32 +36,42 @@ def reference(batch: int, steps: int = 3, scale: float = 1.0, accum: int = 1):
     return net.state_dict()
 
 
-def run_dp(procs, tmp_path, mean: bool, accum: int, batch: int, world: int = 2):
+def run_dp(procs, tmp_path, mean: bool, accum: int, batch: int, world: int = 2, engine: str = "shared_memory"):
+    """Returns rank 0's parameters and how many times it summed gradients: buckets through the engine's path (DDP's
+    sum hook on gloo; ranges of the shared segment)."""
     out = tmp_path / "params.pt"
+    env = procs.env(AUTOPAR_SHARED_MEMORY="1" if engine == "shared_memory" else "0")
     res = procs.run(autopar_cmd("launch", "-n", str(world), "--log-dir", str(tmp_path / "logs"),
                                 str(SCRIPTS / "dp_train.py"), str(out), "1" if mean else "0", str(accum), str(batch)),
-                    timeout=180)
+                    timeout=180, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
-    calls = [int(c) for c in re.findall(r"SUM_HOOK_CALLS (\d+)", (tmp_path / "logs" / "worker_0.log").read_text())]
-    return torch.load(out), calls[0]
+    log = (tmp_path / "logs" / "worker_0.log").read_text()
+    hook, host = (int(c) for c in re.search(r"SUM_HOOK_CALLS (\d+) SHARED_MEMORY_SUMS (\d+)", log).groups())
+    return torch.load(out), (host if engine == "shared_memory" else hook), (hook if engine == "shared_memory" else host)
 
 
 def max_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+ENGINES = ["shared_memory", "gloo"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("mean", [True, False], ids=["gradients_mean", "gradients_sum"])
-def test_two_ranks_equal_one_process_on_the_global_batch(procs, tmp_path, mean):
-    params, calls = run_dp(procs, tmp_path, mean=mean, accum=1, batch=4)
+def test_two_ranks_equal_one_process_on_the_global_batch(procs, tmp_path, mean, engine):
+    params, calls, other = run_dp(procs, tmp_path, mean=mean, accum=1, batch=4, engine=engine)
     # mean: the average of the ranks' gradients = the gradient of the global-batch mean loss.
     # sum (MindSpore's default): the sum of 2 ranks' mean-loss gradients = twice the global-batch gradient.
     ref = reference(batch=8, scale=1.0 if mean else 2.0)
     assert max_diff(params, ref) <= 1e-5
-    assert calls == (0 if mean else 3)  # the sum hook ran once per step (one bucket) only in sum mode
+    # one bucket per step; DDP's sum hook runs only in sum mode (mean is its built-in path); the other engine idle
+    assert calls == (0 if mean and engine == "gloo" else 3) and other == 0
 
 
-def test_gradient_accumulation_communicates_only_on_the_last_micro_batch(procs, tmp_path):
-    params, calls = run_dp(procs, tmp_path, mean=False, accum=2, batch=4)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_gradient_accumulation_communicates_only_on_the_last_micro_batch(procs, tmp_path, engine):
+    params, calls, _ = run_dp(procs, tmp_path, mean=False, accum=2, batch=4, engine=engine)
     assert calls == 3  # 3 optimizer steps x 1 bucket, nothing on the 3 non-final micro-batches
     ref = reference(batch=16, scale=2.0)  # 2 ranks x 2 micro-batches x 4 samples per step
     assert max_diff(params, ref) <= 1e-5

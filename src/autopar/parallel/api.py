@@ -166,7 +166,9 @@ def _prepare_data_parallel(network, loss_fn, mode, device, world, ctx, layerwise
         from autopar.parallel.tuning import current
 
         ddp = wrap_data_parallel(network, gradients_mean=ctx.gradients_mean, parameter_broadcast=ctx.parameter_broadcast,
-                                 device=device, ignore=ignored, bucket_cap_mb=current().bucket_mb)
+                                 device=device, ignore=ignored, bucket_cap_mb=current().bucket_mb,
+                                 shared_memory=current().shared_memory
+                                 and _context.run_context().mode != _context.GRAPH_MODE)
         module, no_sync = ddp, ddp.no_sync
     else:
         module, no_sync = network, contextlib.nullcontext

@@ -1,4 +1,8 @@
-"""DATA_PARALLEL on torch's DistributedDataParallel: bucketed all-reduce overlapped with the backward pass.
+"""DATA_PARALLEL: bucketed gradient sums overlapped with the backward pass.
+
+Ranks that all run on one CPU host sum through shared memory (:mod:`autopar.parallel.host_reducer`); everywhere else
+-- GPUs (NCCL), several hosts, GRAPH_MODE, parameters that are not float32, ``AUTOPAR_SHARED_MEMORY=0`` -- torch's
+DistributedDataParallel does, on gloo or NCCL.
 
 MindSpore semantics on top of DDP:
 
@@ -74,13 +78,21 @@ def wrap_data_parallel(
     bucket_cap_mb: float = DEFAULT_BUCKET_MB,
     gradient_as_bucket_view: bool = True,
     ignore: set[str] | None = None,
-) -> DistributedDataParallel:
+    shared_memory: bool = False,
+):
+    """The network wrapped for DATA_PARALLEL: call it as the network; ``.no_sync()`` for accumulation.
+
+    ``shared_memory``: sum through shared memory when every rank runs on this host on the CPU (a collective)."""
     if not dist.is_initialized():
         from autopar.errors import ConfigError
 
         raise ConfigError("DATA_PARALLEL needs the cluster: call autopar.communication.init() first")
     if not parameter_broadcast and dist.get_world_size() > 1:
         warn_if_replicas_differ(module, ignore)
+    if shared_memory and device.type == "cpu":
+        reducer = _host_reducer(module, gradients_mean, parameter_broadcast, bucket_cap_mb, ignore or set())
+        if reducer is not None:
+            return reducer
     if ignore:  # hybrid parallel: layerwise_parallel slices are neither synchronised nor all-reduced
         # DDP builds its reducer's names as f"{module_name}.{param_name}": a parameter of the root module itself is
         # ".w", not "w" -- without that spelling too it would be all-reduced (averaging different slices), silently
@@ -97,3 +109,26 @@ def wrap_data_parallel(
     if not gradients_mean:
         ddp.register_comm_hook(None, _sum_hook)
     return ddp
+
+
+def _host_reducer(module, gradients_mean: bool, parameter_broadcast: bool, bucket_cap_mb: float, ignore: set[str]):
+    """The shared-memory reducer when every rank is on this host and every gradient is float32, else None.
+
+    Collective: every rank takes the same branch (the decision rests on what all ranks see)."""
+    from autopar.comm.host_memory import HostGroup
+    from autopar.parallel.host_reducer import HostReducer
+
+    world = dist.get_world_size()
+    params = [p for n, p in module.named_parameters() if p.requires_grad and n not in ignore]
+    if world < 2 or not params or any(p.dtype != torch.float32 or p.layout != torch.strided for p in params):
+        return None
+    host = HostGroup.create(sum(p.numel() for p in params))
+    if host is None:
+        return None
+    if parameter_broadcast:  # DDP's init_sync: rank 0's parameters and buffers on every rank
+        with torch.no_grad():
+            for name, t in [*module.named_parameters(), *module.named_buffers()]:
+                if name not in ignore:
+                    dist.broadcast(t, 0)
+    return HostReducer(module, params, host, scale=1.0 / world if gradients_mean else 1.0,
+                       bucket_numel=max(1, int(bucket_cap_mb * 2**20) // 4))

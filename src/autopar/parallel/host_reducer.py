@@ -1,0 +1,122 @@
+"""DATA_PARALLEL for ranks on one CPU host: gradients that live in shared memory, summed there.
+
+Why not DDP with a communication hook: DDP copies every gradient into its own bucket, and a hook would copy the
+bucket into shared memory and the sum back out -- three gradient-sized copies a step before any sum. Here each
+parameter's ``.grad`` *is* a view of this rank's region of the shared segment (:class:`~autopar.comm.host_memory.
+HostGroup`): the gradient the backward produces is copied there once (the copy DDP makes into its bucket), and the
+sum happens in place (a reduce-scatter and an all-gather between the ranks' regions, no kernel copies).
+
+What it keeps from DDP: buckets in reverse parameter order, each summed as soon as its gradients are in (while the
+backward goes on with earlier layers), ``no_sync()`` for gradient accumulation, ``gradients_mean`` as a scale of the
+sum, the gradients' memory layout (a channels-last weight gets a channels-last gradient). It acts only on a backward
+that follows a forward through it (Model's steps), as DDP does; a parameter no rank used in a step gets a zero
+gradient (DDP without ``find_unused_parameters`` stops with an error there). After each backward the ranks wait
+until every one has gathered its sums: only then may a rank write its region again (``zero_grad``, the next
+backward).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from autopar.comm.host_memory import HostGroup
+
+
+class HostReducer:
+    """Calls ``module`` like DDP's wrapper does and sums the gradients of ``params`` over the host's ranks."""
+
+    _autopar_step_wrapper = True  # the first-call hook of autopar.parallel.entry leaves it alone
+
+    def __init__(self, module: torch.nn.Module, params: list[torch.nn.Parameter], host: HostGroup, *,
+                 scale: float, bucket_numel: int):
+        self.module, self.host, self.scale = module, host, scale
+        self._views: dict[torch.nn.Parameter, torch.Tensor] = {}
+        self._bucket: dict[torch.nn.Parameter, int] = {}
+        self.buckets: list[tuple[int, int, list[torch.nn.Parameter]]] = []  # (start, stop, parameters)
+        start = offset = 0
+        members: list[torch.nn.Parameter] = []
+        for p in reversed(params):  # the backward produces the last layers' gradients first
+            n = p.numel()
+            self._views[p] = _view_like(host.region, offset, p)
+            if members and offset + n - start > bucket_numel:
+                self.buckets.append((start, offset, members))
+                start, members = offset, []
+            self._bucket[p] = len(self.buckets)
+            members.append(p)
+            offset += n
+        if members:
+            self.buckets.append((start, offset, members))
+        self._sync = True
+        self._armed = False
+        self._missing: list[int] = []
+        self._ready: set[int] = set()
+        self._next = 0
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_gradient)
+
+    def __call__(self, *args, **kwargs):
+        if self._sync and torch.is_grad_enabled():
+            self._armed, self._next, self._ready = True, 0, set()
+            self._missing = [len(members) for _, _, members in self.buckets]
+            self._callback_queued = False
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradients accumulate locally (in ``.grad``) until a backward outside the block sums them."""
+        before, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = before
+
+    # -- inside the backward ----------------------------------------------------------------------------------
+    def _on_gradient(self, param: torch.nn.Parameter) -> None:
+        if not self._armed or id(param) in self._ready:
+            return
+        if not self._callback_queued:  # at the end of this backward: the buckets no gradient completed
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._callback_queued = True
+        self._ready.add(id(param))
+        self._place(param)
+        self._missing[self._bucket[param]] -= 1
+        while self._next < len(self.buckets) and self._missing[self._next] == 0:
+            self._reduce(self._next)
+
+    def _place(self, param: torch.nn.Parameter) -> None:
+        """Make ``param.grad`` the view of this rank's region (copying the gradient there unless it is there)."""
+        view, grad = self._views[param], param.grad
+        if grad is None:
+            view.zero_()  # not used by this rank in this step: it adds nothing to the others' gradients
+        elif grad.data_ptr() != view.data_ptr() or grad.stride() != view.stride():
+            view.copy_(grad)
+        param.grad = view
+
+    def _reduce(self, index: int) -> None:
+        start, stop, _ = self.buckets[index]
+        with torch.no_grad():
+            self.host.all_reduce_range(start, stop, self.scale)
+        self._next = index + 1
+
+    def _finish(self) -> None:
+        try:
+            with torch.no_grad():
+                for index in range(self._next, len(self.buckets)):
+                    for p in self.buckets[index][2]:
+                        if id(p) not in self._ready:
+                            self._place(p)
+                    self._reduce(index)
+                self.host.settle()
+        finally:
+            self._armed = False
+
+
+def _view_like(region: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
+    """A view of ``region[offset:offset + numel]`` shaped and strided as autograd lays out ``param``'s gradient
+    (dense tensors keep their memory format: a channels-last weight's gradient is channels-last)."""
+    strides = torch.empty_like(param, device="meta").stride()
+    return region.as_strided(param.shape, strides, region.storage_offset() + offset)
+
+
+__all__ = ["HostReducer"]

@@ -1,0 +1,134 @@
+"""Worker: the shared-memory all-reduce and the reducer built on it, checked against gloo on the same data.
+
+argv: MODE. ``check`` (under ``autopar launch -n N``): prints ``HOST_MEMORY_OK <rank>`` when every case holds.
+``die`` / ``stall`` (started by hand, RANK WORLD PORT after MODE): rank 1 exits / never arrives; rank 0 must fail
+with a one-line CommError (``AUTOPAR_COMM_TIMEOUT`` bounds the stall).
+"""
+import hashlib
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from autopar.comm.host_memory import HostGroup
+from autopar.errors import CommError
+from autopar.parallel.host_reducer import HostReducer
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.contiguous().numpy().tobytes()).hexdigest()
+
+
+def same_on_every_rank(value: str) -> bool:
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, value)
+    return len(set(seen)) == 1
+
+
+def check_engine(rank: int, world: int) -> None:
+    n = 1_000_003  # not a multiple of the ranks
+    host = HostGroup.create(n)
+    assert host is not None, "ranks of one host got no shared segment"
+    data = torch.randn(n, generator=torch.Generator().manual_seed(100 + rank))
+    host.region.copy_(data)
+    expected = data.double()
+    dist.all_reduce(expected)
+    # ranges of every shape: empty, shorter than the ranks, uneven, the rest; one scaled
+    cuts = [0, 0, 1, 3, 77_777, 500_000, n]
+    for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        host.all_reduce_range(a, b, scale=0.5 if i == 4 else 1.0)
+    host.settle()
+    expected[77_777:500_000] *= 0.5
+    err = (host.region.double() - expected).abs().max().item()
+    assert err < 1e-5, f"sum off by {err}"
+    assert same_on_every_rank(digest(host.region)), "ranks hold different sums"
+    if world == 2:  # a + b: exactly what gloo computes
+        gloo = data.clone()
+        dist.all_reduce(gloo)
+        gloo[77_777:500_000] *= 0.5  # exact: a power of two
+        assert torch.equal(gloo, host.region), "two-rank sum differs from gloo's"
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.fc = torch.nn.Linear(8, 5)
+        self.spare = torch.nn.Linear(5, 5)  # used by rank 0 only
+        self.never = torch.nn.Linear(5, 5)  # used by no rank
+
+    def forward(self, x, use_spare: bool):
+        y = self.fc(torch.relu(self.conv(x)).mean((2, 3)))
+        return self.spare(y) if use_spare else y
+
+
+def local_grads(net: Net, x, use_spare: bool) -> dict[str, torch.Tensor]:
+    names = [n for n, _ in net.named_parameters()]
+    grads = torch.autograd.grad(net(x, use_spare).square().sum(), list(net.parameters()), allow_unused=True)
+    return {n: (torch.zeros_like(p) if g is None else g) for n, p, g in zip(names, net.parameters(), grads)}
+
+
+def check_reducer(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    net = Net().to(memory_format=torch.channels_last)  # gradients keep the weights' layout
+    params = list(net.parameters())
+    host = HostGroup.create(sum(p.numel() for p in params))
+    reducer = HostReducer(net, params, host, scale=1.0 / world, bucket_numel=300)  # several buckets
+    # a fresh gradient (.grad None); accumulated onto the last step's .grad (in its view); zero_grad(set_to_none=False)
+    for step, start in enumerate(["none", "kept", "zeroed"]):
+        if start == "zeroed":
+            net.zero_grad(set_to_none=False)
+        x = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+        x = x.to(memory_format=torch.channels_last)
+        expected = local_grads(net, x, rank == 0)
+        for g in expected.values():
+            dist.all_reduce(g)
+            g /= world
+        if start != "none":
+            expected = {n: g + p.grad for (n, g), p in zip(expected.items(), net.parameters())}
+        reducer(x, rank == 0).square().sum().backward()
+        for name, p in net.named_parameters():
+            err = (p.grad - expected[name]).abs().max().item()
+            assert err < 1e-5, f"step {step} {name}: gradient off by {err}"
+            assert p.grad.stride() == p.stride(), f"{name}: gradient layout {p.grad.stride()} != {p.stride()}"
+        assert same_on_every_rank(digest(torch.cat([p.grad.flatten() for p in params])))
+    with reducer.no_sync():  # accumulation: nothing summed, gradients stay this rank's own
+        net.zero_grad(set_to_none=True)
+        reducer(x, False).square().sum().backward()
+        own = local_grads(net, x, False)
+        assert all(torch.allclose(p.grad, own[n]) for n, p in net.named_parameters() if p.grad is not None)
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    torch.set_num_threads(1)
+    if mode == "check":
+        import autopar
+
+        autopar.init()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        check_engine(rank, world)
+        check_reducer(rank, world)
+        print(f"HOST_MEMORY_OK {rank}", flush=True)
+        return
+    rank, world, port = (int(a) for a in sys.argv[2:5])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    host = HostGroup.create(1000)
+    if rank == 1:
+        if mode == "die":
+            os._exit(7)
+        time.sleep(60)  # stall: alive, never arrives
+        return
+    start = time.monotonic()
+    try:
+        host.all_reduce_range(0, 1000)
+    except CommError as e:
+        print(f"COMM_ERROR after {time.monotonic() - start:.1f}s: {e}", flush=True)
+        os._exit(3)
+    print("NO_ERROR", flush=True)
+
+
+if __name__ == "__main__":
+    main()
