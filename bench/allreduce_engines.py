@@ -123,7 +123,7 @@ def _in_region_only(host, bounds, barrier) -> dict:
         u0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         for a, b in zip(bounds, bounds[1:]):
-            host.all_reduce_range(a, b, 0.5)
+            host.all_reduce_range(a, b)
         host.settle()
         t1 = time.perf_counter()
         u1 = resource.getrusage(resource.RUSAGE_SELF)

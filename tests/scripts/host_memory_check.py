@@ -35,10 +35,20 @@ def check_engine(rank: int, world: int) -> None:
     host.region.copy_(data)
     expected = data.double()
     dist.all_reduce(expected)
-    # ranges of every shape: empty, shorter than the ranks, uneven, the rest; one scaled
+    # ranges of every shape: empty, shorter than the ranks, uneven, the rest; in one of them every contribution is
+    # halved, and this rank's own slice is summed from a tensor outside the region (its region there is garbage)
     cuts = [0, 0, 1, 3, 77_777, 500_000, n]
     for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
-        host.all_reduce_range(a, b, scale=0.5 if i == 4 else 1.0)
+        if i != 4:
+            host.all_reduce_range(a, b)
+            continue
+        lo, hi = host.owned(a, b)
+        mid = (lo + hi) // 2  # two pieces with a gap between them: the gap is summed from the region
+        host.region[a:b] *= 0.5
+        pieces = [(lo, data[lo:lo + 1000].clone()), (mid, data[mid:hi].clone())]
+        host.region[lo:lo + 1000] = float("nan")
+        host.region[mid:hi] = float("nan")
+        host.all_reduce_range(a, b, pieces, own_scale=0.5)
     host.settle()
     expected[77_777:500_000] *= 0.5
     err = (host.region.double() - expected).abs().max().item()

@@ -123,9 +123,17 @@ class HostGroup:
         return engine if all(oks) else None
 
     # -- the collective ---------------------------------------------------------------------------------------
-    def all_reduce_range(self, start: int, stop: int, scale: float = 1.0) -> None:
-        """Sum ``[start, stop)`` of every rank's region into every rank's region (times ``scale``), in place.
+    def owned(self, start: int, stop: int) -> tuple[int, int]:
+        """The slice of ``[start, stop)`` this rank sums (and the others copy from it)."""
+        bounds = _split(start, stop, self.world)
+        return bounds[self.rank], bounds[self.rank + 1]
 
+    def all_reduce_range(self, start: int, stop: int, own: list[tuple[int, torch.Tensor]] = (),
+                         own_scale: float = 1.0) -> None:
+        """Sum ``[start, stop)`` of every rank's region into every rank's region, in place.
+
+        ``own``: pieces ``(offset, values)`` of this rank's slice (:meth:`owned`) whose contribution is not in the
+        region but in ``values`` (times ``own_scale``): summed from there, they need no copy into the region first.
         Every rank calls it for the same ranges in the same order; a rank's region there must not change until
         the call returns (a range is read by the other ranks until then)."""
         self.seq += 1
@@ -133,19 +141,23 @@ class HostGroup:
         bounds = _split(start, stop, self.world)
         self._publish(_PUBLISHED, seq)
         self._wait(_PUBLISHED, seq, "publish its gradients")
-        lo, hi = bounds[me], bounds[me + 1]
-        if hi > lo:
-            mine = self.regions[me][lo:hi]
-            for p in self.peers:  # own value first, then the others in rank order: one order, on one rank
-                mine.add_(self.regions[p][lo:hi])
-            if scale != 1.0:
-                mine.mul_(scale)
+        mine = self.regions[me]
+        for lo, hi, values in _cover(bounds[me], bounds[me + 1], own):
+            out, others = mine[lo:hi], [self.regions[p][lo:hi] for p in self.peers]
+            # one order, on one rank: this rank's value first, then the others' in rank order
+            if values is None:
+                for other in others:
+                    out.add_(other)
+            else:
+                torch.add(others[0], values, alpha=own_scale, out=out)
+                for other in others[1:]:
+                    out.add_(other)
         self._publish(_SUMMED, seq)
         self._wait(_SUMMED, seq, "sum its slice")
         for p in self.peers:
             lo, hi = bounds[p], bounds[p + 1]
             if hi > lo:
-                self.regions[me][lo:hi].copy_(self.regions[p][lo:hi])
+                mine[lo:hi].copy_(self.regions[p][lo:hi])
         self._publish(_GATHERED, seq)
 
     def settle(self) -> None:
@@ -180,6 +192,20 @@ class HostGroup:
                 if now - start > self.timeout_s:
                     raise CommError(f"shared-memory all-reduce timed out after {self.timeout_s:.0f} s: rank {late[0]}"
                                     f" did not {what} (AUTOPAR_COMM_TIMEOUT)")
+
+
+def _cover(lo: int, hi: int, pieces) -> list[tuple[int, int, torch.Tensor | None]]:
+    """``[lo, hi)`` as consecutive segments: the pieces ``(offset, values)`` given, and the gaps (None: in the
+    region)."""
+    out, at = [], lo
+    for offset, values in sorted(pieces, key=lambda piece: piece[0]):
+        if offset > at:
+            out.append((at, offset, None))
+        out.append((offset, offset + values.numel(), values))
+        at = offset + values.numel()
+    if hi > at:
+        out.append((at, hi, None))
+    return out
 
 
 def _split(start: int, stop: int, world: int) -> list[int]:

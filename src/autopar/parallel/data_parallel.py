@@ -122,6 +122,11 @@ def _host_reducer(module, gradients_mean: bool, parameter_broadcast: bool, bucke
     params = [p for n, p in module.named_parameters() if p.requires_grad and n not in ignore]
     if world < 2 or not params or any(p.dtype != torch.float32 or p.layout != torch.strided for p in params):
         return None
+    scale = 1.0 / world if gradients_mean else 1.0
+    known = module.__dict__.get("_autopar_host_reducer")
+    if known is not None and known.scale == scale and len(known.params) == len(params) \
+            and all(a is b for a, b in zip(known.params, params)):
+        return known  # prepared again (another Model on the same network): the same segment, no second one
     host = HostGroup.create(sum(p.numel() for p in params))
     if host is None:
         return None
@@ -130,5 +135,6 @@ def _host_reducer(module, gradients_mean: bool, parameter_broadcast: bool, bucke
             for name, t in [*module.named_parameters(), *module.named_buffers()]:
                 if name not in ignore:
                     dist.broadcast(t, 0)
-    return HostReducer(module, params, host, scale=1.0 / world if gradients_mean else 1.0,
-                       bucket_numel=max(1, int(bucket_cap_mb * 2**20) // 4))
+    reducer = HostReducer(module, params, host, scale=scale, bucket_numel=max(1, int(bucket_cap_mb * 2**20) // 4))
+    module.__dict__["_autopar_host_reducer"] = reducer
+    return reducer

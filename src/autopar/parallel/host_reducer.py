@@ -3,13 +3,15 @@
 Why not DDP with a communication hook: DDP copies every gradient into its own bucket, and a hook would copy the
 bucket into shared memory and the sum back out -- three gradient-sized copies a step before any sum. Here each
 parameter's ``.grad`` *is* a view of this rank's region of the shared segment (:class:`~autopar.comm.host_memory.
-HostGroup`): the gradient the backward produces is copied there once (the copy DDP makes into its bucket), and the
-sum happens in place (a reduce-scatter and an all-gather between the ranks' regions, no kernel copies).
+HostGroup`): the gradient the backward produces is copied there (the copy DDP makes into its bucket) -- except the
+part in this rank's own slice of the bucket, which the reduce-scatter sums straight from the fresh gradient -- and
+the sum happens in place (a reduce-scatter and an all-gather between the ranks' regions, no kernel copies).
+``gradients_mean`` scales each contribution on its way in, as DDP divides before its all-reduce.
 
 What it keeps from DDP: buckets in reverse parameter order, each summed as soon as its gradients are in, by a
 background thread while the backward goes on with earlier layers (summed inline, every bucket was a rendezvous of
-the ranks: measured, each rank then sat idle 20-28 ms per ResNet-50 step waiting for the other), ``no_sync()`` for gradient accumulation, ``gradients_mean`` as a scale of the
-sum, the gradients' memory layout (a channels-last weight gets a channels-last gradient). It acts only on a backward
+the ranks: measured, each rank then sat idle 20-28 ms per ResNet-50 step waiting for the other), ``no_sync()`` for
+gradient accumulation, the gradients' memory layout (a channels-last weight gets a channels-last gradient). It acts only on a backward
 that follows a forward through it (Model's steps), as DDP does; a parameter no rank used in a step gets a zero
 gradient (DDP without ``find_unused_parameters`` stops with an error there). After each backward the ranks wait
 until every one has gathered its sums: only then may a rank write its region again (``zero_grad``, the next
@@ -33,15 +35,16 @@ class HostReducer:
 
     def __init__(self, module: torch.nn.Module, params: list[torch.nn.Parameter], host: HostGroup, *,
                  scale: float, bucket_numel: int):
-        self.module, self.host, self.scale = module, host, scale
+        self.module, self.host, self.scale, self.params = module, host, scale, list(params)
         self._views: dict[torch.nn.Parameter, torch.Tensor] = {}
+        self._offset: dict[torch.nn.Parameter, int] = {}
         self._bucket: dict[torch.nn.Parameter, int] = {}
         self.buckets: list[tuple[int, int, list[torch.nn.Parameter]]] = []  # (start, stop, parameters)
         start = offset = 0
         members: list[torch.nn.Parameter] = []
         for p in reversed(params):  # the backward produces the last layers' gradients first
             n = p.numel()
-            self._views[p] = _view_like(host.region, offset, p)
+            self._views[p], self._offset[p] = _view_like(host.region, offset, p), offset
             if members and offset + n - start > bucket_numel:
                 self.buckets.append((start, offset, members))
                 start, members = offset, []
@@ -50,6 +53,9 @@ class HostReducer:
             offset += n
         if members:
             self.buckets.append((start, offset, members))
+        self._owned = [host.owned(start, stop) for start, stop, _ in self.buckets]
+        # per bucket, this backward: gradients whose part in this rank's slice is summed straight from them
+        self._deferred: list[list[tuple[torch.nn.Parameter, int, torch.Tensor]]] = [[] for _ in self.buckets]
         self._sync = True
         self._armed = False
         self._work: queue.Queue[int | None] = queue.Queue()
@@ -90,14 +96,39 @@ class HostReducer:
         while self._next < len(self.buckets) and self._missing[self._next] == 0:
             self._reduce(self._next)
 
-    def _place(self, param: torch.nn.Parameter) -> None:
-        """Make ``param.grad`` the view of this rank's region (copying the gradient there unless it is there)."""
-        view, grad = self._views[param], param.grad
+    def _place(self, param: torch.nn.Parameter, defer: bool = True) -> None:
+        """Put this rank's contribution (the gradient times the scale) in its region.
+
+        The gradient the backward just produced is copied there except the part in this rank's own slice of the
+        bucket: that part is summed straight from the gradient by the summing thread (a copy saved), which then
+        makes ``.grad`` the region's view. A gradient already there (accumulated in place) is scaled there."""
+        view, grad, s = self._views[param], param.grad, self.scale
         if grad is None:
             view.zero_()  # not used by this rank in this step: it adds nothing to the others' gradients
-        elif grad.data_ptr() != view.data_ptr() or grad.stride() != view.stride():
+            param.grad = view
+            return
+        if grad.data_ptr() == view.data_ptr() and grad.stride() == view.stride():
+            if s != 1.0:
+                view.mul_(s)
+            return
+        if grad.stride() != view.stride() or not defer:
             view.copy_(grad)
-        param.grad = view
+            if s != 1.0:
+                view.mul_(s)
+            param.grad = view
+            return
+        start, n, b = self._offset[param], param.numel(), self._bucket[param]
+        flat = grad.as_strided((n,), (1,))  # same dense layout as the view: memory order = region order
+        lo, hi = self._owned[b]
+        lo, hi = max(lo, start), min(hi, start + n)
+        region = self.host.region
+        for a, z in ((start, lo), (hi, start + n)) if hi > lo else ((start, start + n),):
+            if z > a:
+                torch.mul(flat[a - start:z - start], s, out=region[a:z])  # a copy, scaled on the way
+        if hi > lo:
+            self._deferred[b].append((param, lo, flat[lo - start:hi - start]))
+        else:
+            param.grad = view
 
     def _reduce(self, index: int) -> None:
         """Hand bucket ``index`` to the summing thread (buckets are summed in index order on every rank)."""
@@ -112,9 +143,13 @@ class HostReducer:
             while True:
                 index = self._work.get()
                 try:
+                    deferred, self._deferred[index] = self._deferred[index], []
                     if self._failure is None:
                         start, stop, _ = self.buckets[index]
-                        self.host.all_reduce_range(start, stop, self.scale)
+                        self.host.all_reduce_range(start, stop, [(at, values) for _, at, values in deferred],
+                                                   self.scale)
+                        for param, _, _ in deferred:  # the backward is done with it: no other thread touches it
+                            param.grad = self._views[param]
                 except BaseException as e:  # noqa: BLE001 -- raised again in the training thread
                     self._failure = e
                 finally:
@@ -126,7 +161,7 @@ class HostReducer:
                 for index in range(self._next, len(self.buckets)):
                     for p in self.buckets[index][2]:
                         if id(p) not in self._ready:
-                            self._place(p)
+                            self._place(p, defer=False)
                     self._reduce(index)
             self._work.join()
             if self._failure is not None:
