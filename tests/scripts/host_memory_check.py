@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.comm.host_memory import HostGroup
+from autopar.context import managed
 from autopar.errors import CommError
 from autopar.parallel.host_reducer import HostReducer
 
@@ -98,12 +99,17 @@ def check_reducer(rank: int, world: int) -> None:
             g /= world
         if start != "none":
             expected = {n: g + p.grad for (n, g), p in zip(expected.items(), net.parameters())}
-        reducer(x, rank == 0).square().sum().backward()
+        with managed():  # as in Model's steps: a backward outside them is left to the parameters' own hooks
+            reducer(x, rank == 0).square().sum().backward()
         for name, p in net.named_parameters():
             err = (p.grad - expected[name]).abs().max().item()
             assert err < 1e-5, f"step {step} {name}: gradient off by {err}"
             assert p.grad.stride() == p.stride(), f"{name}: gradient layout {p.grad.stride()} != {p.stride()}"
         assert same_on_every_rank(digest(torch.cat([p.grad.flatten() for p in params])))
+    net.zero_grad(set_to_none=True)
+    reducer(x, False).square().sum().backward()  # outside Model's managed step: not this reducer's to sum
+    own = local_grads(net, x, False)
+    assert all(torch.allclose(p.grad, own[n]) for n, p in net.named_parameters() if p.grad is not None)
     with reducer.no_sync():  # accumulation: nothing summed, gradients stay this rank's own
         net.zero_grad(set_to_none=True)
         reducer(x, False).square().sum().backward()

@@ -25,6 +25,7 @@ import threading
 
 import torch
 
+from autopar import context as _context
 from autopar.comm.host_memory import HostGroup
 
 
@@ -85,7 +86,9 @@ class HostReducer:
 
     # -- inside the backward ----------------------------------------------------------------------------------
     def _on_gradient(self, param: torch.nn.Parameter) -> None:
-        if not self._armed or id(param) in self._ready:
+        # Model's backward only (the wrapper armed it, Model's managed step runs it): a plain loop's backward is
+        # completed by the parameters' own hooks (parallel.grad_sync)
+        if not self._armed or id(param) in self._ready or not _context.is_managed():
             return
         if not self._callback_queued:  # at the end of this backward: the buckets no gradient completed
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
