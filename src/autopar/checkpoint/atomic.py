@@ -12,6 +12,8 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
+from autopar.cluster.processes import process_alive
+
 TMP_MARK = ".tmp-"
 
 
@@ -85,19 +87,9 @@ def remove_stale_temporaries(directory: Path, prefix: str) -> None:
         if not entry.name.startswith(prefix) or TMP_MARK not in entry.name:
             continue
         pid = entry.name.rsplit(TMP_MARK, 1)[1]
-        if pid.isdigit() and _alive(int(pid)) and int(pid) != os.getpid():
+        if pid.isdigit() and process_alive(int(pid)) and int(pid) != os.getpid():
             continue
         if entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)
         else:
             entry.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

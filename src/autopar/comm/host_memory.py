@@ -31,6 +31,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from autopar.cluster.processes import process_alive
 from autopar.errors import CommError
 
 _HEADER_WORDS = 8  # per rank, int64: pid, published, summed, gathered (the rest pads a cache line)
@@ -51,20 +52,6 @@ def host_identity() -> tuple[str, str, int]:
     except OSError:
         boot, netns = "", 0
     return socket.gethostname(), boot, netns
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a rank that exited but was not reaped yet is a zombie: gone all the same
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return True
 
 
 class HostGroup:
@@ -185,7 +172,7 @@ class HostGroup:
             if now - checked >= _LIVENESS_S:
                 checked = now
                 late = [p for p in peers if flags[p, column] < seq]
-                dead = [p for p in late if not _alive(int(flags[p, _PID]))]
+                dead = [p for p in late if not process_alive(int(flags[p, _PID]))]
                 if dead:
                     raise CommError(f"rank {dead[0]} (pid {int(flags[dead[0], _PID])}) exited while rank {self.rank}"
                                     f" waited for it to {what} in the shared-memory all-reduce")

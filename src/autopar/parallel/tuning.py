@@ -18,8 +18,8 @@ what it was worth. None changes results beyond float tolerance.
 - ``AUTOPAR_SHARED_MEMORY`` (default 1): DATA_PARALLEL ranks that all run on one CPU host keep their gradients in
   shared memory and sum them there (:mod:`autopar.parallel.host_reducer`) instead of through gloo's loopback TCP.
   ResNet-50's 90 MB of gradients on 2 ranks: all-reduce CPU per rank 51 -> 23 ms (``bench/allreduce_floor.py``);
-  the tutorial's job 1.10x the images/s of the same job on gloo (``bench/dp_throughput.py --ablate shared_memory``,
-  medians of 3 interleaved rounds; from 1.00x to 1.19x by round on this noisy 2-core VM).
+  the tutorial's job 1.11x, 1.00x and 1.10x the images/s of the same job on gloo in three runs of
+  ``bench/dp_throughput.py --ablate shared_memory`` (medians of 3 interleaved rounds on a 2-core VM whose speed drifts).
 - ``AUTOPAR_CHANNELS_LAST`` (default 0): convolutional networks and their 4-D inputs in channels-last memory
   format. Measured no gain on this CPU (-2..+2 %, noise), so it is opt-in; it is the layout cuDNN's tensor
   cores prefer, so try it on a GPU with ``amp_level``.
