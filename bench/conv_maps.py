@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -95,7 +96,7 @@ def main() -> None:
             w = torch.randn(cout, cin, k, k, generator=g) * 0.05
             for variant in variants:
                 runs[case][variant].append(_time(variant, x, w, stride, k // 2, args.reps))
-        print(f"[conv_maps] round {rnd + 1} done", flush=True)
+        print(f"[conv_maps] round {rnd + 1} done", file=sys.stderr, flush=True)
     report: dict = {"batch": args.batch, "threads": 1, "rounds": args.rounds, "layers": {}, "per_map_ms": {}}
     for case, by_variant in runs.items():
         size, name = case[0], case[1]
