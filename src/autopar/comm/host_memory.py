@@ -23,7 +23,9 @@ nothing is left in ``/dev/shm`` however the job ends.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import platform
 import socket
 import time
 import uuid
@@ -34,13 +36,16 @@ import torch.distributed as dist
 from autopar.cluster.processes import process_alive
 from autopar.errors import CommError
 
-_HEADER_WORDS = 8  # per rank, int64: pid, published, summed, gathered (the rest pads a cache line)
-_PID, _PUBLISHED, _SUMMED, _GATHERED = 0, 1, 2, 3
+_HEADER_WORDS = 8  # per rank, int64: pid, published, summed, gathered, (rank 0) token; the rest pads a cache line
+_PID, _PUBLISHED, _SUMMED, _GATHERED, _TOKEN = 0, 1, 2, 3, 4
+# The counters are plain loads and stores: a rank's data writes are seen before its counter's only where the CPU
+# keeps stores in order (x86's total store order). Elsewhere (aarch64) gloo stays.
+_TSO_MACHINES = ("x86_64", "amd64", "i686", "i386")
 _LIVENESS_S = 0.25  # how often a waiting rank checks that the ranks it waits for are still running
 _SHM_DIR = "/dev/shm"
 
 
-def host_identity() -> tuple[str, str, int]:
+def host_identity() -> tuple[str, str, tuple[int, int]]:
     """What two processes on one host (one kernel, one network namespace) share: hostname, boot id, netns inode.
 
     The network namespace counts: the multi-host tests build their hosts as namespaces of one machine, and ranks in
@@ -48,9 +53,11 @@ def host_identity() -> tuple[str, str, int]:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
-        netns = os.stat("/proc/self/ns/net").st_ino
+        # the network namespace (a test's namespace "hosts") and the pid namespace (a peer's pid must mean the same
+        # process here, for the liveness check)
+        netns = (os.stat("/proc/self/ns/net").st_ino, os.stat("/proc/self/ns/pid").st_ino)
     except OSError:
-        boot, netns = "", 0
+        boot, netns = "", (0, 0)
     return socket.gethostname(), boot, netns
 
 
@@ -60,7 +67,7 @@ class HostGroup:
     Create it with :meth:`create` (a collective of the group); it returns None when the ranks are not all on one host
     or the segment cannot be had (the caller keeps gloo)."""
 
-    def __init__(self, path: str, rank: int, world: int, numel: int, timeout_s: float, fresh: bool):
+    def __init__(self, path: str, rank: int, world: int, numel: int, timeout_s: float, token: int | None = None):
         self.rank, self.world, self.numel, self.timeout_s = rank, world, numel, timeout_s
         header_bytes = world * _HEADER_WORDS * 8
         self._buffer = torch.from_file(path, shared=True, size=header_bytes + world * numel * 4, dtype=torch.uint8)
@@ -68,8 +75,9 @@ class HostGroup:
         self.flags = self._buffer[:header_bytes].view(torch.int64).numpy().reshape(world, _HEADER_WORDS)
         self.regions = [self._buffer[header_bytes + r * numel * 4: header_bytes + (r + 1) * numel * 4]
                         .view(torch.float32) for r in range(world)]
-        if fresh:
-            self.flags[rank, :] = 0
+        if token is not None:  # the creator: a fresh header, and the token the others check
+            self.flags[:, :] = 0
+            self.flags[0, _TOKEN] = token
         self.flags[rank, _PID] = os.getpid()
         self.seq = 0  # ranges summed so far; the same sequence on every rank
         self.peers = [p for p in range(world) if p != rank]
@@ -80,33 +88,51 @@ class HostGroup:
         return self.regions[self.rank]
 
     @classmethod
-    def create(cls, numel: int, group=None, timeout_s: float | None = None) -> "HostGroup | None":
-        """Collective over ``group``: map one segment of ``world`` regions of ``numel`` floats, or return None."""
+    def create(cls, numel: int, group=None, timeout_s: float | None = None, *, willing: bool = True,
+               signature: str = "") -> "HostGroup | None":
+        """Collective over ``group``: map one segment of ``world`` regions of ``numel`` floats, or return None.
+
+        Every rank calls it, ``willing`` or not (a rank that cannot use it says so here: all ranks then keep gloo
+        together). ``signature`` describes how the caller lays out its values (parameter shapes, buckets): ranks
+        that disagree would sum unrelated numbers, so that is an error."""
         from autopar.cluster.env import comm_timeout
 
         world, rank = dist.get_world_size(group), dist.get_rank(group)
+        usable = willing and os.path.isdir(_SHM_DIR) and platform.machine().lower() in _TSO_MACHINES
         seen: list = [None] * world
-        dist.all_gather_object(seen, (host_identity(), numel), group=group)
-        if world < 2 or any(host != seen[0][0] for host, _ in seen) or not os.path.isdir(_SHM_DIR):
+        dist.all_gather_object(seen, (host_identity(), usable, numel, signature), group=group)
+        if world < 2 or any(s[0] != seen[0][0] or not s[1] for s in seen):
             return None
-        if any(n != numel for _, n in seen):
-            raise CommError(f"the ranks sum different numbers of values ({sorted({n for _, n in seen})}): "
-                            "every rank must build the same network")
-        size = world * _HEADER_WORDS * 8 + world * numel * 4
-        path = [os.path.join(_SHM_DIR, f"autopar-{uuid.uuid4().hex}") if rank == 0 else None]
+        if any(s[2:] != (numel, signature) for s in seen):
+            raise CommError(f"the ranks lay out different gradients ({sorted({s[2] for s in seen})} values): "
+                            "every rank must build the same network with the same settings")
+        token = [None, None]
         if rank == 0:
-            path[0] = _reserve(path[0], size)  # None when /dev/shm cannot hold it
-        dist.broadcast_object_list(path, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-        if path[0] is None:
-            return None
+            token = [_reserve(os.path.join(_SHM_DIR, f"autopar-{uuid.uuid4().hex}"),
+                              world * _HEADER_WORDS * 8 + world * numel * 4), uuid.uuid4().int >> 65]
+        path, engine = token[0], None
         try:
-            engine, ok = cls(path[0], rank, world, numel, timeout_s or comm_timeout(), fresh=True), True
-        except (OSError, RuntimeError):
-            engine, ok = None, False
-        oks: list = [None] * world
-        dist.all_gather_object(oks, ok, group=group)  # every rank has mapped it (or failed): nobody opens it again
-        if rank == 0:
-            os.unlink(path[0])
+            if rank == 0 and path is not None:  # the token proves to the others that they mapped this very file
+                with contextlib.suppress(Exception):
+                    engine = cls(path, rank, world, numel, timeout_s or comm_timeout(), token=token[1])
+            dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0) if group is not None else 0,
+                                       group=group)
+            path = token[0]
+            if path is None:
+                return None
+            if rank != 0:
+                try:  # a private /dev/shm (another container) has no such file: never create one here
+                    engine = cls(path, rank, world, numel, timeout_s or comm_timeout()) if os.path.exists(path) \
+                        else None
+                except Exception:  # noqa: BLE001 -- any failure to map means: keep gloo, on every rank
+                    engine = None
+            ok = engine is not None and int(engine.flags[0, _TOKEN]) == token[1]
+            oks: list = [None] * world
+            dist.all_gather_object(oks, ok, group=group)  # every rank has mapped it (or failed): nobody opens it again
+        finally:
+            if rank == 0 and path is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
         return engine if all(oks) else None
 
     # -- the collective ---------------------------------------------------------------------------------------
@@ -172,7 +198,7 @@ class HostGroup:
             if now - checked >= _LIVENESS_S:
                 checked = now
                 late = [p for p in peers if flags[p, column] < seq]
-                dead = [p for p in late if not process_alive(int(flags[p, _PID]))]
+                dead = [p for p in late if flags[p, _PID] > 0 and not process_alive(int(flags[p, _PID]))]
                 if dead:
                     raise CommError(f"rank {dead[0]} (pid {int(flags[dead[0], _PID])}) exited while rank {self.rank}"
                                     f" waited for it to {what} in the shared-memory all-reduce")

@@ -17,6 +17,7 @@ MindSpore semantics on top of DDP:
 """
 from __future__ import annotations
 
+import hashlib
 import inspect
 import sys
 import warnings
@@ -89,8 +90,9 @@ def wrap_data_parallel(
         raise ConfigError("DATA_PARALLEL needs the cluster: call autopar.communication.init() first")
     if not parameter_broadcast and dist.get_world_size() > 1:
         warn_if_replicas_differ(module, ignore)
-    if shared_memory and device.type == "cpu":
-        reducer = _host_reducer(module, gradients_mean, parameter_broadcast, bucket_cap_mb, ignore or set())
+    if device.type == "cpu":  # every rank asks (a collective), willing or not: they all decide together
+        reducer = _host_reducer(module, gradients_mean, parameter_broadcast, bucket_cap_mb, ignore or set(),
+                                willing=shared_memory)
         if reducer is not None:
             return reducer
     if ignore:  # hybrid parallel: layerwise_parallel slices are neither synchronised nor all-reduced
@@ -111,7 +113,8 @@ def wrap_data_parallel(
     return ddp
 
 
-def _host_reducer(module, gradients_mean: bool, parameter_broadcast: bool, bucket_cap_mb: float, ignore: set[str]):
+def _host_reducer(module, gradients_mean: bool, parameter_broadcast: bool, bucket_cap_mb: float, ignore: set[str],
+                  willing: bool = True):
     """The shared-memory reducer when every rank is on this host and every gradient is float32, else None.
 
     Collective: every rank takes the same branch (the decision rests on what all ranks see)."""
@@ -120,14 +123,18 @@ def _host_reducer(module, gradients_mean: bool, parameter_broadcast: bool, bucke
 
     world = dist.get_world_size()
     params = [p for n, p in module.named_parameters() if p.requires_grad and n not in ignore]
-    if world < 2 or not params or any(p.dtype != torch.float32 or p.layout != torch.strided for p in params):
+    if world < 2:
         return None
     scale = 1.0 / world if gradients_mean else 1.0
+    bucket_numel = max(1, int(bucket_cap_mb * 2**20) // 4)
     known = module.__dict__.get("_autopar_host_reducer")
     if known is not None and known.scale == scale and len(known.params) == len(params) \
             and all(a is b for a, b in zip(known.params, params)):
         return known  # prepared again (another Model on the same network): the same segment, no second one
-    host = HostGroup.create(sum(p.numel() for p in params))
+    willing = willing and bool(params) and all(p.dtype == torch.float32 and p.layout == torch.strided for p in params)
+    signature = f"{[tuple(p.shape) for p in params]}/{bucket_numel}"  # the ranks must bucket alike
+    host = HostGroup.create(sum(p.numel() for p in params), willing=willing,
+                            signature=hashlib.sha1(signature.encode()).hexdigest())
     if host is None:
         return None
     if parameter_broadcast:  # DDP's init_sync: rank 0's parameters and buffers on every rank
@@ -135,6 +142,6 @@ def _host_reducer(module, gradients_mean: bool, parameter_broadcast: bool, bucke
             for name, t in [*module.named_parameters(), *module.named_buffers()]:
                 if name not in ignore:
                     dist.broadcast(t, 0)
-    reducer = HostReducer(module, params, host, scale=scale, bucket_numel=max(1, int(bucket_cap_mb * 2**20) // 4))
+    reducer = HostReducer(module, params, host, scale=scale, bucket_numel=bucket_numel)
     module.__dict__["_autopar_host_reducer"] = reducer
     return reducer

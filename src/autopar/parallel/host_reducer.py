@@ -25,8 +25,11 @@ import threading
 
 import torch
 
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
 from autopar import context as _context
 from autopar.comm.host_memory import HostGroup
+from autopar.errors import CommError, TrainingError
 
 
 class HostReducer:
@@ -58,7 +61,7 @@ class HostReducer:
         # per bucket, this backward: gradients whose part in this rank's slice is summed straight from them
         self._deferred: list[list[tuple[torch.nn.Parameter, int, torch.Tensor]]] = [[] for _ in self.buckets]
         self._sync = True
-        self._armed = False
+        self._armed = self._callback_queued = False
         self._work: queue.Queue[int | None] = queue.Queue()
         self._failure: BaseException | None = None
         self._worker: threading.Thread | None = None
@@ -69,11 +72,28 @@ class HostReducer:
             p.register_post_accumulate_grad_hook(self._on_gradient)
 
     def __call__(self, *args, **kwargs):
-        if self._sync and torch.is_grad_enabled():
-            self._armed, self._next, self._ready = True, 0, set()
-            self._missing = [len(members) for _, _, members in self.buckets]
-            self._callback_queued = False
-        return self.module(*args, **kwargs)
+        if self._failure is not None:  # the ranks are out of step: no later sum can be trusted
+            raise CommError(f"the shared-memory gradient sum failed earlier: {self._failure}")
+        self._armed = self._sync and torch.is_grad_enabled()
+        if not self._armed:
+            return self.module(*args, **kwargs)
+        self._work.join()  # a backward that raised may have left buckets with the summing thread
+        self._next, self._ready = 0, set()
+        self._missing = [len(members) for _, _, members in self.buckets]
+        self._deferred = [[] for _ in self.buckets]
+        self._callback_queued = False
+        output = self.module(*args, **kwargs)
+        # The backward of this forward ends with _finish, queued when the backward reaches the outputs -- so on the
+        # outermost backward (not a reentrant checkpoint's inner one), and on a rank whose backward reaches no
+        # parameter (it still takes part in every sum: the others would wait for it)
+        leaves, spec = tree_flatten(output)
+        at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if at:
+            sunk = _Sink.apply(self, *(leaves[i] for i in at))
+            for i, t in zip(at, sunk if len(at) > 1 else (sunk,)):
+                leaves[i] = t
+            output = tree_unflatten(leaves, spec)
+        return output
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -88,11 +108,12 @@ class HostReducer:
     def _on_gradient(self, param: torch.nn.Parameter) -> None:
         # Model's backward only (the wrapper armed it, Model's managed step runs it): a plain loop's backward is
         # completed by the parameters' own hooks (parallel.grad_sync)
-        if not self._armed or id(param) in self._ready or not _context.is_managed():
+        if not self._armed or not _context.is_managed():
             return
-        if not self._callback_queued:  # at the end of this backward: the buckets no gradient completed
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-            self._callback_queued = True
+        if id(param) in self._ready:  # its bucket may be summed already: a late contribution would be lost
+            raise TrainingError(f"a parameter ({tuple(param.shape)}) received its gradient twice in one backward "
+                                "(a parameter shared by reentrant checkpoints?): use "
+                                "torch.utils.checkpoint(..., use_reentrant=False) in DATA_PARALLEL")
         self._ready.add(id(param))
         self._place(param)
         self._missing[self._bucket[param]] -= 1
@@ -108,8 +129,11 @@ class HostReducer:
         view, grad, s = self._views[param], param.grad, self.scale
         if grad is None:
             view.zero_()  # not used by this rank in this step: it adds nothing to the others' gradients
-            param.grad = view
+            if param.requires_grad:  # (a parameter frozen since keeps no gradient)
+                param.grad = view
             return
+        if grad.stride() != view.stride() and _dense(grad):  # the parameter changed layout (e.g. channels-last)
+            self._views[param] = view = _view_like(self.host.region, self._offset[param], param)
         if grad.data_ptr() == view.data_ptr() and grad.stride() == view.stride():
             if s != 1.0:
                 view.mul_(s)
@@ -172,6 +196,28 @@ class HostReducer:
             self.host.settle()
         finally:
             self._armed = False
+
+
+class _Sink(torch.autograd.Function):
+    """Identity on the wrapper's outputs whose backward queues the reducer's end-of-backward (DDP's ``_DDPSink``)."""
+
+    @staticmethod
+    def forward(ctx, reducer, *outputs):
+        ctx.reducer = reducer
+        views = tuple(t.view_as(t) for t in outputs)
+        return views if len(views) > 1 else views[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        reducer = ctx.reducer
+        if reducer._armed and not reducer._callback_queued and _context.is_managed():
+            reducer._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(reducer._finish)
+        return (None, *grads)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    return t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)
 
 
 def _view_like(region: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
