@@ -62,7 +62,7 @@ class HostReducer:
         self._deferred: list[list[tuple[torch.nn.Parameter, int, torch.Tensor]]] = [[] for _ in self.buckets]
         self._sync = True
         self._armed = self._callback_queued = False
-        self._work: queue.Queue[int | None] = queue.Queue()
+        self._work: queue.Queue[int] = queue.Queue()
         self._failure: BaseException | None = None
         self._worker: threading.Thread | None = None
         self._missing: list[int] = []
@@ -139,9 +139,7 @@ class HostReducer:
                 view.mul_(s)
             return
         if grad.stride() != view.stride() or not defer:
-            view.copy_(grad)
-            if s != 1.0:
-                view.mul_(s)
+            torch.mul(grad, s, out=view)  # a copy, scaled on the way
             param.grad = view
             return
         start, n, b = self._offset[param], param.numel(), self._bucket[param]
