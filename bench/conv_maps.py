@@ -43,7 +43,7 @@ def layers(size: int) -> list[tuple[str, int, int, int, int, int]]:
 
 
 def _lowered(x, w, stride, pad):
-    from autopar.parallel import small_conv
+    from autopar.perf import small_conv
 
     limit, small_conv.MAX_POSITIONS = small_conv.MAX_POSITIONS, 1 << 30
     try:

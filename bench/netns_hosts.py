@@ -26,6 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))  # the namespace cluster of the tests
 sys.path.insert(0, str(HERE))
 from dp_throughput import WORK  # noqa: E402
+
 from netns import NetnsCluster, unavailable  # noqa: E402
 
 PORT = "29601"

@@ -19,9 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-from autopar.parallel.auto.gpt import GPTConfig
-from autopar.parallel.auto.hardware import load_cluster
-from autopar.parallel.auto.mesh_search import plan_gpt
+from autopar.planner.gpt import GPTConfig
+from autopar.planner.hardware import load_cluster
+from autopar.planner.mesh_search import plan_gpt
 
 MEGATRON_2021 = "Narayanan et al. 2021, arXiv 2104.04473, Table 1 (Selene, interleaved 1F1B, full recomputation)"
 KORTHIKANTI = "Korthikanti et al. 2022, arXiv 2205.05198, Tables 3 and 5 [S] (full recomputation column)"

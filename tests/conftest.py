@@ -1,5 +1,6 @@
 """Shared fixtures. ``procs`` starts real processes (see :mod:`procutil`) and kills whatever is left at teardown."""
 import pytest
+
 from procutil import Procs
 
 

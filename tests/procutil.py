@@ -67,7 +67,7 @@ class Procs:
         except subprocess.TimeoutExpired:
             self.kill_all()
             out, err = popen.communicate()
-            raise AssertionError(f"timed out after {timeout}s: {cmd}\nstdout:\n{out.decode()}\nstderr:\n{err.decode()}")
+            raise AssertionError(f"timed out after {timeout}s: {cmd}\nstdout:\n{out.decode()}\nstderr:\n{err.decode()}") from None
         return subprocess.CompletedProcess(cmd, popen.returncode, out.decode(errors="replace"),
                                            err.decode(errors="replace"))
 

@@ -1,10 +1,9 @@
 """The examples run as documented: the all-gather sample and the CPU tutorial's run.sh (manual dynamic cluster)."""
 import re
 
-from procutil import PYTHON, ROOT, autopar_cmd
-
 from autopar.cluster.netutil import free_port
 from autopar.dataset.synth import write_synthetic_cifar10
+from procutil import PYTHON, ROOT, autopar_cmd
 
 
 def test_allgather_example_prints_the_tutorial_output(procs, tmp_path):

@@ -79,8 +79,8 @@ def hand_annotate(name: str, net: torch.nn.Module, strategy: str, n: int) -> Non
 
 def predicted(name, strategy, n):
     """The cost model's step time for the assignment this run uses (same machine model as the planner)."""
-    from autopar.parallel.auto.machine import load_or_calibrate
-    from autopar.parallel.auto.plan import plan_network
+    from autopar.planner.machine import load_or_calibrate
+    from autopar.planner.plan import plan_network
 
     net, loss, per_device, make = MODELS[name]()
     if strategy in HAND:

@@ -33,8 +33,8 @@ def main():
     p.add_argument("--flush-denormal", type=int, default=0)
     p.add_argument("--compress", choices=["none", "bf16", "fp16"], default="none",
                    help="torch's DDP gradient compression hooks (change results beyond float tolerance: not a default)")
-    p.add_argument("--small-conv", type=int, default=0, help="autopar.parallel.small_conv: tiny-map convs as GEMMs")
-    p.add_argument("--malloc", type=int, default=0, help="autopar.parallel.tuning.tune_allocator (glibc thresholds)")
+    p.add_argument("--small-conv", type=int, default=0, help="autopar.perf.small_conv: tiny-map convs as GEMMs")
+    p.add_argument("--malloc", type=int, default=0, help="autopar.perf.tuning.tune_allocator (glibc thresholds)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch", type=int, default=32)
@@ -50,11 +50,11 @@ def main():
     fmt = torch.channels_last if args.channels_last else torch.contiguous_format
     net = net.to(memory_format=fmt)
     if args.small_conv:
-        from autopar.parallel.small_conv import install
+        from autopar.perf.small_conv import install
 
         install(net)
     if args.malloc:
-        from autopar.parallel.tuning import tune_allocator
+        from autopar.perf.tuning import tune_allocator
 
         tune_allocator(net)
     model = net

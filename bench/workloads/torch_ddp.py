@@ -47,7 +47,7 @@ def main():
     model = torch.nn.parallel.DistributedDataParallel(net) if world > 1 and not args.no_ddp else net
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     if args.autopar_levers:
-        from autopar.parallel import tuning
+        from autopar.perf import tuning
 
         tuning.tune_network(net)
         tuning.tune_optimizer(opt)

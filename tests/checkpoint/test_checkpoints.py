@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+
 from procutil import PYTHON, SCRIPTS, autopar_cmd
 
 sys.path.insert(0, str(SCRIPTS))

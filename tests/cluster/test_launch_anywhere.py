@@ -9,9 +9,9 @@ import time
 
 import pytest
 import torch
-from procutil import PYTHON, ROOT, SCRIPTS, autopar_cmd
 
 from autopar.cluster.netutil import free_port
+from procutil import PYTHON, ROOT, SCRIPTS, autopar_cmd
 
 JOB = str(SCRIPTS / "job.py")
 

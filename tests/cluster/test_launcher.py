@@ -5,9 +5,9 @@ import signal
 import time
 
 import psutil
-from procutil import PYTHON, SCRIPTS, autopar_cmd
 
 from autopar.cluster.netutil import bind_listener, free_port
+from procutil import PYTHON, SCRIPTS, autopar_cmd
 
 JOB = str(SCRIPTS / "job.py")
 

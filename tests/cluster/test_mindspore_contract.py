@@ -3,9 +3,9 @@ import re
 import time
 
 import pytest
-from procutil import PYTHON, SCRIPTS
 
 from autopar.cluster.netutil import bind_listener, free_port
+from procutil import PYTHON, SCRIPTS
 
 JOB = str(SCRIPTS / "job.py")
 

@@ -14,6 +14,7 @@ import time
 import psutil
 import pytest
 import torch
+
 from netns import NetnsCluster, unavailable
 from procutil import PYTHON, SCRIPTS, autopar_cmd
 

@@ -1,11 +1,11 @@
 """Issue 19: the cluster schedulers' environments -- SLURM (srun), a Kubernetes indexed Job, PyTorchJob/torchrun --
 read by init() after the explicit contracts, and their bad input as one-line errors."""
 import pytest
-from procutil import PYTHON, SCRIPTS
 
 from autopar.cluster.env import detect_cluster_env
 from autopar.cluster.slurm import expand_nodelist, expand_tasks_per_node
 from autopar.errors import ClusterError
+from procutil import PYTHON, SCRIPTS
 
 
 @pytest.mark.parametrize("text, hosts", [

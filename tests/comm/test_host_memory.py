@@ -3,9 +3,9 @@ import os
 import time
 
 import pytest
-from procutil import PYTHON, SCRIPTS, autopar_cmd
 
 from autopar.cluster.netutil import free_port
+from procutil import PYTHON, SCRIPTS, autopar_cmd
 
 
 def _segments() -> set[str]:

@@ -26,7 +26,10 @@ def _hand_count(num_classes: int) -> int:
     total = 3 * 64 * 7 * 7 + 2 * 64  # conv7x7 (no bias) + bn1 gamma/beta
     for _, cin, cout, _, blocks in STAGES:
         width = cout // 4
-        block = lambda i: i * width + 9 * width * width + width * cout + 2 * (width + width + cout)  # noqa: E731
+
+        def block(i, width=width, cout=cout):
+            return i * width + 9 * width * width + width * cout + 2 * (width + width + cout)
+
         total += block(cin) + cin * cout + 2 * cout  # block a: bottleneck + conv_down_sample + bn_down_sample
         total += (blocks - 1) * block(cout)
     return total + 2048 * num_classes + num_classes  # Dense weight + bias

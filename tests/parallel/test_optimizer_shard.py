@@ -7,11 +7,11 @@ import sys
 
 import pytest
 import torch
-from procutil import SCRIPTS, autopar_cmd
 
 import autopar
 from autopar.errors import ConfigError
-from autopar.parallel.optimizer_shard import level_of, shard_size_of, storage_placements
+from autopar.parallel.zero.fsdp import level_of, shard_size_of, storage_placements
+from procutil import SCRIPTS, autopar_cmd
 
 
 @pytest.mark.parametrize("config, level, warns", [

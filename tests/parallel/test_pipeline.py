@@ -6,9 +6,9 @@ loads into one process (integrated) and onto 4 ranks (sliced); bad input is one 
 import json
 
 import torch
-from procutil import SCRIPTS, autopar_cmd
 
 import autopar
+from procutil import SCRIPTS, autopar_cmd
 
 
 def _run(procs, tmp_path, n, *extra):

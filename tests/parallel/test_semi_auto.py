@@ -2,6 +2,7 @@
 import json
 
 import pytest
+
 from procutil import SCRIPTS, autopar_cmd
 
 TOL = 1e-5
@@ -83,10 +84,10 @@ def test_unannotated_network_trains_exactly_as_data_parallel(procs, tmp_path):
 
 @pytest.mark.parametrize("n", [2])
 def test_strategy_file_round_trip(tmp_path, n):
-    from autopar.parallel.layout import Layout
-    from autopar.parallel.semi_auto.strategy_file import load_strategy_file, save_strategy_file
-
     import torch
+
+    from autopar.layout.layout import Layout
+    from autopar.layout.strategy_file import load_strategy_file, save_strategy_file
     layouts = {"w": Layout((1, n), (1, -1), (8, 4)), "b": Layout.replicated((4,), n)}
     params = [("w", torch.zeros(8 // n, 4)), ("b", torch.zeros(4))]
     save_strategy_file(str(tmp_path / "s.json"), layouts, params)

@@ -10,7 +10,7 @@ import torch
 
 import autopar
 import autopar.dataset as ds
-import autopar.parallel.data_parallel as dp
+import autopar.parallel.data.replicas as dp
 from autopar.comm.host_memory import HostGroup
 from autopar.nn import Momentum
 from autopar.train import Model

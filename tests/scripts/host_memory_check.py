@@ -15,7 +15,7 @@ import torch.distributed as dist
 from autopar.comm.host_memory import HostGroup
 from autopar.context import managed
 from autopar.errors import CommError
-from autopar.parallel.host_reducer import HostReducer
+from autopar.parallel.grads.buckets import HostReducer
 
 
 def digest(t: torch.Tensor) -> str:

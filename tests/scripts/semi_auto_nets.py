@@ -290,7 +290,7 @@ def run_strategy_file():
 def run_dataset_strategy():
     """dataset_strategy ((2, 1),) on 4 ranks: the batch is split in 2 only; each rank loads the slice
     dataset_shard() names, the network still matches the whole-batch computation."""
-    from autopar.parallel.semi_auto.inputs import dataset_shard
+    from autopar.parallel.tensor.inputs import dataset_shard
 
     ms.reset_auto_parallel_context()
     ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", gradients_mean=True, dataset_strategy=((2, 1),))

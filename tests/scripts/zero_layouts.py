@@ -15,12 +15,13 @@ import sys
 
 import numpy as np
 import torch
+from zero_common import OPTIMIZERS, full, local_numel, state_held, train
+
 import autopar
 import autopar.nn as nn
 import autopar.ops as ops
 from autopar import Parameter, Tensor
 from autopar.communication import get_group_size, get_rank, init
-from zero_common import OPTIMIZERS, full, local_numel, state_held, train
 
 out_prefix, ckpt_dir = sys.argv[1], sys.argv[2]
 init()

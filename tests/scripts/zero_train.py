@@ -12,10 +12,10 @@ import warnings
 
 import numpy as np
 import torch
+from zero_common import OPTIMIZERS, full, state_held, train
 
 import autopar
 from autopar.communication import get_group_size, get_rank, init
-from zero_common import OPTIMIZERS, full, state_held, train
 
 out_prefix, ckpt_dir = sys.argv[1], sys.argv[2]
 init()

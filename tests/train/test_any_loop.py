@@ -9,6 +9,7 @@ batch; per mode also no_grad evaluation, the state_dict round trip and a bit-ide
 import json
 
 import pytest
+
 from procutil import SCRIPTS, autopar_cmd
 
 TOL = 1e-5

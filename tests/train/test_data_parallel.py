@@ -4,12 +4,12 @@ import sys
 
 import pytest
 import torch
-from procutil import SCRIPTS, autopar_cmd
 
 import autopar
 import autopar.dataset as ds
 from autopar.nn import Momentum
 from autopar.train import Model
+from procutil import SCRIPTS, autopar_cmd
 
 sys.path.insert(0, str(SCRIPTS))
 from dp_common import make_data, make_net  # noqa: E402

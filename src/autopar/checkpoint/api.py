@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import contextlib
-
 import os
 import sys
 from pathlib import Path
@@ -43,7 +42,7 @@ def save_checkpoint(save_obj: torch.nn.Module, ckpt_file_name: str | os.PathLike
     path = Path(ckpt_file_name)
     if path.suffix != ".ckpt":
         path = path.with_name(path.name + ".ckpt")
-    from autopar.parallel.pipeline import pipeline_of
+    from autopar.parallel.pipeline.runner import pipeline_of
 
     runner = pipeline_of(save_obj)
     with runner.full_parameters() if runner is not None else contextlib.nullcontext():
@@ -59,7 +58,7 @@ def layouts_of(network: torch.nn.Module) -> dict:
     runtime = getattr(network, "_autopar_runtime", None)
     if runtime is not None:
         return {k: v.to_dict() for k, v in runtime.layouts().items()}
-    from autopar.parallel.layout import Layout
+    from autopar.layout.layout import Layout
 
     return {n: Layout.replicated(tuple(p.shape), _world()).to_dict() for n, p in network.named_parameters()}
 

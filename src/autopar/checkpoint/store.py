@@ -103,20 +103,20 @@ def _state_dict_api():
 
 class _SlicedStateDicts:
     """DCP's state-dict functions, reading and writing the networks' own slices: ``net.state_dict()`` of a laid-out
-    network gives full tensors to a user (``autopar.parallel.state_dict``), DCP needs the DTensors."""
+    network gives full tensors to a user (``autopar.parallel.tensor.state_dict``), DCP needs the DTensors."""
 
     def __init__(self, api):
         self._api = api
         self.StateDictOptions = api.StateDictOptions
 
     def get_state_dict(self, *args, **kwargs):
-        from autopar.parallel.state_dict import sharded_state_dict
+        from autopar.parallel.tensor.state_dict import sharded_state_dict
 
         with sharded_state_dict():
             return self._api.get_state_dict(*args, **kwargs)
 
     def set_state_dict(self, *args, **kwargs):
-        from autopar.parallel.state_dict import sharded_state_dict
+        from autopar.parallel.tensor.state_dict import sharded_state_dict
 
         with sharded_state_dict():
             return self._api.set_state_dict(*args, **kwargs)

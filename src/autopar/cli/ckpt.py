@@ -98,7 +98,7 @@ def info(args: argparse.Namespace) -> int:
     for name, shape, dtype, chunks in rows:
         lay = layouts.get(name)
         if lay:
-            from autopar.parallel.layout import Layout
+            from autopar.layout.layout import Layout
 
             text = str(Layout.from_dict(lay))
         else:

@@ -83,7 +83,7 @@ def build(args: argparse.Namespace):
 def machine_for(n: int, recalibrate: bool):
     """The calibrated model of this host with n local workers (calibrating through the launcher if needed)."""
     from autopar.cluster.launcher import LaunchConfig, launch
-    from autopar.parallel.auto import machine as M
+    from autopar.planner import machine as M
 
     threads = max(1, (os.cpu_count() or 1) // n)
     path = M.cache_path("gloo", n, threads)
@@ -101,8 +101,8 @@ def machine_for(n: int, recalibrate: bool):
 
 def run(args: argparse.Namespace) -> int:
     from autopar.context import _memory_bytes
-    from autopar.parallel.auto.machine import MachineModel
-    from autopar.parallel.auto.plan import plan_network
+    from autopar.planner.machine import MachineModel
+    from autopar.planner.plan import plan_network
 
     if args.nproc < 1:
         raise ConfigError(f"-n must be positive, got {args.nproc}")
@@ -114,8 +114,8 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_network(network, loss_fn, tuple(sample), args.nproc, machine, args.search_mode, limit)
     print(plan.explain())
     if args.out:
-        from autopar.parallel.layout import Layout
-        from autopar.parallel.semi_auto.strategy_file import save_strategy_file
+        from autopar.layout.layout import Layout
+        from autopar.layout.strategy_file import save_strategy_file
 
         layouts = {n: Layout.replicated(tuple(p.shape), args.nproc) for n, p in network.named_parameters()}
         layouts.update({} if plan.pure_data_parallel else plan.layouts())
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def gpt_config(args: argparse.Namespace):
-    from autopar.parallel.auto.gpt import PRESETS, GPTConfig
+    from autopar.planner.gpt import PRESETS, GPTConfig
 
     if args.size:
         if args.size.lower() not in PRESETS:
@@ -143,15 +143,15 @@ def run_gpt(args: argparse.Namespace) -> int:
     import sys
 
     from autopar.context import _memory_bytes
-    from autopar.parallel.auto.hardware import ClusterSpec, load_cluster
-    from autopar.parallel.auto.mesh_search import plan_gpt
+    from autopar.planner.hardware import ClusterSpec, load_cluster
+    from autopar.planner.mesh_search import plan_gpt
 
     config = gpt_config(args)
     if args.machine:
         spec = load_cluster(args.machine)
         dtype = args.dtype or "bf16"
     else:
-        from autopar.parallel.auto.machine import MachineModel, available_memory
+        from autopar.planner.machine import MachineModel, available_memory
 
         model = MachineModel(device_num=args.nproc) if args.no_calibrate else machine_for(args.nproc, args.recalibrate)
         model.memory_per_device = available_memory() / args.nproc

@@ -11,7 +11,6 @@ from autopar.cluster.env import ClusterEnv, cluster_timeout
 from autopar.cluster.netutil import bind_listener, interface_towards
 from autopar.errors import ClusterError
 
-
 _LISTENERS: list = []
 
 

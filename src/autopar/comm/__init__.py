@@ -1,4 +1,13 @@
 """Collective communication on torch.distributed: cluster membership, groups, collectives, autograd-aware ops."""
+from autopar.comm.functional import (  # noqa: F401
+    ReduceOp,
+    all_gather,
+    all_reduce,
+    all_to_all,
+    barrier,
+    broadcast,
+    reduce_scatter,
+)
 from autopar.comm.management import (  # noqa: F401
     GlobalComm,
     create_group,
@@ -13,13 +22,4 @@ from autopar.comm.management import (  # noqa: F401
     init,
     is_initialized,
     release,
-)
-from autopar.comm.functional import (  # noqa: F401
-    ReduceOp,
-    all_gather,
-    all_reduce,
-    all_to_all,
-    barrier,
-    broadcast,
-    reduce_scatter,
 )

@@ -7,7 +7,7 @@ of it system time -- ``bench/allreduce_floor.py``). Ranks on one host can read e
 The scheme is the one shared-memory engines use (DeepSpeed's CPU all-reduce, MPI's shared-memory transports): every
 rank owns a region of one shared segment the size of the buffers it sums, and a range of it is summed in place by
 a reduce-scatter (rank r adds the other ranks' r-th slices to its own) and an all-gather (each rank copies the other
-slices' sums). Gradients that *live* in a rank's region (the reducer in :mod:`autopar.parallel.host_reducer` makes
+slices' sums). Gradients that *live* in a rank's region (the reducer in :mod:`autopar.parallel.grads.buckets` makes
 them views of it) need no copy in or out: per rank a range costs 1.5x its size in reads and writes for the sum
 and 1x for the gather, against gloo's copies through the kernel.
 

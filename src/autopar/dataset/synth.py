@@ -13,8 +13,13 @@ from pathlib import Path
 
 import numpy as np
 
-from autopar.dataset.sources import (CIFAR10_CLASSES, CIFAR10_DIRNAME, CIFAR10_RECORD, CIFAR10_TEST_FILES,
-                                     CIFAR10_TRAIN_FILES)
+from autopar.dataset.sources import (
+    CIFAR10_CLASSES,
+    CIFAR10_DIRNAME,
+    CIFAR10_RECORD,
+    CIFAR10_TEST_FILES,
+    CIFAR10_TRAIN_FILES,
+)
 from autopar.errors import DatasetError
 
 _SIZE = 32

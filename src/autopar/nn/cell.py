@@ -9,8 +9,6 @@ from typing import Any, Iterator
 import torch
 
 
-
-
 class Cell(torch.nn.Module):
     def __init__(self, auto_prefix: bool = True, flags: Any = None) -> None:
         super().__init__()

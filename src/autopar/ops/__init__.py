@@ -1,7 +1,8 @@
 """MindSpore-style operators (``autopar.ops``): communication ops and shardable compute ops."""
 from autopar.comm.functional import ReduceOp  # noqa: F401
-from autopar.ops.grad import grad, value_and_grad  # noqa: F401
+from autopar.ops import functional, operations  # noqa: F401,E402  (MindSpore's P / F module paths)
 from autopar.ops.comm import AllGather, AllReduce, AlltoAll, Broadcast, ReduceScatter  # noqa: F401
+from autopar.ops.grad import grad, value_and_grad  # noqa: F401
 from autopar.ops.math import (  # noqa: F401
     GELU,
     Add,
@@ -40,4 +41,3 @@ from autopar.ops.math import (  # noqa: F401
     shape,
 )
 from autopar.ops.primitive import Primitive  # noqa: F401
-from autopar.ops import functional, operations  # noqa: F401,E402  (MindSpore's P / F module paths)

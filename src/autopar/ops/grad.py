@@ -2,7 +2,7 @@
 ``autopar.ops.value_and_grad``), on ``torch.autograd.grad``.
 
 In a parallel mode the gradients come back complete -- equal to one process's on the global batch -- because the
-parameters' own hooks reduce them inside the backward (``autopar.parallel.grad_sync``); no
+parameters' own hooks reduce them inside the backward (``autopar.parallel.grads.layouts``); no
 ``DistributedGradReducer`` is needed (autopar's is the identity). ``weights`` may be given before the network
 first ran (``opt.parameters`` right after building it): they are looked up again after the forward, so a parameter
 that a layout mode replaced by its slice is differentiated as the slice.

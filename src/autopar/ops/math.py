@@ -1,7 +1,7 @@
 """MindSpore compute operators (``ops.MatMul()``, ``ops.ReduceSum(keep_dims=True)``, ...), each shardable.
 
 ``compute`` is plain torch, so an operator runs unchanged on tensors and on DTensors; ``spec(*args)`` gives its
-dimension labels (:mod:`autopar.ops.spec`) for the parallel layer; ``shard(strategy)`` records a MindSpore
+dimension labels (:mod:`autopar.layout.spec`) for the parallel layer; ``shard(strategy)`` records a MindSpore
 strategy after checking what can be checked without shapes (the rest is checked at the first call).
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from autopar.errors import StrategyError
-from autopar.ops import spec as S
+from autopar.layout import spec as S
 from autopar.ops.primitive import Primitive
 
 

@@ -5,8 +5,8 @@ context manager that suppresses gradient communication during accumulation, and 
 gradients after backward. One object per mode; the training step never branches on the mode itself.
 
 - STAND_ALONE: the network as is.
-- DATA_PARALLEL: torch DDP (:mod:`autopar.parallel.data_parallel`).
-- SEMI_AUTO_PARALLEL / AUTO_PARALLEL: layouts on DTensor (:mod:`autopar.parallel.semi_auto.runtime`); a network
+- DATA_PARALLEL: torch DDP (:mod:`autopar.parallel.data.replicas`).
+- SEMI_AUTO_PARALLEL / AUTO_PARALLEL: layouts on DTensor (:mod:`autopar.parallel.tensor.runtime`); a network
   without any strategy trains exactly as DATA_PARALLEL (it *is* the DATA_PARALLEL path).
 - HYBRID_PARALLEL: DDP for ordinary parameters; ``layerwise_parallel`` parameters are this rank's slice, skipped by
   the all-reduce, while the network's own collectives (``ops.AllReduce``) do the rest.
@@ -25,7 +25,7 @@ from autopar.comm import management as _comm
 from autopar.context import ParallelMode
 from autopar.errors import ConfigError
 from autopar.labels import call_loss
-from autopar.parallel.modules import shard  # noqa: F401  (public: autopar.shard)
+from autopar.ops.shard import shard  # noqa: F401  (public: autopar.shard)
 
 
 class _WithLoss(torch.nn.Module):
@@ -95,7 +95,7 @@ def prepare(network: torch.nn.Module, loss_fn: torch.nn.Module | None = None,
     _to_device(network, device)
     if isinstance(loss_fn, torch.nn.Module):
         loss_fn.to(device)
-    from autopar.parallel.tuning import tune_allocator
+    from autopar.perf.tuning import tune_allocator
 
     tune_allocator(network)  # every mode: it changes no result, only how often freed memory is faulted back in
     world = _comm.get_group_size() if _comm.is_initialized() else 1
@@ -113,7 +113,7 @@ def prepare(network: torch.nn.Module, loss_fn: torch.nn.Module | None = None,
         if runtime_of(network) is None and network.__dict__.get("_autopar_planned_pipeline") is None:
             if sample is None:
                 raise ConfigError("AUTO_PARALLEL plans on a batch: give Model.train a dataset (or call the network)")
-            from autopar.parallel.auto.api import plan_and_apply
+            from autopar.planner.api import plan_and_apply
 
             plan_and_apply(network, loss_fn, sample)
         if network.__dict__.get("_autopar_planned_pipeline") is not None:
@@ -133,12 +133,12 @@ def _tuned(prepared: Prepared, network: torch.nn.Module, optimizer: torch.optim.
     """The measured speed defaults (``parallel.tuning``) and GRAPH_MODE, for the modes that run the user's modules
     as they are (stand-alone, data and hybrid parallel). The layout modes run operators on DTensor shards through
     hooks, which neither channels-last nor torch.compile's graph capture are known to keep exact: they stay eager."""
-    from autopar.parallel import tuning
+    from autopar.perf import tuning
 
     prepared.channels_last = tuning.tune_network(network)
     tuning.tune_optimizer(optimizer)
     if _context.run_context().mode == _context.GRAPH_MODE:
-        from autopar.parallel.graph_mode import compile_forward
+        from autopar.perf.graph_mode import compile_forward
 
         prepared.forward_loss = compile_forward(prepared.forward_loss)
         prepared.compiled = True
@@ -149,13 +149,13 @@ def _prepare_data_parallel(network, loss_fn, mode, device, world, ctx, layerwise
     # AUTO_PARALLEL chose data parallel with ZeRO, or parallelize(zero=...) sharded it already
     planned = network.__dict__.get("_autopar_zero_level") or network.__dict__.get("_autopar_zero")
     if planned or _zero_level(ctx, mode):
-        from autopar.parallel import optimizer_shard
+        from autopar.parallel.zero import fsdp as optimizer_shard
 
         _shard_optimizer(network, ctx, planned)
         return Prepared(mode, network, device, world, _loss_caller(network, loss_fn),
                         no_sync=lambda: optimizer_shard.no_sync(network))
-    from autopar.parallel.data_parallel import wrap_data_parallel
-    from autopar.parallel.grad_sync import sync_of
+    from autopar.parallel.data.replicas import wrap_data_parallel
+    from autopar.parallel.grads.layouts import sync_of
 
     if sync_of(network) is not None:  # a plain loop trained it first: its hooks complete the gradients already
         return Prepared(mode, network, device, world, _loss_caller(network, loss_fn))
@@ -163,7 +163,7 @@ def _prepare_data_parallel(network, loss_fn, mode, device, world, ctx, layerwise
     ignored = set(layerwise)
     trainable = [n for n, p in network.named_parameters() if p.requires_grad and n not in ignored]
     if trainable:
-        from autopar.parallel.tuning import current
+        from autopar.perf.tuning import current
 
         ddp = wrap_data_parallel(network, gradients_mean=ctx.gradients_mean, parameter_broadcast=ctx.parameter_broadcast,
                                  device=device, ignore=ignored, bucket_cap_mb=current().bucket_mb,
@@ -188,7 +188,7 @@ def _prepare_data_parallel(network, loss_fn, mode, device, world, ctx, layerwise
 
 
 def _prepare_layouts(network, loss_fn, optimizer, mode, device, world, ctx) -> Prepared:
-    from autopar.parallel.semi_auto.runtime import SemiAutoRuntime
+    from autopar.parallel.tensor.runtime import SemiAutoRuntime
 
     zero = _zero_level(ctx, mode)
     runtime = runtime_of(network) or SemiAutoRuntime(
@@ -254,7 +254,7 @@ def parallelize(network: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     if ctx.parallel_mode is ParallelMode.AUTO_PARALLEL and runtime_of(network) is None:
         if sample is None:
             raise ConfigError("AUTO_PARALLEL plans on real shapes: parallelize(network, sample=[inputs...])")
-        from autopar.parallel.auto.api import plan_and_apply
+        from autopar.planner.api import plan_and_apply
 
         plan_and_apply(network, None, sample)
         if network.__dict__.get("_autopar_zero_level"):  # the plan: data parallel with the optimizer sharded
@@ -295,7 +295,7 @@ def _inner_runtime(network: torch.nn.Module):
 
 def _attach_data_parallel(network: torch.nn.Module, ctx) -> None:
     """Data/hybrid parallel without a wrapper: replicas made equal once, gradient hooks on every parameter."""
-    from autopar.parallel.grad_sync import GradSync, mark, sync_of
+    from autopar.parallel.grads.layouts import GradSync, mark, sync_of
 
     if sync_of(network) is not None:
         return
@@ -317,7 +317,7 @@ def _equalize_replicas(network: torch.nn.Module, ctx, ignore: set[str]) -> None:
         return
     import torch.distributed as dist
 
-    from autopar.parallel.data_parallel import warn_if_replicas_differ
+    from autopar.parallel.data.replicas import warn_if_replicas_differ
 
     if ctx.parameter_broadcast:
         with torch.no_grad():
@@ -343,7 +343,7 @@ def _prepare_pipeline(network, loss_fn, mode, device, world, ctx) -> Prepared:
     """``pipeline_stages`` > 1: ``Model(nn.PipelineCell(net_with_loss, micro_size), optimizer=opt)`` on torch's
     pipeline engine (:mod:`autopar.parallel.pipeline`)."""
     from autopar.nn.wrappers import PipelineCell, WithLossCell
-    from autopar.parallel.pipeline import PipelineParallel, pipeline_of, segments_of, split_points_from_stages
+    from autopar.parallel.pipeline.runner import PipelineParallel, pipeline_of, segments_of, split_points_from_stages
 
     stages = ctx.pipeline_stages
     if (not isinstance(network, PipelineCell) or loss_fn is not None
@@ -379,9 +379,9 @@ def _prepare_pipeline(network, loss_fn, mode, device, world, ctx) -> Prepared:
 
 
 def _prepare_planned_pipeline(network, loss_fn, mode, device, world, ctx) -> Prepared:
-    """AUTO_PARALLEL cut the network into stages (:mod:`autopar.parallel.auto.pipeline_plan`): Model's steps run
+    """AUTO_PARALLEL cut the network into stages (:mod:`autopar.planner.pipeline_plan`): Model's steps run
     on the pipeline engine, as ``pipeline_stages`` does."""
-    from autopar.parallel.pipeline import PipelineParallel, pipeline_of
+    from autopar.parallel.pipeline.runner import PipelineParallel, pipeline_of
 
     _warn_zero_in_pipeline(ctx)
     option = network.__dict__["_autopar_planned_pipeline"]
@@ -394,7 +394,7 @@ def _prepare_planned_pipeline(network, loss_fn, mode, device, world, ctx) -> Pre
 
 
 def _warn_zero_in_pipeline(ctx) -> None:
-    from autopar.parallel.optimizer_shard import level_of
+    from autopar.parallel.zero.fsdp import level_of
 
     if level_of(ctx):
         _warn_once("zero+pipeline", "autopar: enable_parallel_optimizer is not applied inside pipeline stages yet: "
@@ -404,7 +404,7 @@ def _warn_zero_in_pipeline(ctx) -> None:
 def _zero_level(ctx, mode: ParallelMode) -> str | None:
     """The optimizer-sharding level to apply, or None; asked for in a mode that does not shard (hybrid parallel,
     whose layerwise parameters the network reduces itself): warn once."""
-    from autopar.parallel.optimizer_shard import level_of
+    from autopar.parallel.zero.fsdp import level_of
 
     level = level_of(ctx)
     if level and mode not in (ParallelMode.DATA_PARALLEL, ParallelMode.SEMI_AUTO_PARALLEL,
@@ -417,13 +417,13 @@ def _zero_level(ctx, mode: ParallelMode) -> str | None:
 
 
 def _zero_shard_size(ctx) -> int:
-    from autopar.parallel.optimizer_shard import shard_size_of
+    from autopar.parallel.zero.fsdp import shard_size_of
 
     return shard_size_of(ctx, _comm.get_group_size() if _comm.is_initialized() else 1)
 
 
 def _shard_optimizer(network: torch.nn.Module, ctx, level: str | None = None) -> None:
-    from autopar.parallel.optimizer_shard import is_sharded, shard_optimizer
+    from autopar.parallel.zero.fsdp import is_sharded, shard_optimizer
 
     if not is_sharded(network):
         _equalize_replicas(network, ctx, set())
@@ -439,8 +439,8 @@ def finish_gradients(network: torch.nn.Module) -> None:
 def apply_layouts(network: torch.nn.Module, layouts: Any) -> None:
     """Lay the network's parameters out as ``layouts`` says ({name: Layout or its dict}, or a strategy file)
     before anything runs -- what a checkpoint is loaded into. Replicated entries need nothing."""
-    from autopar.parallel.layout import Layout
-    from autopar.parallel.semi_auto.strategy_file import load_strategy_file
+    from autopar.layout.layout import Layout
+    from autopar.layout.strategy_file import load_strategy_file
 
     if isinstance(layouts, (str, os.PathLike)):
         layouts = load_strategy_file(str(layouts))

@@ -84,7 +84,7 @@ def _first_call(module: torch.nn.Module, args: tuple):
     if not layouts:
         if trainable and torch.is_grad_enabled():
             api.parallelize(module)
-            from autopar.parallel import optimizer_shard
+            from autopar.parallel.zero import fsdp as optimizer_shard
 
             if optimizer_shard.is_sharded(module):  # sharded inside its own call: FSDP's root pre-forward by hand
                 return optimizer_shard.enter_first_call(module, args)

@@ -16,8 +16,8 @@ import torch
 
 from autopar import context as _context
 from autopar.comm import management as _comm
-from autopar.errors import ConfigError, TrainingError
 from autopar.context import log_dir, managed
+from autopar.errors import ConfigError, TrainingError
 from autopar.labels import call_loss, class_indices
 from autopar.train.callbacks import (
     Callback,
@@ -28,7 +28,6 @@ from autopar.train.callbacks import (
     RunContext,
 )
 from autopar.train.metrics import Loss, build_metrics
-
 
 
 def _epoch_batches(dataset: Any, epoch: int) -> Iterator:
@@ -118,7 +117,7 @@ class Model:
         items = batch if isinstance(batch, (tuple, list)) else [batch]
         items = [t.to(prepared.device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in items]
         if prepared.channels_last:
-            from autopar.parallel.tuning import channels_last_inputs
+            from autopar.perf.tuning import channels_last_inputs
 
             items = channels_last_inputs(items)
         return self._precision.cast_inputs(items)
@@ -267,7 +266,7 @@ class Model:
         self._network.train(was_training)
         if prepared.runtime is not None:
             return prepared.runtime.layouts()
-        from autopar.parallel.layout import Layout
+        from autopar.layout.layout import Layout
 
         return {n: Layout.replicated(tuple(p.shape), prepared.world_size) for n, p in self._network.named_parameters()}
 

@@ -3,8 +3,16 @@
 ``c_transforms`` / ``py_transforms`` re-export the same classes so MindSpore 1.x import paths keep working.
 """
 from autopar.dataset.vision.ops import (
-    Border, CenterCrop, HWC2CHW, Inter, Normalize, RandomCrop, RandomHorizontalFlip, RandomVerticalFlip,
-    Rescale, Resize,
+    HWC2CHW,
+    Border,
+    CenterCrop,
+    Inter,
+    Normalize,
+    RandomCrop,
+    RandomHorizontalFlip,
+    RandomVerticalFlip,
+    Rescale,
+    Resize,
 )
 
 __all__ = [

@@ -11,10 +11,11 @@ import random
 import numpy as np
 import torch
 
-from autopar import context, dtype as mstype
 import autopar.dataset as ds
 import autopar.dataset.transforms as transforms
 import autopar.dataset.vision as vision
+from autopar import context
+from autopar import dtype as mstype
 from autopar.communication import get_group_size, get_rank, init
 from autopar.models import resnet50
 from autopar.nn import Momentum, SoftmaxCrossEntropyExpand

@@ -1,0 +1,9 @@
+"""Pipeline parallelism on ``torch.distributed.pipelining``: MindSpore's ``pipeline_stages`` + ``nn.PipelineCell`` and
+the PyTorch door's ``PipelineParallel``."""
+from autopar.parallel.pipeline.runner import (  # noqa: F401
+    PipelineParallel,
+    pipeline_of,
+    segments_of,
+    split_points_from_stages,
+    stage_of_modules,
+)

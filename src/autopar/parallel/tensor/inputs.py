@@ -1,0 +1,59 @@
+"""How a batch enters the layout world: the ``dataset_strategy`` of ``set_auto_parallel_context``.
+
+Each entry says, per input dimension, into how many parts the *global* batch is split over the devices; a rank
+loads its slice (:func:`dataset_shard`), and :func:`dataset_input` declares that slice a DTensor of the global shape.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from autopar.comm.topology import world_mesh, world_size
+from autopar.errors import StrategyError
+from autopar.layout.layout import Layout
+
+
+def dataset_layout(entry: Any, local_shape: tuple[int, ...]) -> Layout:
+    """The layout of a network input under a ``dataset_strategy`` entry (one split count per dimension; devices
+    beyond the product replicate, first axis, as for operator strategies). ``local_shape`` is what this rank
+    loaded: its slice."""
+    entry = tuple(int(v) for v in entry)
+    if len(entry) != len(local_shape):
+        raise StrategyError(f"dataset_strategy entry {entry} has {len(entry)} values but the input has rank "
+                            f"{len(local_shape)} (local shape {local_shape})")
+    n = world_size()
+    product = math.prod(entry)
+    if product > n or n % product:
+        raise StrategyError(f"dataset_strategy entry {entry} does not divide the {n} devices")
+    split_dims = [d for d, v in enumerate(entry) if v > 1]
+    matrix = (n // product,) + tuple(entry[d] for d in split_dims)
+    tmap = tuple(split_dims.index(d) + 1 if d in split_dims else -1 for d in range(len(entry)))
+    full = tuple(s * v for s, v in zip(local_shape, entry))
+    return Layout(matrix, tmap, full)
+
+
+def dataset_input(local: torch.Tensor, entry: Any) -> DTensor:
+    layout = dataset_layout(entry, tuple(local.shape))
+    return DTensor.from_local(local, world_mesh(), layout.placements(), run_check=False,
+                              shape=torch.Size(layout.full_shape), stride=_contiguous_strides(layout.full_shape))
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= size
+    return tuple(reversed(strides))
+
+
+def dataset_shard(entry: Any, rank: int | None = None) -> tuple[int, int]:
+    """(num_shards, shard_id) a rank should load along dimension 0 under a dataset_strategy entry."""
+    rank = dist.get_rank() if rank is None else rank
+    parts = int(entry[0])
+    layout = Layout((world_size() // parts, parts) if parts > 1 else (world_size(),),
+                    (1,) if parts > 1 else (-1,), (parts,))
+    return parts, layout.slice_index(rank)[0]

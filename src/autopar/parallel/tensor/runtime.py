@@ -1,0 +1,449 @@
+"""The runtime of a network in SEMI_AUTO_PARALLEL (and AUTO_PARALLEL once strategies are chosen).
+
+How a forward pass runs:
+
+- The root module's inputs become DTensors: each rank's local batch is its slice of the global batch
+  (``full_batch=True``: every rank holds the whole batch, i.e. replicated).
+- Every autopar operator (annotated with a strategy, or not: then MindSpore's data-parallel default) goes through
+  :meth:`SemiAutoRuntime.run_op`: its inputs are redistributed to the layouts its strategy demands, the operator runs
+  on the *local shards* with plain torch, and the output is wrapped with the layout the strategy implies (a split
+  contracted dimension gives a partial sum, resolved lazily by the next consumer's redistribution). Running the
+  unsharded operator and slicing afterwards never happens.
+- Unannotated torch leaf modules (Conv2d, BatchNorm, an unsharded Linear, a loss module) run data-parallel: their
+  inputs are redistributed to "batch split over every device", they compute on the local batch with replicated
+  parameters, and their outputs go back into the DTensor world.
+- The root's outputs come back as plain tensors: this rank's share of the batch (or the whole tensor).
+- A parameter takes the layout of the first operator that uses it (as a DTensor holding only this rank's slice:
+  1/k of the memory); a second operator asking for another layout is an error naming both.
+
+Gradients: the backward pass yields, for every parameter, the gradient of the sum of the ranks' losses (or of the
+global loss when the loss itself was computed on DTensors). Hooks on the parameters (:mod:`autopar.parallel.grads.layouts`)
+complete it inside the backward -- Partial -> the parameter's placements for DTensors, all-reduce of replicated
+parameters, ``gradients_mean`` -- so that the result equals DATA_PARALLEL's for the same data in any loop.
+A replaced parameter is recorded (:mod:`autopar.common.replaced`): optimizers made before the first forward are
+moved onto the slices before their next step.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, distribute_tensor
+from torch.utils._pytree import tree_map
+from torch.utils.weak import WeakIdKeyDictionary
+
+from autopar.comm.topology import mesh_shape, world_mesh, world_size
+from autopar.common import replaced as _replaced
+from autopar.errors import StrategyError
+from autopar.layout.layout import Layout
+from autopar.layout.leaves import LAYOUT_TRANSPARENT, is_annotated
+from autopar.layout.strategy import data_parallel_strategy, derive_plan
+from autopar.layout.strategy_file import load_strategy_file, save_strategy_file
+from autopar.ops import primitive as _primitive
+from autopar.ops.comm import _CommPrimitive
+from autopar.ops.math import OneHot, Reshape
+from autopar.ops.primitive import Primitive
+from autopar.parallel.grads.layouts import LAYOUT, GradSync
+from autopar.parallel.tensor import local_matmul
+from autopar.parallel.tensor import placements as P
+from autopar.parallel.tensor import state_dict as _state_dict
+from autopar.parallel.tensor.inputs import dataset_input
+from autopar.parallel.tensor.regather import Regather
+
+_local = threading.local()
+
+
+def active_runtime() -> "SemiAutoRuntime | None":
+    return getattr(_local, "runtime", None)
+
+
+def _execute(op: Primitive, args: tuple, kwargs: dict) -> Any:
+    rt = active_runtime()
+    if rt is None or isinstance(op, _CommPrimitive):
+        return op.compute(*args, **kwargs)
+    return rt.run_op(op, args, kwargs)
+
+
+_primitive.set_executor(_execute)
+
+
+class SemiAutoRuntime:
+    def __init__(self, gradients_mean: bool, full_batch: bool = False, parameter_broadcast: bool = False,
+                 strategy_save_file: str | None = None, strategy_load_file: str | None = None,
+                 dataset_strategy: Any = "data_parallel", zero_level: str | None = None,
+                 zero_shard_size: int | None = None):
+        self.device_num = world_size()
+        # optimizer sharding (enable_parallel_optimizer): parameters stored split over the mesh axes their layout
+        # replicates them on, gathered to the layout for each use (parallel.optimizer_shard.storage_placements)
+        self.zero_level = zero_level
+        self.zero_shard_size = zero_shard_size
+        self._leaf_params: dict[int, list[tuple[str, DTensor]]] = {}  # id(leaf module) -> its ZeRO-stored params
+        self._regathers: dict[int, Regather] = {}  # id(leaf module) -> its level-3 hooks while it runs
+        self.gradients_mean = gradients_mean
+        self.full_batch = full_batch
+        self.dataset_strategy = dataset_strategy if isinstance(dataset_strategy, (tuple, list)) else None
+        self.parameter_broadcast = parameter_broadcast
+        self.strategy_save_file = strategy_save_file
+        self.loaded_layouts = load_strategy_file(strategy_load_file) if strategy_load_file else {}
+        self.roots: list[torch.nn.Module] = []
+        self.names: dict[int, str] = {}  # id(operator or module) -> qualified name
+        self.param_names: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> name (old and converted)
+        self.owners: dict[str, list[tuple[torch.nn.Module, str]]] = {}
+        # original parameter -> its DTensor parameter. Keyed by identity but weakly: a freed original's id is soon
+        # reused by some new tensor (a constant like Tensor(0.1)), which a plain id-keyed dict took for the parameter.
+        self.converted: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.param_layout: dict[str, tuple[str, tuple, Layout]] = {}  # name -> (who, placements, layout)
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.loss_was_global = False
+        self._depth = 0
+        self._matmul_mode = None
+        self._hooked: set[int] = set()
+        self._strategy_written = False
+        self.sync = GradSync(self.device_num, gradients_mean, loss_was_global=lambda: self.loss_was_global)
+
+    # -- installation -------------------------------------------------------------------------------------------
+    def add_root(self, root: torch.nn.Module, prefix: str = "") -> None:
+        """Make ``root`` a network this runtime runs (calls at depth 0 convert inputs and outputs)."""
+        if id(root) in {id(r) for r in self.roots}:
+            return
+        self.roots.append(root)
+        for name, module in root.named_modules(prefix=prefix.rstrip(".")):
+            self.names.setdefault(id(module), name or type(module).__name__)
+            module._autopar_runtime = self
+            leaf = not any(True for _ in module.children())
+            if (leaf and not isinstance(module, (Primitive, *LAYOUT_TRANSPARENT))
+                    and id(module) not in self._hooked):
+                module.register_forward_pre_hook(self._leaf_pre)
+                module.register_forward_hook(self._leaf_post, always_call=True)
+                self._hooked.add(id(module))
+        for module_name, module in root.named_modules(remove_duplicate=False):
+            for attr, param in list(module._parameters.items()):
+                if param is None:
+                    continue
+                full = f"{module_name}.{attr}" if module_name else attr
+                name = self.param_names.setdefault(param, full)
+                owners = self.owners.setdefault(name, [])
+                if (module, attr) not in owners:
+                    owners.append((module, attr))
+        if self.zero_level:
+            self._shard_leaf_parameters(root)
+        root.register_forward_pre_hook(self._root_pre, with_kwargs=True)
+        root.register_forward_hook(self._root_post, always_call=True)
+        if self.parameter_broadcast and self.device_num > 1:
+            with torch.no_grad():
+                for p in root.parameters():
+                    if not isinstance(p, DTensor) and not getattr(p, "layerwise_parallel", False):
+                        dist.broadcast(p.data, src=0)
+        self.sync.attach_module(root)
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+        if optimizer is not None and optimizer not in self.optimizers:
+            self.optimizers.append(optimizer)
+            self._remap_optimizers()
+
+    def is_root(self, module: torch.nn.Module) -> bool:
+        return any(r is module for r in self.roots)
+
+    def enter_first_call(self, module: torch.nn.Module, args: tuple) -> tuple:
+        """The root pre-hook's work for a call already under way when the root was added (torch collected the
+        call's pre-hooks before): convert its inputs here; the post-hook, collected later, runs as usual."""
+        out = self._root_pre(module, args, {})
+        return args if out is None else out[0]
+
+    # -- root and leaf hooks -------------------------------------------------------------------------------------
+    def _enter(self) -> bool:
+        if self._depth == 0:
+            if active_runtime() not in (None, self):
+                return False
+            _local.runtime = self
+            self.loss_was_global = False
+            if len(world_mesh().shape) > 1:  # a dimension may be split over two mesh axes
+                self._matmul_mode = local_matmul.enter()
+        self._depth += 1
+        return True
+
+    def _exit(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            _local.runtime = None
+            mode, self._matmul_mode = self._matmul_mode, None
+            if mode is not None:
+                local_matmul.leave(mode)
+
+    def _root_pre(self, module, args, kwargs):
+        outer = self._depth == 0
+        if not self._enter():
+            return None
+        if outer:
+            count = iter(range(10**9))
+
+            def convert(t):
+                if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
+                    return t
+                k = next(count)
+                if self.dataset_strategy is not None and k < len(self.dataset_strategy):
+                    return dataset_input(t, self.dataset_strategy[k])
+                return P.to_dtensor_replicated(t) if self.full_batch else P.wrap_data_parallel(t)
+
+            return tree_map(convert, args), tree_map(convert, kwargs)
+        return None
+
+    def _root_post(self, module, args, output):
+        if active_runtime() is not self:
+            return None
+        outer = self._depth == 1
+        self._exit()
+        if not outer:
+            return None
+        result = tree_map(self._output_to_local, output)
+        self._after_first_forward()
+        return result
+
+    def _output_to_local(self, t):
+        if not isinstance(t, DTensor):
+            return t
+        if t.dim() == 0:
+            self.loss_was_global = True
+        return P.to_data_parallel_local(t)
+
+    def _leaf_pre(self, module, args):
+        if active_runtime() is not self or is_annotated(module):
+            return None
+        stored_params = self._leaf_params.get(id(module), ())
+        regather = Regather() if stored_params and self.zero_level == "level3" else None
+        for attr, stored in stored_params:
+            # ZeRO: the whole parameter for this call only (an all-gather; its gradient is reduce-scattered back)
+            module._parameters[attr] = stored.redistribute(stored.device_mesh, P.replicate_placements()).to_local(
+                grad_placements=tuple(Partial() for _ in stored.placements))
+            if regather is not None:
+                regather.add(module._parameters[attr], stored, P.replicate_placements())
+        if regather is not None:
+            regather.__enter__()  # left in _leaf_post (always called, also when the forward raises)
+            self._regathers[id(module)] = regather
+        return tree_map(lambda t: P.to_data_parallel_local(t) if isinstance(t, DTensor) else t, args)
+
+    def _leaf_post(self, module, args, output):
+        if active_runtime() is not self or is_annotated(module):
+            return None
+        for attr, stored in self._leaf_params.get(id(module), ()):
+            module._parameters[attr] = stored
+        regather = self._regathers.pop(id(module), None)
+        if regather is not None:
+            regather.__exit__(None, None, None)
+        n = self.device_num
+
+        def wrap(t):
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.dim() >= 1:
+                return P.wrap_data_parallel(t) if n > 1 else P.to_dtensor_replicated(t)
+            return t
+
+        return tree_map(wrap, output)
+
+    # -- operators -------------------------------------------------------------------------------------------
+    def name_of(self, op: Primitive) -> str:
+        return f"{type(op).__name__} '{self.names.get(id(op), '?')}'"
+
+    def run_op(self, op: Primitive, args: tuple, kwargs: dict) -> Any:
+        if isinstance(op, Reshape):
+            x, shape = args[0], args[1]
+            x = x if isinstance(x, DTensor) else P.to_dtensor_replicated(x)
+            return x.reshape(tuple(shape))
+        if isinstance(op, OneHot):
+            return self._one_hot(op, *args)
+        positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        if not positions:
+            return op.compute(*args, **kwargs)
+        spec = op.spec(*args)
+        shapes = tuple(tuple(args[i].shape) for i in positions)
+        strategy = op.strategy or data_parallel_strategy(spec, shapes, self.device_num)
+        plan = derive_plan(self.name_of(op), spec, strategy, shapes, self.device_num)
+        local_args = list(args)
+        mesh = world_mesh()
+        regather = Regather() if self.zero_level == "level3" else None
+        for k, i in enumerate(positions):
+            layout = plan.inputs[k]
+            dt = stored = self._input(args[i], op, plan, layout)
+            target = layout.placements()
+            if tuple(dt.placements) != target:
+                dt = dt.redistribute(mesh, target)
+            grad_placements = P.placements_for(layout, plan.absent_axes(k), grad_partial=True)
+            local_args[i] = dt.to_local(grad_placements=grad_placements)
+            if regather is not None and dt is not stored and isinstance(stored, torch.nn.Parameter):
+                regather.add(local_args[i], stored, target)  # ZeRO-3: gathered again for the backward
+        bias = getattr(op, "bias_index", None)
+        if plan.partial_axes and bias is not None and bias < len(local_args) and local_args[bias] is not None:
+            # the output is a partial sum over the split contraction: each part carries 1/k of the bias
+            parts = math.prod(plan.device_matrix[a] for a in plan.partial_axes)
+            local_args[bias] = local_args[bias] / parts
+        with regather if regather is not None and regather.gathered else contextlib.nullcontext():
+            out = op.compute(*local_args, **kwargs)
+        partial, reduction = plan.partial_axes, plan.reduction
+        if partial and reduction in ("max", "min"):
+            out = P.all_reduce_extreme(out, plan.device_matrix, partial, reduction)
+            partial = ()
+        elif partial and reduction == "avg":
+            # a mean of k equal parts = the sum of (local mean / k). Emitting Partial(sum) keeps the backward exact:
+            # DTensor hands a Partial(avg) input the whole gradient, k times too much for a mean taken locally.
+            out = out / math.prod(plan.device_matrix[a] for a in partial)
+            reduction = "sum"
+        return P.wrap_local(out, P.output_placements(plan.device_matrix, plan.output_map, partial, reduction))
+
+    def _one_hot(self, op: OneHot, indices, depth, on_value, off_value):
+        depth = int(depth)
+        shape = tuple(indices.shape) + (depth,)
+        spec = op.spec(indices, depth, on_value, off_value)
+        strategy = op.strategy or data_parallel_strategy(spec, [shape, (), ()], self.device_num)
+        plan = derive_plan(self.name_of(op), spec, strategy, (shape, (), ()), self.device_num)
+        out_layout = plan.inputs[0]
+        idx_layout = Layout(plan.device_matrix, out_layout.tensor_map[:-1], shape[:-1])
+        idx = indices if isinstance(indices, DTensor) else P.to_dtensor_replicated(indices)
+        idx = idx.redistribute(world_mesh(), idx_layout.placements()).to_local()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        part = out_layout.slice_shape[-1]
+        start = out_layout.slice_index(rank)[-1] * part
+        columns = torch.arange(start, start + part, device=idx.device)
+        on = on_value.full_tensor() if isinstance(on_value, DTensor) else torch.as_tensor(on_value)
+        off = off_value.full_tensor() if isinstance(off_value, DTensor) else torch.as_tensor(off_value)
+        hot = (idx.long().unsqueeze(-1) == columns).to(on.dtype)
+        return P.wrap_local(hot * (on - off) + off, out_layout.placements())
+
+    # -- parameters ------------------------------------------------------------------------------------------
+    def _input(self, arg: torch.Tensor, op: Primitive, plan, layout: Layout) -> DTensor:
+        if isinstance(arg, torch.nn.Parameter) or arg in self.converted:
+            return self._parameter(arg, op, plan, layout)
+        if isinstance(arg, DTensor):
+            return arg
+        return P.to_dtensor_replicated(arg)  # a constant: whole on every rank
+
+    def _parameter(self, param: torch.nn.Parameter, op: Primitive, plan, layout: Layout) -> DTensor:
+        name = self.param_names.get(param, f"<parameter of {self.name_of(op)}>")
+        if getattr(param, "layerwise_parallel", False):
+            raise StrategyError(f"parameter '{name}' is layerwise_parallel: that belongs to HYBRID_PARALLEL, where "
+                                f"the network adds its own collectives")
+        who = f"{self.name_of(op)} with strategy {plan.strategy}"
+        loaded = self.loaded_layouts.get(name)
+        if loaded is not None and loaded.placements() != layout.placements():
+            raise StrategyError(f"the strategy file gives parameter '{name}' the layout {loaded} but {who} "
+                                f"needs {layout}")
+        prev = self.param_layout.get(name)
+        if prev is None:
+            self.param_layout[name] = (who, layout.placements(), layout)
+        elif prev[1] != layout.placements():
+            raise StrategyError(f"parameter '{name}' is used by {prev[0]} and by {who}: one parameter must have one "
+                                f"strategy for all its operators (layouts {prev[2]} vs {layout})")
+        if isinstance(param, DTensor):
+            if tuple(param.placements) not in (layout.placements(), self._stored(layout.placements(), param.shape)):
+                raise StrategyError(f"parameter '{name}' is laid out as {self.param_layout[name][2]} but {who} needs "
+                                    f"{layout}")
+            return param
+        if param in self.converted:
+            return self.converted[param]
+        return self._lay_out(param, name, layout)
+
+    def _lay_out(self, param: torch.nn.Parameter, name: str, layout: Layout) -> torch.nn.Parameter:
+        return self._replace(param, name, self._stored(layout.placements(), tuple(param.shape)))
+
+    def _replace(self, param: torch.nn.Parameter, name: str, placements: tuple,
+                 default_owner: tuple | None = None) -> torch.nn.Parameter:
+        """Replace ``param`` in every module that owns it by a DTensor parameter holding this rank's slice."""
+        with torch.no_grad():
+            sharded = distribute_tensor(param.detach(), world_mesh(), placements, src_data_rank=0)
+        new = torch.nn.Parameter(sharded, requires_grad=param.requires_grad)
+        for module, attr in self.owners.get(name) or ([default_owner] if default_owner else []):
+            module._parameters[attr] = new
+            _state_dict.install(module)
+        self.converted[param] = new
+        self.param_names[new] = name
+        _replaced.record(param, new)
+        self.sync.attach(new, LAYOUT)
+        self._remap_optimizers()
+        return new
+
+    def _stored(self, placements: tuple, shape: tuple[int, ...]) -> tuple:
+        """Where a parameter of this layout lives between uses: the layout itself, or under ZeRO also split over
+        the axes the layout replicates it on."""
+        if not self.zero_level:
+            return tuple(placements)
+        from autopar.parallel.zero.fsdp import storage_placements
+
+        return storage_placements(tuple(placements), tuple(shape), mesh_shape(), self.zero_shard_size)
+
+    def _shard_leaf_parameters(self, root: torch.nn.Module) -> None:
+        """ZeRO for the parameters of plain torch leaf modules (they run data-parallel on the local batch): store
+        each split over the ranks, put the whole one back into the module around each of its calls
+        (:meth:`_leaf_pre` / :meth:`_leaf_post`). Rank 0's initial values, as any layout."""
+        for module in root.modules():
+            if (id(module) not in self._hooked or is_annotated(module) or id(module) in self._leaf_params):
+                continue
+            stored = []
+            for attr, param in list(module._parameters.items()):
+                if param is None or isinstance(param, DTensor) or not param.requires_grad:
+                    continue
+                name = self.param_names.get(param, attr)
+                placements = self._stored(P.replicate_placements(), tuple(param.shape))
+                if placements == P.replicate_placements():
+                    continue  # nothing to split (a scalar): it stays whole and all-reduced
+                stored.append((attr, self._replace(param, name, placements, default_owner=(module, attr))))
+                layout = Layout.replicated(tuple(param.shape), self.device_num)
+                self.param_layout[name] = (f"data-parallel module '{self.names.get(id(module), '?')}'",
+                                           layout.placements(), layout)
+            if stored:
+                self._leaf_params[id(module)] = stored
+
+    def preset_layout(self, name: str, layout: Layout) -> None:
+        """Lay parameter ``name`` out now (a strategy to load a checkpoint into, or one read from a file); the
+        operators that use it later must agree."""
+        owners = self.owners.get(name)
+        if not owners:
+            raise StrategyError(f"the strategy names parameter '{name}', which the network does not have")
+        module, attr = owners[0]
+        param = module._parameters[attr]
+        if tuple(param.shape) != tuple(layout.full_shape):
+            raise StrategyError(f"the strategy gives parameter '{name}' the shape {layout.full_shape} but the network "
+                                f"has {tuple(param.shape)}")
+        self.param_layout.setdefault(name, (f"the given strategy for '{name}'", layout.placements(), layout))
+        if self.param_layout[name][1] != layout.placements():
+            raise StrategyError(f"parameter '{name}' is already laid out as {self.param_layout[name][2]}, "
+                                f"the strategy asks for {layout}")
+        if isinstance(param, DTensor):
+            return
+        self._lay_out(param, name, layout)
+
+    def _remap_optimizers(self) -> None:
+        for opt in self.optimizers:
+            _replaced.remap_optimizer(opt)
+
+    def parameters(self):
+        seen = set()
+        for root in self.roots:
+            for name, p in root.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield self.param_names.get(p, name), p
+
+    # -- gradients ---------------------------------------------------------------------------------------------
+    def finish_gradients(self) -> None:
+        """Nothing left to do: the parameters' hooks completed the gradients during the backward. Kept so that
+        loops written for earlier versions (``finish_gradients(net)`` after each backward) stay exact."""
+
+    # -- strategy file -----------------------------------------------------------------------------------------
+    def layouts(self) -> dict[str, Layout]:
+        """Every parameter's layout (replicated parameters included)."""
+        out = {}
+        for name, p in self.parameters():
+            if isinstance(p, DTensor):
+                out[name] = self.param_layout[name][2] if name in self.param_layout else Layout.from_placements(
+                    p.placements, tuple(p.shape), tuple(p.device_mesh.shape))
+            elif not getattr(p, "layerwise_parallel", False):
+                out[name] = Layout.replicated(tuple(p.shape), self.device_num)
+        return out
+
+    def _after_first_forward(self) -> None:
+        self._remap_optimizers()
+        if self.strategy_save_file and not self._strategy_written:
+            self._strategy_written = True
+            save_strategy_file(self.strategy_save_file, self.layouts(), self.parameters())

@@ -1,0 +1,245 @@
+"""The cost of every candidate strategy of every node, and of resharding between layouts.
+
+For a node under a strategy (all seconds per training step, on one device):
+
+- **compute**: forward + backward FLOPs (3x the forward) of this device's share / the calibrated rate;
+- **gradient all-reduce**: a parameter whose gradient is a partial sum over devices (those splitting labels it
+  does not have -- the batch, in data parallel) is all-reduced over them;
+- **activation-gradient all-reduce**: likewise for an input activation (e.g. the input of a column-split Linear);
+- **resharding**: between this node's layouts and those of its producers / consumers (edges), or the batch-split
+  layout of the data-parallel operators around it -- forward collective plus its backward dual
+  (all-gather <-> reduce-scatter, Replicate -> Shard costs an all-gather in backward, all-to-all both ways);
+- **memory**: the parameter slice times (1 + gradient + optimizer slots) plus the activations kept for backward.
+
+Compute is a roofline: the slower of the arithmetic (FLOPs / calibrated rate) and streaming the operands through
+memory (a small-batch layer is bound by reading its weights), plus the optimizer step at its calibrated rate (the
+per-parameter loop on DTensors for layouts, the fused kernel for pure data parallel).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autopar.errors import StrategyError
+from autopar.layout.axes import mesh_shape_for
+from autopar.layout.layout import Layout
+from autopar.layout.placements import output_placements
+from autopar.layout.strategy import OpPlan, data_parallel_strategy, derive_plan
+from autopar.planner.graph import DP, REP, Graph, OpNode
+from autopar.planner.machine import MachineModel
+
+OPTIMIZER_SLOTS = 1  # momentum; Adam would be 2
+
+
+@dataclass(frozen=True)
+class Choice:
+    strategy: tuple
+    plan: OpPlan
+    in_placements: tuple  # per tensor input
+    out_placements: tuple
+    compute: float
+    backward: float
+    grad_comm: float
+    act_comm: float
+    memory: float
+    is_dp: bool
+    label: str
+    optimizer: float = 0.0  # of ``compute``: the optimizer step's memory traffic (once per step, not per micro-batch)
+    param_bytes: float = 0.0  # this device's slice of the node's parameters
+    activation_bytes: float = 0.0  # activations this device keeps for the backward pass
+
+
+def _splittable(node: OpNode) -> list[str]:
+    labels = []
+    for labels_of_input in node.spec.inputs:
+        for c in labels_of_input:
+            if c not in labels and c not in node.spec.unsplittable and c != "1":
+                labels.append(c)
+    if node.kind == "conv":
+        return [c for c in labels if c in "no"]  # batch and output channels
+    if node.kind == "linear":
+        batch = node.spec.inputs[0][:-1]
+        return [c for c in labels if c in "jk" or (batch and c == batch[0])]
+    return labels
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _describe(node: OpNode, splits: dict[str, int], device_num: int) -> str:
+    if not any(v > 1 for v in splits.values()):
+        return "replicated"
+    names = {"n": "batch", "o": "out-ch", "c": "in-ch", "j": "out", "k": "contract", "i": "rows"}
+    if node.kind == "matmul" and len(node.spec.inputs[0]) == 4:  # attention: (batch, heads, rows, contract)
+        names.update(o="heads", j="cols")
+    elif node.kind == "softmax":
+        dims = ("batch", "heads", "rows", "cols") if len(node.spec.inputs[0]) == 4 else ()
+        names = {c: (dims[i] if i < len(dims) else f"dim {i}") for i, c in enumerate(node.spec.inputs[0])}
+    batch = node.spec.inputs[0][0] if node.spec.inputs and node.spec.inputs[0] else None
+    parts = []
+    for c, v in splits.items():
+        if v > 1:
+            parts.append(f"{'batch' if c == batch else names.get(c, c)} {v}")
+    return " x ".join(parts)
+
+
+def _local_fraction(placements, mesh: tuple[int, ...]) -> float:
+    f = 1.0
+    for p, n in zip(placements, mesh):
+        if isinstance(p, Shard):
+            f /= n
+    return f
+
+
+def reshard_cost(machine: MachineModel, src, dst, nbytes: float, mesh: tuple[int, ...]) -> float:
+    """Forward + backward seconds to go from placements ``src`` to ``dst`` for a tensor of ``nbytes`` in total."""
+    if tuple(src) == tuple(dst):
+        return 0.0
+    local = nbytes * _local_fraction(src, mesh)
+    cost = 0.0
+    for p, q, n in zip(src, dst, mesh):
+        if p == q:
+            continue
+        if isinstance(p, Partial):
+            if isinstance(q, Shard):
+                cost += machine.collective("reduce_scatter", local, n) + machine.collective("all_gather", local, n)
+            else:
+                cost += machine.collective("all_reduce", local, n)
+        elif isinstance(p, Shard) and isinstance(q, Replicate):
+            cost += machine.collective("all_gather", local * n, n) + machine.collective("reduce_scatter", local * n, n)
+            local *= n
+        elif isinstance(p, Replicate) and isinstance(q, Shard):
+            cost += machine.collective("all_gather", local, n)  # free forward (a local slice), gathered in backward
+            local /= n
+        elif isinstance(p, Shard) and isinstance(q, Shard):
+            cost += 2 * machine.collective("all_to_all", local, n)
+    return cost
+
+
+def through_view(placements, dims: tuple | None) -> tuple:
+    """A consumer's placements in its producer's dimensions (``dims``: the edge's dimension map); a split of a
+    dimension the producer's splits do not carry over becomes a shard no producer layout has (costs a reshard)."""
+    if dims is None:
+        return tuple(placements)
+    out = []
+    for p in placements:
+        if isinstance(p, Shard):
+            d = dims[p.dim] if p.dim < len(dims) else None
+            out.append(Shard(d) if d is not None else Shard(1000 + p.dim))
+        else:
+            out.append(p)
+    return tuple(out)
+
+
+def dp_placements(shape: tuple[int, ...], device_num: int, mesh: tuple[int, ...]):
+    if shape and shape[0] % device_num == 0 and device_num > 1:
+        return tuple(Shard(0) for _ in mesh)
+    return tuple(Replicate() for _ in mesh)
+
+
+def rep_placements(mesh):
+    return tuple(Replicate() for _ in mesh)
+
+
+def nbytes(shape, itemsize: int) -> float:
+    return float(math.prod(shape) if shape else 1) * itemsize
+
+
+class NodeCosts:
+    """Candidate choices of one node with their intrinsic costs (reshardings are added by the search)."""
+
+    def __init__(self, node: OpNode, machine: MachineModel, device_num: int):
+        self.node = node
+        self.mesh = mesh_shape_for(device_num)
+        self.device_num = device_num
+        dp = data_parallel_strategy(node.spec, list(node.shapes), device_num)
+        labels = _splittable(node)
+        seen, choices = set(), []
+        candidates = [node.fixed] if node.fixed is not None else None
+        if candidates is None:
+            candidates = []
+            for combo in itertools.product(_divisors(device_num), repeat=len(labels)):
+                if device_num % math.prod(combo):
+                    continue
+                splits = dict(zip(labels, combo))
+                candidates.append(tuple(tuple(splits.get(c, 1) for c in lab) for lab in node.spec.inputs))
+            candidates.append(dp)
+        for strategy in candidates:
+            strategy = tuple(tuple(s) for s in strategy)
+            if strategy in seen:
+                continue
+            seen.add(strategy)
+            try:
+                plan = derive_plan(node.name, node.spec, strategy, node.shapes, device_num)
+            except StrategyError:
+                continue
+            choices.append(self._cost(plan, strategy, machine, strategy == dp))
+        if not choices:
+            raise StrategyError(f"{node.name}: no valid strategy on {device_num} devices")
+        self.choices = choices
+
+    def _cost(self, plan: OpPlan, strategy: tuple, machine: MachineModel, is_dp: bool) -> Choice:
+        node, mesh = self.node, self.mesh
+        splits = {label: plan.device_matrix[axis] for label, axis in plan.label_axis}
+        parts = math.prod(splits.values()) if splits else 1
+        kind = {"conv": "conv", "softmax": "other"}.get(node.kind, "matmul")
+        grad_comm = act_comm = 0.0
+        memory = moved = activations = 0.0
+        for i, (_, pname) in enumerate(zip(node.shapes, node.param_names)):
+            layout: Layout = plan.inputs[i]
+            local = nbytes(layout.slice_shape, node.itemsize)
+            moved += local
+            group = math.prod(plan.device_matrix[a] for a in plan.absent_axes(i)) if plan.absent_axes(i) else 1
+            if pname is not None:
+                grad_comm += machine.collective("all_reduce", local, group)
+                memory += local * (2 + OPTIMIZER_SLOTS)
+            else:
+                act_comm += machine.collective("all_reduce", local, group)
+                memory += local
+                if not isinstance(node.in_sources.get(i), int):  # another node's output is counted there
+                    activations += local
+        out_split = math.prod(plan.device_matrix[a] for a in plan.output_map if a >= 0) if plan.output_map else 1
+        memory += nbytes(node.out_shape, node.itemsize) / out_split
+        activations += nbytes(node.out_shape, node.itemsize) / out_split
+        moved += nbytes(node.out_shape, node.itemsize) / out_split
+        compute = machine.compute(kind, 3.0 * node.flops / parts, 3.0 * moved)  # forward + 2x backward
+        backward = compute * 2.0 / 3.0
+        # the optimizer step over this device's slice, at the calibrated rate of the layout modes (DTensor
+        # parameters: no fused kernel); pure data parallel's fused rate replaces it in its totals (plan.py)
+        params = sum(nbytes(plan.inputs[i].slice_shape, node.itemsize) for i, n in enumerate(node.param_names) if n)
+        optimizer = params / machine.optimizer_rate("layout")
+        compute += optimizer
+        in_pl = tuple(plan.inputs[i].placements(mesh) for i in range(len(node.shapes)))
+        out_pl = output_placements(plan.device_matrix, plan.output_map, plan.partial_axes, "sum"
+                                   if plan.reduction == "avg" else plan.reduction, mesh)
+        return Choice(strategy, plan, in_pl, out_pl, compute, backward, grad_comm, act_comm, memory, is_dp,
+                      "data parallel" if is_dp else _describe(node, splits, self.device_num), optimizer, params,
+                      activations)
+
+    def comm(self, c: Choice, machine: MachineModel) -> float:
+        """Everything ``c`` communicates on its own: gradient and activation all-reduces, boundary reshardings."""
+        return c.grad_comm + c.act_comm + self.boundary_cost(c, machine)
+
+    def boundary_cost(self, c: Choice, machine: MachineModel) -> float:
+        """Resharding from the batch-split / replicated inputs and to the data-parallel consumers."""
+        node, cost = self.node, 0.0
+        for i, src in node.in_sources.items():
+            if src == DP:
+                cost += reshard_cost(machine, dp_placements(node.shapes[i], self.device_num, self.mesh),
+                                     c.in_placements[i], nbytes(node.shapes[i], node.itemsize), self.mesh)
+            elif src == REP:
+                cost += reshard_cost(machine, rep_placements(self.mesh), c.in_placements[i],
+                                     nbytes(node.shapes[i], node.itemsize), self.mesh)
+        if node.out_to_dp:
+            cost += node.out_to_dp * reshard_cost(machine, c.out_placements,
+                                                  dp_placements(node.out_shape, self.device_num, self.mesh),
+                                                  nbytes(node.out_shape, node.itemsize), self.mesh)
+        return cost
+
+
+def graph_costs(graph: Graph, machine: MachineModel, device_num: int) -> list[NodeCosts]:
+    return [NodeCosts(node, machine, device_num) for node in graph.nodes]

@@ -1,0 +1,368 @@
+"""Graph capture: one real forward pass (without gradients) of the network and its loss, recorded as operators.
+
+Only the operators whose strategy the planner chooses become nodes: ``nn.Linear``, ``nn.Conv2d`` and the
+``MatMul`` / ``BatchMatMul`` / ``Softmax`` operators (those that hold parameters, dominate compute, or -- the softmax
+of attention scores -- hold the largest activation). Everything between them is
+classified by how the semi-auto runtime will execute it, which is what decides the communication the plan costs:
+
+- *transparent* (element-wise activations, view-like functions): the layout passes through unchanged;
+- *data-parallel* (BatchNorm, pooling, loss modules, the small autopar operators without a strategy): the input is
+  redistributed to "batch split over every device" and the output has that layout;
+- *join* (an element-wise function of two activations, e.g. a residual add): the second operand is resharded to
+  the first one's layout.
+
+Every tensor carries its *source*: the node that laid it out, or "dp" (batch split) / "rep" (whole on every rank).
+A node's input from another node is an edge (resharding between their layouts); an input from "dp" or an output
+that a data-parallel consumer takes costs a resharding to or from the batch split. Views between two nodes
+(reshape, transpose, permute) are followed dimension by dimension, so that ``[b, s, h] -> [b, heads, s, h/heads]``
+keeps a split of ``h`` as a split of the heads: each tensor carries, per dimension, the producer's dimension whose
+split it continues (the edge's *dimension map*).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from autopar.labels import call_loss
+
+# (importing the runtime also installs its operator executor, which the tracer stacks its own on top of)
+from autopar.layout.leaves import LAYOUT_TRANSPARENT
+from autopar.layout.spec import OpSpec
+from autopar.ops import primitive as _primitive
+from autopar.ops.comm import _CommPrimitive
+from autopar.ops.math import BatchMatMul, MatMul, ShardablePrimitive, Softmax
+from autopar.ops.shard import Conv2dOp, LinearOp, _Sharded
+
+DP, REP = "dp", "rep"
+
+
+@dataclass
+class OpNode:
+    index: int
+    name: str
+    kind: str  # linear | conv | matmul | softmax
+    target: Any  # the module or operator a strategy is given to
+    spec: OpSpec
+    shapes: tuple  # every tensor input's shape (activations and parameters)
+    activation_inputs: tuple[int, ...]  # which of those are activations
+    param_names: tuple[str | None, ...]  # name of each input if it is a parameter
+    out_shape: tuple[int, ...]
+    flops: float  # forward
+    itemsize: int
+    fixed: tuple | None = None  # a strategy the user gave: respected
+    in_sources: dict[int, Any] = field(default_factory=dict)  # activation input -> DP | REP | node index
+    out_to_dp: int = 0  # how many consumers take the output in the batch-split layout
+
+    def shapes_text(self) -> str:
+        """``a b -> out`` (the first two inputs), as the plan tables show it."""
+        return " ".join("x".join(map(str, s)) for s in self.shapes[:2]) + " -> " + "x".join(map(str, self.out_shape))
+
+
+@dataclass
+class Graph:
+    nodes: list[OpNode]
+    edges: list[tuple[int, int, int]]  # (producer node, consumer node, consumer input)
+    edge_dims: dict  # (producer, consumer, input) -> per consumer dimension, the producer's dimension (or None)
+    joins: list[tuple[int, int]]  # (a, b): b's output is resharded to a's layout
+    other_flops: float  # forward FLOPs of everything else (data-parallel: divided over the devices)
+    other_activation_bytes: float  # their saved activations (batch split)
+    batch: int
+    seconds: float = 0.0
+    elementwise_bytes: float = 0.0  # memory traffic of the element-wise functions and activations between nodes
+
+
+def _numel(shape) -> int:
+    return int(math.prod(shape)) if shape else 1
+
+
+def _flops(kind: str, shapes, out_shape, groups: int = 1) -> float:
+    if kind == "linear":
+        x, w = shapes[0], shapes[1]
+        return 2.0 * _numel(x) * w[0]
+    if kind == "conv":
+        w = shapes[1]
+        return 2.0 * _numel(out_shape) * (w[1] * w[2] * w[3])
+    if kind == "softmax":
+        return 5.0 * _numel(out_shape)  # max, subtract, exp, sum, divide
+    a = shapes[0]
+    return 2.0 * _numel(out_shape) * a[-1] if kind == "matmul" else 0.0
+
+
+_VIEWS = {"reshape", "view", "transpose", "permute", "contiguous", "flatten", "unflatten", "swapaxes"}
+
+
+def _view_dims(before: tuple, after: tuple, dims: tuple) -> tuple:
+    """Per dimension of a reshaped tensor, the producer dimension whose split it continues (the leading factor of
+    a split dimension, the first of merged ones); None where a split would not carry over."""
+    out: list = [None] * len(after)
+    i = j = 0
+    while i < len(before) and j < len(after):
+        if before[i] == after[j]:
+            out[j] = dims[i]
+            i, j = i + 1, j + 1
+            continue
+        first_j, a, b = j, before[i], after[j]
+        lead = dims[i]
+        i, j = i + 1, j + 1
+        while a != b:
+            if a < b:
+                a *= before[i]
+                i += 1
+            else:
+                b *= after[j]
+                j += 1
+        out[first_j] = lead
+    return tuple(out)
+
+
+class _Recorder(TorchFunctionMode):
+    """Classifies every torch function called outside the recorded modules/operators."""
+
+    def __init__(self, tracer: "Tracer"):
+        super().__init__()
+        self.tracer = tracer
+        self.busy = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.tracer.depth == 0 and not self.busy:
+            self.busy = True  # the bookkeeping itself calls torch functions (t.dim() ...): do not record those
+            try:
+                self.tracer.functional(func, args, kwargs, out)
+            finally:
+                self.busy = False
+        return out
+
+
+class Tracer:
+    def __init__(self, network: torch.nn.Module):
+        self.network = network
+        self.nodes: list[OpNode] = []
+        self.edges: list[tuple[int, int, int]] = []
+        self.joins: list[tuple[int, int]] = []
+        self.source: dict[int, Any] = {}
+        self.dims: dict[int, tuple] = {}  # tensor id -> producer dimension per dimension (views of a node's output)
+        self.edge_dims: dict = {}
+        self.keep: list[torch.Tensor] = []  # ids stay unique while the trace runs
+        self.depth = 0
+        self.other_flops = 0.0
+        self.other_bytes = 0.0
+        self.elementwise_bytes = 0.0
+        self.names = {id(m): n for n, m in network.named_modules()}
+        self.param_names = {id(p): n for n, p in network.named_parameters()}
+        self.handles: list = []
+
+    # -- sources ----------------------------------------------------------------------------------------------
+    def _src(self, t: torch.Tensor) -> Any:
+        return self.source.get(id(t), DP if t.dim() >= 1 else REP)
+
+    def _set(self, out: Any, src: Any) -> None:
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.source[id(t)] = src
+                self.keep.append(t)
+
+    def _consume_dp(self, tensors) -> None:
+        for t in tensors:
+            src = self.source.get(id(t))
+            if isinstance(src, int):
+                self.nodes[src].out_to_dp += 1
+
+    # -- node recording --------------------------------------------------------------------------------------
+    def add_node(self, name, kind, target, spec, tensors, fixed, groups=1) -> OpNode:
+        shapes = tuple(tuple(t.shape) for t in tensors)
+        acts, pnames = [], []
+        for i, t in enumerate(tensors):
+            pname = self.param_names.get(id(t)) if isinstance(t, torch.nn.Parameter) else None
+            pnames.append(pname)
+            if pname is None:
+                acts.append(i)
+        node = OpNode(len(self.nodes), name, kind, target, spec, shapes, tuple(acts), tuple(pnames), (), 0.0,
+                      tensors[0].element_size(), fixed)
+        for i in acts:
+            src = self._src(tensors[i])
+            node.in_sources[i] = src
+            if isinstance(src, int):
+                self.edges.append((src, node.index, i))
+                if id(tensors[i]) in self.dims:
+                    self.edge_dims[(src, node.index, i)] = self.dims[id(tensors[i])]
+        self.nodes.append(node)
+        return node
+
+    def finish_node(self, node: OpNode, out: torch.Tensor, groups: int = 1) -> None:
+        node.out_shape = tuple(out.shape)
+        node.flops = _flops(node.kind, node.shapes, node.out_shape, groups)
+        self._set(out, node.index)
+
+    # -- hooks ------------------------------------------------------------------------------------------------
+    def _module_pre(self, module, args):
+        self.depth += 1
+        if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
+            x = args[0]
+            tensors = [x, module.weight] + ([module.bias] if module.bias is not None else [])
+            kind = "linear" if isinstance(module, torch.nn.Linear) else "conv"
+            op = module._autopar_op if isinstance(module, _Sharded) else (
+                LinearOp() if kind == "linear" else Conv2dOp(module._conv_forward, module.groups))
+            fixed = op.strategy if isinstance(module, _Sharded) else None
+            module._autopar_trace_node = self.add_node(self.names.get(id(module), type(module).__name__), kind,
+                                                       module, op.spec(*tensors), tensors, fixed)
+        else:
+            if not isinstance(module, LAYOUT_TRANSPARENT):
+                self._consume_dp([a for a in args if isinstance(a, torch.Tensor)])
+
+    def _module_post(self, module, args, out):
+        self.depth -= 1
+        node = module.__dict__.pop("_autopar_trace_node", None)
+        if node is not None:
+            self.finish_node(node, out, getattr(module, "groups", 1))
+            return
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if isinstance(module, LAYOUT_TRANSPARENT) and tensors:
+            self._set(out, self._src(tensors[0]))
+            self.elementwise_bytes += 2.0 * tensors[0].numel() * tensors[0].element_size()  # read + write
+            return
+        self._set(out, DP)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.other_flops += 4.0 * t.numel()  # normalisation / pooling: a few operations per element
+                self.other_bytes += t.numel() * t.element_size()
+
+    def primitive(self, op, args, kwargs):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if isinstance(op, (MatMul, BatchMatMul, Softmax)):
+            self.depth += 1
+            kind = "softmax" if isinstance(op, Softmax) else "matmul"
+            node = self.add_node(self.names.get(id(op), type(op).__name__), kind, op, op.spec(*args), tensors,
+                                 op.strategy)
+            out = op.compute(*args, **kwargs)
+            self.depth -= 1
+            self.finish_node(node, out)
+            return out
+        self.depth += 1
+        out = op.compute(*args, **kwargs)
+        self.depth -= 1
+        if isinstance(op, _CommPrimitive) and tensors:
+            self._set(out, self._src(tensors[0]))
+        else:  # an operator without a strategy runs data-parallel
+            self._consume_dp(tensors)
+            self._set(out, DP)
+            self.other_flops += 2.0 * sum(t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        return out
+
+    def functional(self, func, args, kwargs, out) -> None:
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() >= 1]
+        if not tensors or not any(isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]):
+            return
+        first = self._src(tensors[0])
+        if getattr(func, "__name__", "") not in _VIEWS:  # views move nothing; the rest reads and writes
+            self.elementwise_bytes += sum(t.numel() * t.element_size() for t in tensors) + sum(
+                o.numel() * o.element_size() for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor))
+        if isinstance(first, int) and isinstance(out, torch.Tensor):
+            self._follow_dims(func, tensors[0], out)
+        elif isinstance(first, int) and isinstance(out, (tuple, list)):  # split / chunk: pieces keep the rank
+            dims = self.dims.get(id(tensors[0]), tuple(range(tensors[0].dim())))
+            for piece in out:
+                if isinstance(piece, torch.Tensor) and piece.dim() == tensors[0].dim():
+                    self.dims[id(piece)] = tuple(None if a != b else d
+                                                 for a, b, d in zip(piece.shape, tensors[0].shape, dims))
+        for other in tensors[1:]:
+            src = self._src(other)
+            if isinstance(src, int) and isinstance(first, int) and src != first:
+                self.joins.append((first, src))
+            elif isinstance(src, int) and not isinstance(first, int):
+                self.nodes[src].out_to_dp += 1
+            elif isinstance(first, int) and src == DP and other.shape == tensors[0].shape:
+                self.nodes[first].out_to_dp += 1
+        self._set(out, first)
+
+    def _follow_dims(self, func, x: torch.Tensor, out: torch.Tensor) -> None:
+        dims = self.dims.get(id(x), tuple(range(x.dim())))
+        name = getattr(func, "__name__", "")
+        if tuple(out.shape) == tuple(x.shape) and name not in ("transpose", "permute", "swapaxes"):
+            mapped = dims  # element-wise, or a view that keeps the shape
+        elif name in _VIEWS and out.numel() == x.numel():
+            if name in ("transpose", "swapaxes", "permute"):
+                mapped = self._permuted(func, x, out, dims)
+            else:
+                mapped = _view_dims(tuple(x.shape), tuple(out.shape), dims)
+        else:
+            return
+        if mapped is not None and mapped != tuple(range(out.dim())):
+            self.dims[id(out)] = mapped
+
+    @staticmethod
+    def _permuted(func, x, out, dims):
+        # recover the permutation from strides: a transposed/permuted view reorders x's strides
+        if out.dim() != x.dim():
+            return None
+        order = []
+        for st, size in zip(out.stride(), out.shape):
+            match = [d for d in range(x.dim()) if x.stride()[d] == st and x.shape[d] == size and d not in order]
+            if not match:
+                return None
+            order.append(match[0])
+        return tuple(dims[d] for d in order)
+
+    # -- running ------------------------------------------------------------------------------------------------
+    def run(self, fn, *inputs) -> Any:
+        for module in self.network.modules():
+            if isinstance(module, ShardablePrimitive) or not (
+                    isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)) or not any(True for _ in module.children())):
+                continue
+            self.handles.append(module.register_forward_pre_hook(self._module_pre))
+            self.handles.append(module.register_forward_hook(self._module_post))
+        previous = _primitive._executor
+        _primitive.set_executor(lambda op, args, kwargs: self.primitive(op, args, kwargs))
+        try:
+            with torch.no_grad(), _Recorder(self):
+                for t in inputs:
+                    if isinstance(t, torch.Tensor):
+                        self._set(t, DP)
+                out = fn(*inputs)
+                self._consume_dp([t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)])
+                return out
+        finally:
+            _primitive.set_executor(previous)
+            for h in self.handles:
+                h.remove()
+
+
+def capture(network: torch.nn.Module, loss_fn: torch.nn.Module | None, inputs: tuple) -> Graph:
+    """Trace ``network`` (and ``loss_fn(network(*inputs[:-1]), inputs[-1])`` when a loss is given)."""
+    import time
+
+    start = time.perf_counter()
+    root = network if loss_fn is None else _Pair(network, loss_fn)
+    was_training = root.training
+    root.eval()  # no BatchNorm statistics are touched by the trace
+    tracer = Tracer(root)
+    from autopar.context import managed
+
+    try:
+        with managed():
+            tracer.run(root, *inputs)
+    finally:
+        root.train(was_training)
+    batch = int(inputs[0].shape[0]) if inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() else 1
+    if loss_fn is not None:  # names as in the user's network
+        for node in tracer.nodes:
+            node.name = node.name.removeprefix("network.")
+            node.param_names = tuple(p.removeprefix("network.") if p else p for p in node.param_names)
+    return Graph(tracer.nodes, tracer.edges, tracer.edge_dims, tracer.joins, tracer.other_flops, tracer.other_bytes, batch,
+                 time.perf_counter() - start, tracer.elementwise_bytes)
+
+
+class _Pair(torch.nn.Module):
+    def __init__(self, network, loss_fn):
+        super().__init__()
+        self.network = network
+        self.loss_fn = loss_fn
+
+    def forward(self, *inputs):
+        return call_loss(self.loss_fn, self.network(*inputs[:-1]), inputs[-1])

@@ -1,0 +1,208 @@
+"""Clusters as data: a JSON description of a machine you may not have, and hierarchical collective costs on it.
+
+A cluster file names the device (peak FLOP/s per dtype, memory, memory bandwidth, the fraction of peak large matmuls
+reach), the devices per node, the link inside a node (NVLink/NVSwitch, PCIe) and the network between nodes (NICs
+per node, each NIC's bandwidth, latency). Every figure may carry its source under ``"sources"`` (JSON has no
+comments), keyed by the field's dotted path. Presets live in ``machines/*.json`` beside this module.
+
+Collectives are costed as NCCL runs them (nccl-tests' definition of bus bandwidth): a collective of ``S`` bytes on
+``n`` devices moves ``f(n) * S`` through each device's slowest link, ``f`` = 2(n-1)/n for all-reduce and (n-1)/n
+for all-gather / reduce-scatter / all-to-all. Inside one node the bus bandwidth is the intra-node link's; across
+``k`` nodes with ``m`` group members per node, the ring crosses the network on the members' own NICs (rail
+aligned), so the bus bandwidth is ``min(intra, m * nic)``. Latency: a ring pays a hop per member and step; a tree
+(all-reduce across nodes) pays ``2 log2(k)`` network hops but moves each byte twice -- the cheaper one is used, as
+NCCL's tuner picks between them.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from autopar.errors import ConfigError
+from autopar.planner.machine import RING, MachineModel
+
+PRESET_DIR = "machines"
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth: float  # bytes/s, one direction, per device (intra) or per NIC (inter)
+    latency: float  # seconds per hop
+    efficiency: float  # achieved fraction of the line rate (bus bandwidth / bandwidth)
+
+    @property
+    def effective(self) -> float:
+        return self.bandwidth * self.efficiency
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    name: str
+    device_name: str
+    flops: dict  # dtype -> peak FLOP/s (dense)
+    matmul_efficiency: float  # fraction of peak reached by large matmuls
+    memory: float  # bytes per device
+    memory_bandwidth: float  # bytes/s per device
+    devices_per_node: int
+    nodes: int  # how many nodes the cluster has
+    intra: Link
+    nics_per_node: int
+    inter: Link
+    description: str = ""
+    sources: dict | None = None
+
+    @property
+    def devices(self) -> int:
+        return self.devices_per_node * self.nodes
+
+    @property
+    def nic_per_device(self) -> float:
+        """Network bytes/s one device can use when every device of its node sends at once (rail aligned)."""
+        return self.inter.effective * self.nics_per_node / self.devices_per_node
+
+    def peak(self, dtype: str) -> float:
+        if dtype not in self.flops:
+            raise ConfigError(f"machine {self.name!r} gives no FLOP/s for dtype {dtype!r} (has: "
+                              f"{', '.join(sorted(self.flops))})")
+        return float(self.flops[dtype])
+
+    # -- collectives ------------------------------------------------------------------------------------------
+    def placement(self, size: int, stride: int) -> tuple[int, int]:
+        """(members per node, nodes) of a group of ``size`` devices ``stride`` ranks apart (ranks fill nodes)."""
+        if size <= 1:
+            return 1, 1
+        per_node = max(1, min(size, self.devices_per_node // stride)) if stride < self.devices_per_node else 1
+        return per_node, math.ceil(size / per_node)
+
+    def collective(self, kind: str, nbytes: float, size: int, stride: int = 1) -> tuple[float, str]:
+        """Seconds and algorithm ("ring" / "tree") of a collective on a group placed with ``stride``."""
+        if size <= 1 or nbytes <= 0:
+            return 0.0, "none"
+        m, k = self.placement(size, stride)
+        factor = RING[kind](size)
+        if k == 1:
+            return (size - 1) * (2 if kind == "all_reduce" else 1) * self.intra.latency + factor * nbytes / \
+                self.intra.effective, "ring"
+        bus = min(self.intra.effective, m * self.nic_per_device)
+        hops = (k * self.inter.latency + (size - k) * self.intra.latency) * (2 if kind == "all_reduce" else 1)
+        ring = hops + factor * nbytes / bus
+        if kind != "all_reduce":
+            return ring, "ring"
+        tree = 2 * (math.ceil(math.log2(k)) * self.inter.latency + (m - 1) * self.intra.latency) + 2 * nbytes / bus
+        return (tree, "tree") if tree < ring else (ring, "ring")
+
+    @classmethod
+    def from_machine_model(cls, model: MachineModel, devices: int) -> "ClusterSpec":
+        """This host as a one-node cluster, from its calibration (the default when no machine file is given)."""
+        alpha, beta = model.collectives["all_reduce"]
+        link = Link(1.0 / beta, alpha / max(1, 2 * (devices - 1)), 1.0)
+        memory = model.memory_per_device or 2.0**30
+        return cls(name="this host", device_name="CPU worker", flops={"fp32": model.flops["matmul"]},
+                   matmul_efficiency=1.0, memory=memory, memory_bandwidth=model.memory_bandwidth,
+                   devices_per_node=devices, nodes=1, intra=link, nics_per_node=1, inter=link,
+                   description=model.source)
+
+    def group_machine(self, size: int, stride: int, dtype: str) -> MachineModel:
+        """The flat machine model the operator-level search uses for one group (e.g. the tensor-parallel group)."""
+        return GroupMachine(self, size, stride, dtype)
+
+
+class GroupMachine(MachineModel):
+    """A :class:`MachineModel` whose collectives are those of one placed group of a :class:`ClusterSpec`."""
+
+    def __init__(self, spec: ClusterSpec, size: int, stride: int, dtype: str):
+        rate = spec.peak(dtype) * spec.matmul_efficiency
+        super().__init__(device_num=size, flops={"matmul": rate, "conv": rate, "other": rate},
+                         backend="nccl", source=f"{spec.name} ({spec.device_name}, {dtype})",
+                         memory_bandwidth=spec.memory_bandwidth, memory_per_device=spec.memory)
+        self.spec, self.stride = spec, stride
+
+    def collective(self, kind: str, nbytes: float, n: int) -> float:
+        return self.spec.collective(kind, nbytes, n, self.stride)[0]
+
+
+# ------------------------------------------------------------------------------------------------ reading files
+_REQUIRED = {
+    "device.name": str, "device.flops": dict, "device.matmul_efficiency": float, "device.memory_bytes": float,
+    "device.memory_bandwidth": float, "devices_per_node": int, "nodes": int,
+    "intra_node.bandwidth": float, "intra_node.latency": float, "intra_node.efficiency": float,
+    "inter_node.nics_per_node": int, "inter_node.nic_bandwidth": float, "inter_node.latency": float,
+    "inter_node.efficiency": float,
+}
+
+
+def _get(data: dict, dotted: str, where: str):
+    node = data
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise ConfigError(f"{where}: missing field {dotted!r}")
+        node = node[part]
+    return node
+
+
+def _field(data: dict, dotted: str, kind: type, where: str):
+    value = _get(data, dotted, where)
+    if kind is str:
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{where}: field {dotted!r} must be a non-empty string, got {value!r}")
+        return value
+    if kind is dict:
+        if not isinstance(value, dict) or not value:
+            raise ConfigError(f"{where}: field {dotted!r} must map dtypes to FLOP/s, got {value!r}")
+        for k, v in value.items():
+            _positive(v, f"{dotted}.{k}", where)
+        return {k: float(v) for k, v in value.items()}
+    _positive(value, dotted, where)
+    if kind is int and (isinstance(value, float) and not value.is_integer()):
+        raise ConfigError(f"{where}: field {dotted!r} must be a whole number, got {value!r}")
+    return int(value) if kind is int else float(value)
+
+
+def _positive(value, dotted: str, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{where}: field {dotted!r} must be a positive number, got {value!r}")
+
+
+def parse_cluster(data: dict, where: str = "machine file") -> ClusterSpec:
+    """Validate a cluster description (one-line error naming the first bad field)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a JSON object, got {type(data).__name__}")
+    v = {k: _field(data, k, t, where) for k, t in _REQUIRED.items()}
+    for k in ("device.matmul_efficiency", "intra_node.efficiency", "inter_node.efficiency"):
+        if v[k] > 1:
+            raise ConfigError(f"{where}: field {k!r} is a fraction of peak and must be <= 1, got {v[k]}")
+    return ClusterSpec(
+        name=str(data.get("name") or Path(where).stem), device_name=v["device.name"], flops=v["device.flops"],
+        matmul_efficiency=v["device.matmul_efficiency"], memory=v["device.memory_bytes"],
+        memory_bandwidth=v["device.memory_bandwidth"], devices_per_node=v["devices_per_node"], nodes=v["nodes"],
+        intra=Link(v["intra_node.bandwidth"], v["intra_node.latency"], v["intra_node.efficiency"]),
+        nics_per_node=v["inter_node.nics_per_node"],
+        inter=Link(v["inter_node.nic_bandwidth"], v["inter_node.latency"], v["inter_node.efficiency"]),
+        description=str(data.get("description", "")), sources=data.get("sources"))
+
+
+def presets() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files(__package__).joinpath(PRESET_DIR).iterdir()
+                  if p.name.endswith(".json"))
+
+
+def load_cluster(name_or_path: str) -> ClusterSpec:
+    """A preset by name (``a100-ib``, ``h100-ib`` ...) or a JSON file of the same form."""
+    path = Path(name_or_path)
+    if name_or_path.endswith(".json") or path.is_file():
+        if not path.is_file():
+            raise ConfigError(f"machine file {name_or_path} does not exist")
+        text, where = path.read_text(), str(path)
+    elif name_or_path in presets():
+        text = resources.files(__package__).joinpath(PRESET_DIR, name_or_path + ".json").read_text()
+        where = f"preset {name_or_path}"
+    else:
+        raise ConfigError(f"unknown machine {name_or_path!r}: give a JSON file or one of {', '.join(presets())}")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    return parse_cluster(data, where)

@@ -1,0 +1,242 @@
+"""The machine the planner costs plans on: compute rates and an alpha-beta model of every collective.
+
+Collective time for a tensor of S bytes on a group of n devices (ring algorithms):
+
+    all_reduce      alpha + 2 (n-1)/n * S * beta
+    all_gather      alpha +   (n-1)/n * S * beta      (S = the gathered tensor)
+    reduce_scatter  alpha +   (n-1)/n * S * beta      (S = the input)
+    all_to_all      alpha +   (n-1)/n * S * beta      (S = one rank's tensor)
+
+``alpha`` (latency) and ``beta`` (seconds per byte) are fitted per collective by least squares from a short
+micro-benchmark on the job's own backend and world size (every rank takes part, so it sees the real contention);
+compute rates (FLOP/s per device for matmuls, convolutions and everything else) and the memory bandwidth (a
+layer is costed as the slower of its arithmetic and streaming its operands) come from the same run. The
+result is cached on disk per (backend, world size, host, threads per process), so calibration runs once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+RING = {
+    "all_reduce": lambda n: 2.0 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+}
+
+
+@dataclass
+class MachineModel:
+    device_num: int
+    flops: dict = field(default_factory=lambda: {"matmul": 2.0e10, "conv": 2.0e10, "other": 2.0e9})
+    collectives: dict = field(default_factory=lambda: {k: (1e-4, 1e-9) for k in RING})  # (alpha s, beta s/byte)
+    backend: str = "gloo"
+    source: str = "default constants (not calibrated)"
+    memory_bandwidth: float = 1.0e10  # bytes/s one device streams (weights of a small-batch layer are memory-bound)
+    memory_per_device: float | None = None  # bytes available to one process
+    # bytes of parameters one optimizer step (SGD with momentum) updates per second: "fused" is data parallel's
+    # fused kernel on plain tensors; "layout" the per-parameter loop on DTensor parameters (the layout modes),
+    # which the fused kernels do not take. None: derived from the memory bandwidth (5 and 10 passes).
+    optimizer_rates: dict | None = None
+    # what torch.distributed.pipelining costs per micro-batch and stage beyond the compute and the transfers (its
+    # Python schedule, the send/recv posts and waits, the stage's autograd call): measured on this 2-core machine
+    # over gloo with stages of four 8x8 layers -- 1.86 ms per slot at 8 micro-batches, 1.88 at 32
+    pipeline_slot_seconds: float = 1.9e-3
+
+    def optimizer_rate(self, kind: str) -> float:
+        if self.optimizer_rates and kind in self.optimizer_rates:
+            return float(self.optimizer_rates[kind])
+        return self.memory_bandwidth / (5.0 if kind == "fused" else 10.0)
+
+    def collective(self, kind: str, nbytes: float, n: int) -> float:
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        alpha, beta = self.collectives[kind]
+        return alpha + RING[kind](n) * nbytes * beta
+
+    def compute(self, kind: str, flops: float, moved_bytes: float = 0.0) -> float:
+        """Roofline: the slower of doing the arithmetic and streaming the operands through memory."""
+        return max(flops / self.flops.get(kind, self.flops["other"]), moved_bytes / self.memory_bandwidth)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "MachineModel":
+        d = json.loads(text)
+        d["collectives"] = {k: tuple(v) for k, v in d["collectives"].items()}
+        return cls(**d)
+
+
+def cache_path(backend: str, world: int, threads: int | None = None) -> Path:
+    """Where the calibration of (backend, world size, this host, threads per process) is kept."""
+    base = Path(os.environ.get("AUTOPAR_CACHE_DIR") or Path.home() / ".cache" / "autopar")
+    threads = threads or torch.get_num_threads()
+    return base / f"machine-{backend}-n{world}-{socket.gethostname()}-c{os.cpu_count()}-t{threads}.json"
+
+
+def _timed(fn, repeats: int = 3) -> float:
+    """Median over repeats of the slowest rank's time (a collective ends when its last member does)."""
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(float(elapsed))
+    return statistics.median(times)
+
+
+def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares t = alpha + x * beta (x = ring-weighted bytes), clamped to non-negative values."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(t for _, t in points) / n
+    var = sum((x - mx) ** 2 for x, _ in points) or 1.0
+    beta = max(sum((x - mx) * (t - my) for x, t in points) / var, 1e-13)
+    alpha = max(my - beta * mx, 1e-6)
+    return alpha, beta
+
+
+def _collective_fn(kind: str, nbytes: int, n: int, device):
+    elems = max(nbytes // 4, n)
+    elems -= elems % n
+    x = torch.ones(elems, device=device)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(x)
+    from autopar.comm.functional import _all_gather_single, _reduce_scatter_single
+
+    if kind == "all_gather":
+        local = torch.ones(elems // n, device=device)
+        return lambda: _all_gather_single(x, local)
+    if kind == "reduce_scatter":
+        out = torch.empty(elems // n, device=device)
+        return lambda: _reduce_scatter_single(out, x)
+    out = torch.empty_like(x)
+    return lambda: dist.all_to_all_single(out, x)
+
+
+def _rate(fn, flops: float, seconds: float = 0.25) -> float:
+    fn()
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        fn()
+        count += 1
+    elapsed = torch.tensor([(time.perf_counter() - start) / max(count, 1)], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return flops / float(elapsed)
+
+
+def calibrate(sizes: tuple[int, ...] = (2**14, 2**18, 2**21, 2**23, 2**26)) -> MachineModel:
+    """Measure this job's machine (collective: every rank must call it). A few seconds.
+
+    The sizes reach 64 MiB: gradients of a few hundred MB are common, and a fit on messages up to 8 MiB predicted the
+    268 MB all-reduce of bench/auto_vs_hand.py's MLP about 2x too fast on loopback gloo."""
+    from autopar.comm import management
+
+    n = dist.get_world_size()
+    device = management.device()
+    model = MachineModel(device_num=n, backend=management.backend(),
+                         source=f"calibrated {time.strftime('%Y-%m-%d %H:%M')} on {socket.gethostname()}")
+    if n > 1:
+        for kind in RING:
+            points = []
+            for size in sizes:
+                fn = _collective_fn(kind, size, n, device)
+                fn()  # warm-up: connections, buffers
+                points.append((RING[kind](n) * size, _timed(fn)))
+            model.collectives[kind] = _fit(points)
+    a = torch.randn(512, 512, device=device)
+    model.flops["matmul"] = _rate(lambda: a @ a, 2 * 512**3)
+    x = torch.randn(8, 64, 16, 16, device=device)
+    w = torch.randn(64, 64, 3, 3, device=device)
+    model.flops["conv"] = _rate(lambda: torch.nn.functional.conv2d(x, w, padding=1), 2 * 8 * 64 * 16 * 16 * 64 * 9)
+    y = torch.randn(1 << 20, device=device)
+    model.flops["other"] = _rate(lambda: torch.relu(y * 1.5 + 1.0), 3 * (1 << 20))
+    big, dst = torch.randn(16 << 20, device=device), torch.empty(16 << 20, device=device)
+    model.memory_bandwidth = _rate(lambda: dst.copy_(big), 2 * 4 * (16 << 20))  # read + write, in bytes/s
+    model.optimizer_rates = _optimizer_rates(device)
+    return model
+
+
+def _optimizer_rates(device, numel: int = 4 << 20) -> dict:
+    """Parameter bytes per second of an SGD-with-momentum step: fused on a plain tensor (data parallel) and the
+    per-parameter loop on a replicated DTensor (the layout modes)."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from autopar.comm.topology import world_mesh  # calibration runs inside the job
+
+    rates = {}
+    plain = torch.nn.Parameter(torch.randn(numel, device=device))
+    plain.grad = torch.randn(numel, device=device)
+    mesh = world_mesh()
+    laid = torch.nn.Parameter(distribute_tensor(torch.randn(numel, device=device), mesh,
+                                                [Replicate()] * mesh.ndim))
+    laid.grad = distribute_tensor(torch.randn(numel, device=device), mesh, [Replicate()] * mesh.ndim)
+    for kind, param, options in (("fused", plain, {"fused": True}), ("layout", laid, {})):
+        try:
+            opt = torch.optim.SGD([param], lr=1e-9, momentum=0.9, **options)
+        except (RuntimeError, TypeError):  # no fused kernel here: what data parallel then runs
+            opt = torch.optim.SGD([param], lr=1e-9, momentum=0.9)
+        rates[kind] = _rate(opt.step, 4.0 * numel)
+    return rates
+
+
+def load_or_calibrate(force: bool = False) -> MachineModel:
+    """The cached model of this job's machine, measured first if there is none (collective)."""
+    from autopar.comm import management
+
+    n = dist.get_world_size() if dist.is_initialized() else 1
+    path = cache_path(management.backend() if management.is_initialized() else "gloo", n)
+    have = torch.tensor([0 if force or not path.exists() else 1])
+    if dist.is_initialized():
+        dist.all_reduce(have, op=dist.ReduceOp.MIN)
+    if have.item():
+        model = MachineModel.from_json(path.read_text())
+    elif dist.is_initialized():
+        model = calibrate()
+        if dist.get_rank() == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+            tmp.write_text(model.to_json())
+            os.replace(tmp, path)
+    else:
+        model = MachineModel(device_num=1)
+    model.memory_per_device = available_memory()
+    return model
+
+
+def available_memory() -> float:
+    """Bytes one process may use: free GPU memory, or the host's available memory shared by its local ranks."""
+    from autopar.comm import management
+
+    if management.is_initialized() and management.device().type == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        return float(free)
+    import psutil
+
+    local = management.get_local_size() if management.is_initialized() else 1
+    return float(psutil.virtual_memory().available) / max(local, 1)
+
+
+def main() -> None:  # pragma: no cover - run by ``autopar plan --calibrate`` through the launcher
+    from autopar.comm.management import init
+
+    init()
+    model = load_or_calibrate(force=os.environ.get("AUTOPAR_RECALIBRATE") == "1")
+    if dist.get_rank() == 0:
+        print(model.to_json(), flush=True)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

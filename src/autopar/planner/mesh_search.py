@@ -1,0 +1,357 @@
+"""Data x tensor x pipeline x optimizer sharding on a cluster of nodes: the plan for a model you have not built.
+
+The model is a stack of identical layers between an embedding and an output head (a GPT). One layer is planned
+per (tensor-parallel degree ``t``, micro-batch ``b``) by the operator-level search of :mod:`search` -- the exact
+ILP, every operator's strategy chosen, on the tensor group's own links -- and then reused for every layer (the
+layers are the same; Alpa clusters them the same way). Around it the mesh search enumerates:
+
+- ``t``: a divisor of the devices per node (where NVLink is), or two nodes' worth -- costed on the network, so
+  tensor parallelism leaves a node only if the cost model finds that faster;
+- ``p`` pipeline stages (1F1B schedule, ``M`` micro-batches): step = (M + p - 1) x the slowest stage's micro-batch
+  time, so the bubble is (p - 1) / (M + p - 1); activations of ``min(p, M)`` micro-batches are in flight on the
+  first stage;
+- ``d`` = N / (t p) data-parallel replicas, ranks ordered tensor-innermost then data then pipeline (Megatron's
+  order: tensor groups inside a node, data-parallel groups ``t`` ranks apart, stages farthest apart);
+- ZeRO level 0-3 over the data-parallel group (pipelines take level 0/1, as Megatron's distributed optimizer);
+- full activation recomputation or none.
+
+Memory per device: mixed-precision Adam (16 bytes per parameter: bf16 weight and gradient, fp32 master weight and two
+moments -- ZeRO's K = 12) divided by ZeRO as its level says, plus activations. Communication is costed
+hierarchically by :class:`hardware.ClusterSpec` (inside a node, across nodes, ring or tree). The fastest plan that
+fits the memory wins; the explanation lists it, its per-layer strategies and the runners-up.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from autopar.errors import ConfigError, StrategyError
+from autopar.planner.costs import NodeCosts, graph_costs
+from autopar.planner.gpt import GPTConfig, GPTHead, GPTLayer, TokenLoss
+from autopar.planner.graph import Graph, capture
+from autopar.planner.hardware import ClusterSpec
+from autopar.planner.plan import other_param_bytes
+from autopar.planner.search import Problem, solve_ilp
+
+WEIGHT_GRAD_BYTES = 4  # bf16 weight + bf16 gradient per parameter
+OPTIMIZER_BYTES = 12  # fp32 master weight, Adam's two moments
+ADAM_TRAFFIC = 28  # bytes read + written per parameter by a fused mixed-precision Adam step
+MEMORY_HEADROOM = 0.9  # of a device's memory: the rest is workspace, allocator fragmentation, the CUDA context
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class LayerPlan:
+    """One module (a decoder layer, or the head with the loss) planned on a tensor group of ``t`` for one
+    micro-batch of ``b``."""
+    t: int
+    b: int
+    graph: Graph
+    costs: list[NodeCosts]
+    problem: Problem
+    choice: list[int]
+    time: float  # forward + backward seconds: compute, tensor-group communication, resharding (no optimizer step)
+    forward: float
+    param_count: float  # this device's parameters (the planned operators' slices + the small replicated ones)
+    activation_bytes: float
+    input_bytes: float  # the layer input a recomputing layer keeps
+
+    def rows(self) -> list[tuple]:
+        out = []
+        for n, node in enumerate(self.graph.nodes):
+            c = self.costs[n].choices[self.choice[n]]
+            out.append((node.name, node.kind, node.shapes_text(), str(c.strategy), c.label,
+                        (c.compute - c.optimizer) * 1e3, self.costs[n].comm(c, self.problem.machine) * 1e3))
+        return out
+
+
+def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: tuple, t: int, spec: ClusterSpec,
+                dtype: str) -> LayerPlan:
+    graph = capture(module, loss, inputs)
+    machine = spec.group_machine(t, 1, dtype)
+    costs = graph_costs(graph, machine, t)
+    problem = Problem(graph, costs, machine, 0.0, None)
+    choice = solve_ilp(problem)
+    if choice is None:
+        raise StrategyError(f"no strategy for {type(module).__name__} on a tensor group of {t}")
+    chosen = [costs[n].choices[s] for n, s in enumerate(choice)]
+    optimizer = sum(c.optimizer for c in chosen)
+    total = problem.total(choice) - optimizer
+    b = int(inputs[0].shape[0])
+    split = t if b % t == 0 else 1  # data-parallel operators (norms, the loss) split the batch when they can
+    # norms and the loss (batch split when possible), and the element-wise work between the planned operators
+    # (biases, GELU, the causal mask and scaling of the scores: split with the tensors they follow, taken as split
+    # over the group): memory-bound, forward + backward ~ 3x the traffic
+    other = machine.compute("other", 3.0 * graph.other_flops / split, 3.0 * (
+        2 * graph.other_activation_bytes / split + graph.elementwise_bytes / t))
+    compute = sum(c.compute for c in chosen) - optimizer + other
+    itemsize = inputs[0].element_size()
+    params = (sum(c.param_bytes for c in chosen) + other_param_bytes(module, graph)) / itemsize
+    activations = sum(c.activation_bytes for c in chosen) + graph.other_activation_bytes / split
+    return LayerPlan(t, b, graph, costs, problem, choice, total + other, compute / 3.0, params, activations,
+                     inputs[0].numel() * itemsize / split)
+
+
+@dataclass
+class Candidate:
+    t: int
+    p: int
+    d: int
+    b: int
+    m: int  # micro-batches per step
+    zero: int
+    recompute: bool
+    step: float = 0.0
+    memory: float = 0.0
+    parts: dict = field(default_factory=dict)  # seconds by cause
+    memory_parts: dict = field(default_factory=dict)  # bytes by cause
+
+    @property
+    def bubble(self) -> float:
+        return (self.p - 1) / (self.m + self.p - 1)
+
+    def mesh(self) -> str:
+        return f"dp {self.d} x tp {self.t} x pp {self.p}"
+
+
+@dataclass
+class MeshPlan:
+    config: GPTConfig
+    spec: ClusterSpec
+    devices: int
+    global_batch: int
+    dtype: str
+    best: Candidate
+    ranked: list[Candidate]
+    planner: "_Planner"  # holds the module plans of every (tensor degree, micro-batch) it costed
+    considered: int
+    too_big: int
+    seconds: float
+    memory_limit: float
+
+    @property
+    def model_flops(self) -> float:
+        return self.config.model_flops(self.global_batch)
+
+    def mfu(self, c: Candidate | None = None) -> float:
+        c = c or self.best
+        return self.model_flops / (c.step * self.devices * self.spec.peak(self.dtype))
+
+    def tflops_per_device(self, c: Candidate | None = None, with_recompute: bool = False) -> float:
+        c = c or self.best
+        flops = self.config.model_flops(self.global_batch, recompute=with_recompute and c.recompute)
+        return flops / c.step / self.devices / 1e12
+
+    def explain(self) -> str:
+        c, cfg = self.best, self.config
+        gib = 2**30
+        where = "inside a node" if c.t <= self.spec.devices_per_node else "across nodes"
+        lines = [
+            f"{cfg.describe()}; global batch {self.global_batch} sequences, {self.dtype}",
+            f"on {self.devices} x {self.spec.device_name} ({self.spec.name}: {self.spec.devices_per_node} per node, "
+            f"{math.ceil(self.devices / self.spec.devices_per_node)} nodes); searched {self.considered} plans in "
+            f"{self.seconds:.1f} s, {self.too_big} did not fit {self.memory_limit / gib:.1f} GiB per device",
+            "",
+            f"mesh: {c.mesh()}  (tensor groups {where}, data-parallel groups {c.t} ranks apart, "
+            f"stages {c.t * c.d} ranks apart)",
+            f"pipeline: {c.p} stage(s) of {math.ceil(cfg.layers / c.p)} layers, 1F1B, {c.m} micro-batches of {c.b}; "
+            f"bubble (p-1)/(m+p-1) = {c.bubble:.1%}",
+            f"optimizer sharding: ZeRO level {c.zero}" + (" (off)" if c.zero == 0 else f" over {c.d} replicas")
+            + f"; activation recomputation: {'full' if c.recompute else 'off'}",
+            f"predicted step: {c.step:.3f} s = " + " + ".join(f"{k} {v:.3f}" for k, v in c.parts.items()),
+            f"throughput: {self.global_batch * cfg.seq / c.step:,.0f} tokens/s; {self.tflops_per_device():.0f} "
+            f"TFLOP/s per device of model FLOPs, MFU {self.mfu():.1%}"
+            + (f" ({self.tflops_per_device(with_recompute=True):.0f} TFLOP/s counting recomputation)"
+               if c.recompute else ""),
+            f"memory per device: {c.memory / gib:.1f} GiB = " + " + ".join(
+                f"{k} {v / gib:.1f}" for k, v in c.memory_parts.items()),
+            "",
+            f"one decoder layer on a tensor group of {c.t}, micro-batch {c.b} (every layer the same):",
+        ]
+        lines += _table(self.planner.layer(c.t, c.b).rows())
+        lines.append("output head and loss on the last stage:")
+        lines += _table(self.planner.head(c.t, c.b).rows())
+        lines.append("")
+        lines.append("runners-up:")
+        lines.append(f"  {'mesh':<24} {'micro':>5} {'m':>5} {'ZeRO':>4} {'recomp':>6} {'bubble':>7} {'step s':>8} "
+                     f"{'GiB':>6} {'MFU':>6}")
+        for r in self.ranked[:6]:
+            lines.append(f"  {r.mesh():<24} {r.b:>5} {r.m:>5} {r.zero:>4} {'full' if r.recompute else 'off':>6} "
+                         f"{r.bubble:>7.1%} {r.step:>8.3f} {r.memory / gib:>6.1f} {self.mfu(r):>6.1%}")
+        return "\n".join(lines)
+
+
+def _table(rows: list[tuple]) -> list[str]:
+    head = ("operator", "kind", "shapes", "strategy", "layout")
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(5)]
+    out = ["  " + "  ".join(f"{h:<{w}}" for h, w in zip(head, widths)) + f"  {'compute ms':>10}  {'comm ms':>8}"]
+    for r in rows:
+        out.append("  " + "  ".join(f"{str(v):<{w}}" for v, w in zip(r[:5], widths)) + f"  {r[5]:>10.2f}  {r[6]:>8.2f}")
+    return out
+
+
+class _Planner:
+    def __init__(self, config: GPTConfig, spec: ClusterSpec, dtype: str):
+        self.config, self.spec, self.dtype = config, spec, dtype
+        self.torch_dtype = DTYPES[dtype]
+        self.itemsize = torch.tensor([], dtype=self.torch_dtype).element_size()
+        self._layers: dict = {}
+        self._heads: dict = {}
+        c = config
+        with torch.device("meta"):
+            self.layer_module = GPTLayer(c.hidden, c.heads, c.ffn_size).to(self.torch_dtype)
+            self.head_module = GPTHead(c.hidden, c.vocab).to(self.torch_dtype)
+
+    def layer(self, t: int, b: int) -> LayerPlan:
+        if (t, b) not in self._layers:
+            c = self.config
+            x = torch.empty(b, c.seq, c.hidden, dtype=self.torch_dtype, device="meta")
+            self._layers[(t, b)] = plan_module(self.layer_module, None, (x,), t, self.spec, self.dtype)
+        return self._layers[(t, b)]
+
+    def head(self, t: int, b: int) -> LayerPlan:
+        if (t, b) not in self._heads:
+            c = self.config
+            x = torch.empty(b, c.seq, c.hidden, dtype=self.torch_dtype, device="meta")
+            y = torch.empty(b, c.seq, dtype=torch.long, device="meta")
+            self._heads[(t, b)] = plan_module(self.head_module, TokenLoss(), (x, y), t, self.spec, self.dtype)
+        return self._heads[(t, b)]
+
+    def evaluate(self, k: Candidate) -> None:
+        cfg, spec, itemsize = self.config, self.spec, self.itemsize
+        layer, head = self.layer(k.t, k.b), self.head(k.t, k.b)
+        per_stage = math.ceil(cfg.layers / k.p)
+        boundary = k.b * cfg.seq * cfg.hidden * itemsize
+        # the token embedding is vocabulary-parallel over the tensor group (an all-reduce of its output), a lookup
+        embed_params = cfg.vocab * cfg.hidden / k.t + cfg.seq * cfg.hidden
+        embed_time = 3 * boundary / spec.memory_bandwidth + 2 * spec.collective("all_reduce", boundary, k.t)[0]
+        layer_time = layer.time * (1 + layer.forward / layer.time if k.recompute else 1)
+        first = per_stage * layer_time + embed_time + (head.time if k.p == 1 else 0.0)
+        last = (cfg.layers // k.p) * layer_time + head.time if k.p > 1 else first
+        micro = max(first, last)
+        p2p = 0.0
+        if k.p > 1:  # activation forward, its gradient back; split over the tensor group (scatter-gather)
+            p2p = 2 * spec.collective("all_gather", 2 * boundary / k.t, 2, k.t * k.d)[0]
+        pipeline = (k.m + k.p - 1) * (micro + p2p)
+        # parameters of the largest stage on one device
+        stage_params = max(per_stage * layer.param_count + embed_params + (head.param_count if k.p == 1 else 0),
+                           (cfg.layers // k.p) * layer.param_count + head.param_count)
+        grads = stage_params * itemsize
+        ar = lambda kind, nbytes: spec.collective(kind, nbytes, k.d, k.t)[0]  # noqa: E731
+        backward_last = micro * 2 / 3
+        if k.zero == 0:
+            dp = max(0.0, ar("all_reduce", grads) - backward_last)
+        elif k.zero == 1:
+            dp = max(0.0, ar("reduce_scatter", grads) - backward_last) + ar("all_gather", grads)
+        elif k.zero == 2:
+            dp = k.m * max(0.0, ar("reduce_scatter", grads) - backward_last) + ar("all_gather", grads)
+        else:  # weights gathered for forward and backward, gradients scattered, every micro-batch (prefetched)
+            dp = k.m * max(0.0, 2 * ar("all_gather", grads) + ar("reduce_scatter", grads) - micro)
+        tied = spec.collective("all_reduce", cfg.vocab * cfg.hidden / k.t * itemsize, 2, k.t * k.d * (k.p - 1))[0] \
+            if k.p > 1 else 0.0
+        opt_params = stage_params / (k.d if k.zero >= 1 else 1)
+        optimizer = opt_params * ADAM_TRAFFIC / spec.memory_bandwidth
+        k.parts = {"pipeline": pipeline, "data-parallel sync": dp, "optimizer": optimizer}
+        if tied:
+            k.parts["tied embedding"] = tied
+        k.step = sum(k.parts.values())
+        # memory of the largest stage
+        d = k.d
+        state = {0: stage_params * (WEIGHT_GRAD_BYTES + OPTIMIZER_BYTES),
+                 1: stage_params * (WEIGHT_GRAD_BYTES + OPTIMIZER_BYTES / d),
+                 2: stage_params * (itemsize + (itemsize + OPTIMIZER_BYTES) / d),
+                 3: stage_params * (WEIGHT_GRAD_BYTES + OPTIMIZER_BYTES) / d
+                 + 2 * layer.param_count * itemsize}[k.zero]
+        in_flight = min(k.p, k.m)
+        if k.recompute:
+            acts = in_flight * per_stage * layer.input_bytes + layer.activation_bytes
+        else:
+            acts = in_flight * per_stage * layer.activation_bytes
+        acts += head.activation_bytes if k.p == 1 else 0.0
+        last_acts = head.activation_bytes + (layer.activation_bytes if k.recompute else
+                                             (cfg.layers // k.p) * layer.activation_bytes)
+        k.memory_parts = {"weights+grads+optimizer": state, "activations": max(acts, last_acts) if k.p > 1 else acts}
+        k.memory = sum(k.memory_parts.values())
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    out, v = [], 1
+    while v <= limit:
+        out.append(v)
+        v *= 2
+    return out
+
+
+def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: int, dtype: str = "bf16",
+             memory_limit: float | None = None, max_micro_batch: int = 8, progress=None,
+             fixed: dict | None = None) -> MeshPlan:
+    """The fastest (data, tensor, pipeline, ZeRO, recompute) plan of ``config`` on ``devices`` of ``spec``.
+
+    ``fixed`` pins any of ``tp``, ``pp``, ``micro_batch``, ``zero``, ``recompute`` (e.g. to predict a published
+    configuration); the rest is searched."""
+    fixed = dict(fixed or {})
+    unknown = set(fixed) - {"tp", "pp", "micro_batch", "zero", "recompute"}
+    if unknown:
+        raise ConfigError(f"unknown plan constraint(s): {', '.join(sorted(unknown))}")
+    keep = lambda key, value: fixed.get(key) is None or fixed[key] == value  # noqa: E731
+    start = time.perf_counter()
+    if devices < 1:
+        raise ConfigError(f"the number of devices must be positive, got {devices}")
+    if devices > spec.devices:
+        raise ConfigError(f"{devices} devices need {math.ceil(devices / spec.devices_per_node)} nodes of "
+                          f"{spec.devices_per_node}, but machine {spec.name!r} has nodes = {spec.nodes} "
+                          f"({spec.devices} devices)")
+    if global_batch < 1:
+        raise ConfigError(f"the global batch must be positive, got {global_batch}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+    spec.peak(dtype)
+    limit = memory_limit or spec.memory * MEMORY_HEADROOM
+    planner = _Planner(config, spec, dtype)
+    fitting, smallest, considered = [], None, 0
+    # every divisor of a node, and one step across nodes (two nodes' worth), for the cost model to reject
+    tp_options = [t for t in list(range(1, spec.devices_per_node + 1)) + [2 * spec.devices_per_node]
+                  if (t > spec.devices_per_node or spec.devices_per_node % t == 0) and devices % t == 0
+                  and config.heads % t == 0 and keep("tp", t)]
+    for t in tp_options:
+        for p in range(1, min(config.layers, devices // t) + 1):
+            if (devices // t) % p or not keep("pp", p):
+                continue
+            d = devices // (t * p)
+            if global_batch % d:
+                continue
+            sizes = [fixed["micro_batch"]] if fixed.get("micro_batch") else _powers_of_two(
+                min(max_micro_batch, global_batch // d))
+            for b in sizes:
+                if (global_batch // d) % b:
+                    continue
+                if progress:
+                    progress(f"tp {t} x pp {p} x dp {d}, micro-batch {b}")
+                levels = (0,) if d == 1 else (0, 1) if p > 1 else (0, 1, 2, 3)
+                for zero in [z for z in levels if keep("zero", z)]:
+                    for recompute in [r for r in (False, True) if keep("recompute", r)]:
+                        k = Candidate(t, p, d, b, global_batch // (d * b), zero, recompute)
+                        planner.evaluate(k)
+                        considered += 1
+                        if smallest is None or k.memory < smallest.memory:
+                            smallest = k
+                        if k.memory <= limit:
+                            fitting.append(k)
+    if smallest is None:
+        pinned = "".join(f", {k} {v}" for k, v in fixed.items() if v is not None)
+        raise ConfigError(f"no plan of {devices} devices for global batch {global_batch}{pinned}: the data-parallel "
+                          f"degree must divide the batch, tensor parallelism the heads ({config.heads}) and one "
+                          f"node ({spec.devices_per_node}), the stages the layers ({config.layers})")
+    if not fitting:
+        raise ConfigError(
+            f"{config.describe()} fits nowhere on {devices} x {spec.device_name}: the smallest plan "
+            f"({smallest.mesh()}, micro-batch {smallest.b}, ZeRO {smallest.zero}, recompute "
+            f"{'full' if smallest.recompute else 'off'}) needs {smallest.memory / 2**30:.1f} GiB per device, "
+            f"{limit / 2**30:.1f} GiB usable")
+    fitting.sort(key=lambda k: (k.step, k.memory))
+    best = fitting[0]
+    return MeshPlan(config, spec, devices, global_batch, dtype, best, fitting, planner, considered,
+                    considered - len(fitting), time.perf_counter() - start, limit)

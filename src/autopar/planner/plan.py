@@ -1,0 +1,283 @@
+"""``plan_network``: from a network (and its loss and a sample batch) to a chosen, explained, applicable plan."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from autopar.errors import StrategyError
+from autopar.layout.layout import Layout
+from autopar.planner.costs import OPTIMIZER_SLOTS, NodeCosts, graph_costs
+from autopar.planner.graph import Graph, capture
+from autopar.planner.machine import MachineModel
+from autopar.planner.pipeline_plan import PipelineOption, fits, pipeline_options
+from autopar.planner.search import Problem, search
+
+DDP_BUCKET_BYTES = 25 * 2**20
+# A pipeline replaces a plan that fits only when predicted at least this much faster: its per-micro-batch costs are
+# the least certain part of the model here (bench/sharding.py, 33.6M MLP on 2 CPU ranks: predicted 0.51x data
+# parallel's step, measured 1.08x), and a wrong cut costs a whole training run. Where nothing else fits, it is chosen.
+PIPELINE_MARGIN = 0.75
+
+
+@dataclass
+class Totals:
+    compute: float
+    comm: float  # exposed communication
+    memory: float
+
+    @property
+    def step(self) -> float:
+        return self.compute + self.comm
+
+
+@dataclass
+class Plan:
+    graph: Graph
+    costs: list[NodeCosts]
+    problem: Problem
+    choice: list[int]
+    device_num: int
+    search_mode: str
+    search_seconds: float
+    totals: Totals
+    dp_totals: Totals | None
+    pure_data_parallel: bool
+    reason: str
+    zero: dict = None  # ZeRO level -> Totals of data parallel with that level of optimizer sharding
+    zero_level: str | None = None  # chosen: data parallel on FSDP2 with this level (pure_data_parallel is True)
+    pipelines: list = field(default_factory=list)  # PipelineOption per stage count
+    pipeline_note: str | None = None  # why no pipeline was weighed
+    pipeline: PipelineOption | None = None  # chosen: the network cut into stages (Model.train runs it)
+
+    def chosen(self, n: int):
+        return self.costs[n].choices[self.choice[n]]
+
+    # -- running it -------------------------------------------------------------------------------------------
+    def apply(self, network: torch.nn.Module | None = None) -> None:
+        """Annotate the network's operators/modules with the chosen strategies (nothing for pure data parallel,
+        which then runs on DDP). A strategy the user gave is left as it was. A pipeline is recorded on the network
+        for the training preparation to build."""
+        if self.pipeline is not None:
+            if network is not None:
+                network.__dict__["_autopar_planned_pipeline"] = self.pipeline
+            return
+        if self.pure_data_parallel:
+            if self.zero_level and network is not None:  # data-parallel preparation shards the optimizer so
+                network.__dict__["_autopar_zero_level"] = self.zero_level
+            return
+        from autopar.ops.shard import shard
+
+        for node, n in zip(self.graph.nodes, range(len(self.choice))):
+            if node.fixed is None:
+                strategy = self.chosen(n).strategy
+                shard(node.target, strategy[:2] if node.kind in ("linear", "conv") else strategy)
+
+    def layouts(self) -> dict[str, Layout]:
+        out = {}
+        for n, node in enumerate(self.graph.nodes):
+            plan = self.chosen(n).plan
+            for i, name in enumerate(node.param_names):
+                if name is not None:
+                    out[name] = plan.inputs[i]
+        return out
+
+    # -- explaining it ------------------------------------------------------------------------------------------
+    def explain(self) -> str:
+        rows = []
+        for n, node in enumerate(self.graph.nodes):
+            c = self.chosen(n)
+            comm = self.costs[n].comm(c, self.problem.machine)
+            rows.append((node.name, node.kind, node.shapes_text(), str(c.strategy), c.label, c.compute * 1e3, comm * 1e3,
+                         c.memory / 2**20))
+        widths = [max(len(str(r[i])) for r in rows + [("operator", "kind", "shapes", "strategy", "layout")])
+                  for i in range(5)]
+        head = (f"{'operator':<{widths[0]}}  {'kind':<{widths[1]}}  {'shapes':<{widths[2]}}  {'strategy':<{widths[3]}}  "
+                f"{'layout':<{widths[4]}}  {'compute ms':>10}  {'comm ms':>8}  {'mem MiB':>8}")
+        lines = [f"AUTO_PARALLEL plan on {self.device_num} devices ({self.search_mode}, search {self.search_seconds:.3f}"
+                 f" s, graph capture {self.graph.seconds:.2f} s); machine: {self.problem.machine.source}", head]
+        for r in rows:
+            lines.append(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]:<{widths[3]}}  "
+                         f"{r[4]:<{widths[4]}}  {r[5]:>10.2f}  {r[6]:>8.2f}  {r[7]:>8.1f}")
+        t = self.totals
+        lines.append(f"plan total: step {t.step * 1e3:.1f} ms = compute {t.compute * 1e3:.1f} + communication "
+                     f"{t.comm * 1e3:.1f}; memory {t.memory / 2**20:.1f} MiB per device"
+                     + (f" (limit {self.problem.memory_limit / 2**20:.1f})" if self.problem.memory_limit else ""))
+        if self.dp_totals is not None:
+            d = self.dp_totals
+            lines.append(f"data parallel: step {d.step * 1e3:.1f} ms = compute {d.compute * 1e3:.1f} + exposed "
+                         f"communication {d.comm * 1e3:.1f}; memory {d.memory / 2**20:.1f} MiB per device")
+            for level, z in (self.zero or {}).items():
+                lines.append(f"data parallel + ZeRO {level} ({ZERO_WHAT[level]} sharded over {self.device_num}): "
+                             f"step {z.step * 1e3:.1f} ms = compute {z.compute * 1e3:.1f} + exposed communication "
+                             f"{z.comm * 1e3:.1f}; memory {z.memory / 2**20:.1f} MiB per device")
+        else:
+            lines.append("data parallel: not possible for this network on this many devices")
+        for option in self.pipelines:
+            lines.append(option.describe() + ("" if fits(option, self.problem.memory_limit) else " (does not fit)"))
+        if self.pipeline_note:
+            lines.append(f"pipeline: not weighed -- {self.pipeline_note}")
+        lines.append(f"chosen: {self.reason}")
+        return "\n".join(lines)
+
+
+def other_param_bytes(network: torch.nn.Module, graph: Graph) -> float:
+    covered = {p for node in graph.nodes for p in node.param_names if p}
+    return float(sum(p.numel() * p.element_size() for n, p in network.named_parameters() if n not in covered))
+
+
+def _totals(p: Problem, choice: list[int], other_compute: float) -> Totals:
+    compute = other_compute + sum(p.costs[n].choices[s].compute for n, s in enumerate(choice))
+    return Totals(compute, p.total(choice) - (compute - other_compute), p.used_memory(choice))
+
+
+def _dp_totals(p: Problem, dp: list[int], other_compute: float, other_grad_bytes: float) -> Totals:
+    """Pure data parallel on DDP: gradients all-reduced in buckets while the backward pass runs."""
+    machine, n = p.machine, p.costs[0].device_num
+    grad_bytes = other_grad_bytes + sum(
+        p.costs[k].choices[s].plan.inputs[i].slice_shape and
+        math.prod(p.costs[k].choices[s].plan.inputs[i].slice_shape) * p.graph.nodes[k].itemsize
+        for k, s in enumerate(dp) for i, name in enumerate(p.graph.nodes[k].param_names) if name)
+    buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
+    allreduce = buckets * machine.collective("all_reduce", grad_bytes / buckets, n)
+    fused = machine.optimizer_rate("fused")  # DDP's parameters are plain tensors: the fused optimizer kernel
+    compute = other_compute + sum(p.costs[k].choices[s].compute - p.costs[k].choices[s].optimizer
+                                  + p.costs[k].choices[s].param_bytes / fused for k, s in enumerate(dp))
+    backward = sum(p.costs[k].choices[s].backward for k, s in enumerate(dp))
+    others = sum(p.costs[k].choices[s].act_comm + p.costs[k].boundary_cost(p.costs[k].choices[s], machine)
+                 for k, s in enumerate(dp))
+    return Totals(compute, max(0.0, allreduce - backward) + others, p.used_memory(dp))
+
+
+ZERO_WHAT = {"level1": "optimizer state", "level2": "optimizer state and gradients",
+             "level3": "optimizer state, gradients and weights"}
+
+
+def _zero_totals(p: Problem, dp: list[int], dp_totals: Totals, other_params: float) -> dict[str, Totals]:
+    """Data parallel with the optimizer sharded (FSDP2, :mod:`autopar.parallel.zero.fsdp`), per level.
+
+    Memory at the peak of a step: levels 1 and 2 gather every weight for forward and backward (FSDP2 keeps them
+    until the backward, ``reshard_after_forward=False``) next to the 1/n slices of weights, gradients and state;
+    level 3 holds only the slices plus the largest module's gathered weights and gradient. Time: the weights are
+    all-gathered (level 3: again for the backward) and the gradients reduce-scattered, each overlapping the pass it
+    serves; the optimizer step touches 1/n of the parameters. Considered only when plain data parallel does not fit:
+    where it fits, DDP's bucketed all-reduce measured faster than FSDP2 on every level (bench/sharding.py)."""
+    machine, n = p.machine, p.costs[0].device_num
+    if n <= 1:
+        return {}
+    chosen = [p.costs[k].choices[s] for k, s in enumerate(dp)]
+    params = other_params + sum(c.param_bytes for c in chosen)
+    largest = max([c.param_bytes for c in chosen] + [0.0])
+    fused = params / machine.optimizer_rate("fused")  # what data parallel's totals hold for the step
+    layout = params / machine.optimizer_rate("layout")  # FSDP2's parameters are DTensors: no fused kernel
+    backward = sum(c.backward for c in chosen)
+    forward = dp_totals.compute - backward - fused
+    state = params * (2 + OPTIMIZER_SLOTS)
+    others = dp_totals.memory - state  # activations and what is not a parameter
+    gather = machine.collective("all_gather", params, n)
+    scatter = machine.collective("reduce_scatter", params, n)
+    compute = dp_totals.compute - fused + layout / n
+    out = {}
+    for level in ("level1", "level2", "level3"):
+        if level == "level3":
+            memory = others + state / n + 2 * largest
+            comm = max(0.0, gather - forward) + max(0.0, gather + scatter - backward)
+        else:
+            memory = others + params + state / n
+            comm = max(0.0, gather - forward) + max(0.0, scatter - backward)
+        out[level] = Totals(compute, comm, memory)
+    return out
+
+
+def _fitting(zero: dict[str, Totals], memory_limit: float | None) -> dict[str, Totals]:
+    return {k: z for k, z in zero.items() if memory_limit is None or z.memory <= memory_limit}
+
+
+def plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sample: tuple, device_num: int,
+                 machine: MachineModel, search_mode: str = "dynamic_programming",
+                 memory_limit: float | None = None, pipeline_note: str | None = None) -> Plan:
+    """Capture, cost, search, compare with data parallelism (with and without ZeRO) and pipelines; the result can
+    ``apply()`` and ``explain()``. ``pipeline_note``: why pipelines are not to be weighed (a loop that runs its own
+    backward cannot run one)."""
+    graph = capture(network, loss_fn, sample)
+    costs = graph_costs(graph, machine, device_num)
+    other_params = other_param_bytes(network, graph)
+    const_memory = graph.other_activation_bytes / device_num + other_params * 3
+    problem = Problem(graph, costs, machine, const_memory, memory_limit)
+    user_given = any(node.fixed is not None for node in graph.nodes)
+    dp = problem.dp_choice()
+    other_compute = machine.compute("other", 3.0 * graph.other_flops / device_num)
+    if user_given:
+        pipeline_note = pipeline_note or "the user gave strategies"
+    pipelines: list[PipelineOption] = []
+    if pipeline_note is None and dp is not None:
+        batch = next((t.shape[0] for t in sample if isinstance(t, torch.Tensor) and t.dim()), 0)
+        pipelines, pipeline_note = pipeline_options(network, problem, dp, device_num, batch, other_compute,
+                                                    other_params)
+    best_pipeline = min((o for o in pipelines if fits(o, memory_limit)), key=lambda o: o.step, default=None)
+    try:
+        choice, seconds = search(problem, search_mode)
+    except StrategyError as exc:  # no layout fits: data parallel with its optimizer sharded, or a pipeline, may
+        if user_given or dp is None:
+            raise
+        free = Problem(graph, costs, machine, const_memory, None)
+        dp_totals = _dp_totals(free, dp, other_compute, other_params)
+        zero = _zero_totals(free, dp, dp_totals, other_params)
+        fitting = _fitting(zero, memory_limit)
+        level = min(fitting, key=lambda k: fitting[k].step, default=None)
+        if best_pipeline is not None and (level is None or best_pipeline.step < PIPELINE_MARGIN * fitting[level].step):
+            return Plan(graph, costs, free, dp, device_num, search_mode, 0.0, _as_totals(best_pipeline), dp_totals,
+                        False, f"{best_pipeline.describe()}: no layout of the operators fits the memory limit ({exc})",
+                        zero, None, pipelines, pipeline_note, best_pipeline)
+        if level is None:
+            smallest = min(zero.values(), key=lambda z: z.memory)
+            leanest = sorted(pipelines, key=lambda o: o.memory)[:1]
+            also = "".join(f"; a pipeline of {o.stages} stages needs {o.memory / 2**20:.1f} MiB" for o in leanest)
+            raise StrategyError(f"{exc}; data parallel with ZeRO level3 needs {smallest.memory / 2**20:.1f} MiB"
+                                f"{also}") from None
+        return Plan(graph, costs, free, dp, device_num, search_mode, 0.0, zero[level], dp_totals, True,
+                    f"data parallel + ZeRO {level} ({zero[level].step * 1e3:.1f} ms per step): no layout of the "
+                    f"operators fits the memory limit ({exc})", zero, level, pipelines, pipeline_note)
+    searched = _totals(problem, choice, other_compute)
+    dp_totals = _dp_totals(problem, dp, other_compute, other_params) if dp is not None else None
+    zero = _zero_totals(problem, dp, dp_totals, other_params) if dp is not None and not user_given else {}
+    totals, pure = searched, dp is not None and choice == dp
+    if pure:
+        totals = dp_totals
+        reason = "the search itself chose data parallel for every operator"
+    elif user_given:
+        reason = "the searched plan around the strategies the user gave (kept as given)"
+    elif dp_totals is not None and problem.fits(dp) and dp_totals.step <= searched.step:
+        choice, totals, pure = dp, dp_totals, True
+        reason = (f"data parallel ({dp_totals.step * 1e3:.1f} ms per step, its gradient all-reduce overlapped by the "
+                  f"backward pass) beats the best sharded plan ({searched.step * 1e3:.1f} ms)")
+    elif dp_totals is None:
+        reason = "the searched plan (data parallel is not possible here)"
+    else:
+        why = "does not fit in memory" if not problem.fits(dp) else f"takes {dp_totals.step * 1e3:.1f} ms per step"
+        reason = f"the searched plan ({searched.step * 1e3:.1f} ms per step); data parallel {why}"
+    level = None
+    dp_fits = dp_totals is not None and problem.fits(dp)
+    if zero and not dp_fits:  # data parallel does not fit: with its optimizer sharded it may, and beat the layouts
+        fitting = _fitting(zero, memory_limit)
+        best = min(fitting, key=lambda k: fitting[k].step, default=None)
+        chosen_fits = memory_limit is None or totals.memory <= memory_limit
+        if best is not None and (fitting[best].step < totals.step or not chosen_fits):
+            level, old = best, totals
+            choice, totals, pure = dp, fitting[best], True
+            why = "does not fit" if not chosen_fits else f"takes {old.step * 1e3:.1f} ms"
+            reason = (f"data parallel + ZeRO {best} ({totals.step * 1e3:.1f} ms per step, {totals.memory / 2**20:.1f} "
+                      f"MiB per device); without it: {reason}, which {why}")
+    chosen_fits = memory_limit is None or totals.memory <= memory_limit
+    if best_pipeline is not None and (best_pipeline.step < PIPELINE_MARGIN * totals.step or not chosen_fits):
+        why = "does not fit" if not chosen_fits else f"takes {totals.step * 1e3:.1f} ms"
+        reason = f"{best_pipeline.describe()}; without it: {reason}, which {why}"
+        return Plan(graph, costs, problem, dp, device_num, search_mode, seconds, _as_totals(best_pipeline),
+                    dp_totals, False, reason, zero, None, pipelines, pipeline_note, best_pipeline)
+    return Plan(graph, costs, problem, choice, device_num, search_mode, seconds, totals, dp_totals, pure, reason,
+                zero, level, pipelines, pipeline_note)
+
+
+def _as_totals(option: PipelineOption) -> Totals:
+    return Totals(option.compute, option.comm, option.memory)

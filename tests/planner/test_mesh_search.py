@@ -1,0 +1,219 @@
+"""Planning for clusters you do not have: machine files, hierarchical collectives, a GPT on the meta device, and the
+data x tensor x pipeline x ZeRO search (all on fixed figures, deterministic, no job)."""
+import json
+import math
+import resource
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from autopar.cli.main import main as cli
+from autopar.errors import ConfigError
+from autopar.planner.gpt import GPT, PRESETS, GPTConfig, GPTLayer
+from autopar.planner.graph import capture
+from autopar.planner.hardware import load_cluster, parse_cluster, presets
+from autopar.planner.mesh_search import plan_gpt
+
+A100 = load_cluster("a100-ib")
+
+
+def machine_dict():
+    return json.loads((load_cluster.__globals__["resources"].files("autopar.planner")
+                       .joinpath("machines", "a100-ib.json").read_text()))
+
+
+# ------------------------------------------------------------------------------------------------ machine files
+def test_presets_load_and_every_figure_has_a_source():
+    assert {"a100-ib", "h100-ib"} <= set(presets())
+    for name in presets():
+        spec = load_cluster(name)
+        assert spec.devices_per_node == 8 and spec.peak("bf16") > 1e14
+        sources = json.loads((load_cluster.__globals__["resources"].files("autopar.planner")
+                              .joinpath("machines", name + ".json").read_text()))["sources"]
+        for field in ("device.flops", "device.memory_bytes", "device.memory_bandwidth", "intra_node.bandwidth",
+                      "inter_node.nic_bandwidth", "inter_node.nics_per_node", "device.matmul_efficiency"):
+            assert sources.get(field), f"{name}: no source for {field}"
+
+
+@pytest.mark.parametrize("path, value, message", [
+    ("device.memory_bytes", None, "missing field 'device.memory_bytes'"),
+    ("inter_node.nic_bandwidth", -25e9, "field 'inter_node.nic_bandwidth' must be a positive number, got -2"),
+    ("devices_per_node", 0, "field 'devices_per_node' must be a positive number"),
+    ("devices_per_node", 7.5, "field 'devices_per_node' must be a whole number"),
+    ("device.flops", {"bf16": "fast"}, "field 'device.flops.bf16' must be a positive number"),
+    ("intra_node.efficiency", 1.5, "field 'intra_node.efficiency' is a fraction of peak and must be <= 1"),
+])
+def test_bad_machine_field_is_named(path, value, message):
+    data = machine_dict()
+    node, *_ = data, None
+    parts = path.split(".")
+    for part in parts[:-1]:
+        node = node[part]
+    if value is None:
+        del node[parts[-1]]
+    else:
+        node[parts[-1]] = value
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_cluster(data, "cluster.json")
+
+
+def test_machine_file_errors_are_one_line_on_the_command_line(tmp_path, capsys):
+    bad = tmp_path / "cluster.json"
+    data = machine_dict()
+    del data["inter_node"]["latency"]
+    bad.write_text(json.dumps(data))
+    assert cli(["plan", "gpt", "--size", "1.3b", "-n", "8", "--machine", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == f"autopar: error: {bad}: missing field 'inter_node.latency'"
+    (tmp_path / "broken.json").write_text("{ not json")
+    assert cli(["plan", "gpt", "--size", "1.3b", "-n", "8", "--machine", str(tmp_path / "broken.json")]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    assert cli(["plan", "gpt", "--size", "1.3b", "-n", "8", "--machine", "a100-nvl"]) == 2
+    assert "unknown machine 'a100-nvl'" in capsys.readouterr().err
+
+
+def test_a_user_machine_file_is_used(tmp_path, capsys):
+    data = machine_dict()
+    data["name"], data["nodes"] = "my-cluster", 2
+    (tmp_path / "mine.json").write_text(json.dumps(data))
+    assert cli(["plan", "gpt", "--size", "1.3b", "-n", "16", "--machine", str(tmp_path / "mine.json")]) == 0
+    assert "(my-cluster: 8 per node, 2 nodes)" in capsys.readouterr().out
+    assert cli(["plan", "gpt", "--size", "1.3b", "-n", "24", "--machine", str(tmp_path / "mine.json")]) == 2
+    assert "24 devices need 3 nodes of 8, but machine 'my-cluster' has nodes = 2" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------- hierarchical costs
+def test_collectives_inside_a_node_follow_the_ring_formula():
+    s, n = 1e9, 8
+    t, algo = A100.collective("all_reduce", s, n, 1)
+    expect = 2 * (n - 1) * A100.intra.latency + 2 * (n - 1) / n * s / (A100.intra.bandwidth * A100.intra.efficiency)
+    assert algo == "ring" and t == pytest.approx(expect)
+    ag, _ = A100.collective("all_gather", s, n, 1)
+    assert ag == pytest.approx(t / 2, rel=1e-3)
+
+
+def test_collectives_across_nodes_are_bound_by_the_network_and_pick_tree_or_ring():
+    inside, _ = A100.collective("all_reduce", 1e9, 8, 1)
+    across, _ = A100.collective("all_reduce", 1e9, 8, 8)  # one member per node: one NIC each
+    assert across > 5 * inside
+    nic = A100.inter.bandwidth * A100.inter.efficiency
+    assert across == pytest.approx(2 * 7 / 8 * 1e9 / nic, rel=0.01)
+    # 4 members per node share the node's network on their own NICs: 4x the bandwidth of one
+    four, _ = A100.collective("all_reduce", 1e9, 32, 2)
+    assert four == pytest.approx(2 * 31 / 32 * 1e9 / (4 * nic), rel=0.05)
+    small_many, algo = A100.collective("all_reduce", 1e4, 1024, 1)
+    assert algo == "tree"  # latency-bound across 128 nodes: log2 hops instead of a ring's 2 x 128
+    assert A100.collective("all_reduce", 1e10, 16, 1)[1] == "ring"
+    assert A100.collective("all_reduce", 1e9, 1, 1) == (0.0, "none")
+
+
+# ----------------------------------------------------------------------------------------------- GPT on meta
+def test_gpt_parameter_count_matches_megatron_formula():
+    for cfg in PRESETS.values():
+        l, h, v, s = cfg.layers, cfg.hidden, cfg.vocab, cfg.seq
+        # the formula leaves out the final layer norm (2h)
+        assert cfg.parameters - 2 * h == pytest.approx(12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h)))
+    with torch.device("meta"):
+        model = GPT(GPTConfig(2, 64, 4, seq=16, vocab=100))
+    assert sum(p.numel() for p in model.parameters()) == GPTConfig(2, 64, 4, seq=16, vocab=100).parameters
+
+
+def test_gpt_runs_for_real_and_attention_is_causal():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(2, 32, 4, seq=8, vocab=50))
+    tokens = torch.randint(0, 50, (2, 8))
+    out = model(tokens)
+    assert out.shape == (2, 8, 50)
+    changed = tokens.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % 50
+    assert torch.allclose(model(changed)[:, :-1], out[:, :-1], atol=1e-6)  # the future does not leak back
+
+
+def test_attention_matmuls_and_softmax_are_graph_nodes_with_head_splits_followed_through_views():
+    with torch.device("meta"):
+        layer = GPTLayer(256, 4, 1024)
+        graph = capture(layer, None, (torch.empty(2, 16, 256),))
+    assert [(n.name, n.kind) for n in graph.nodes] == [
+        ("qkv", "linear"), ("scores", "matmul"), ("softmax", "softmax"), ("context", "matmul"),
+        ("proj", "linear"), ("fc1", "linear"), ("fc2", "linear")]
+    # qkv [b, s, 3h] -> [b, s, heads, 3d] -> q [b, heads, s, d]: the heads continue qkv's output dimension
+    assert graph.edge_dims[(0, 1, 0)] == (0, 2, 1, None)
+    assert graph.edge_dims[(3, 4, 0)] == (0, 2, 1)  # context [b, heads, s, d] -> [b, s, h]
+
+
+@pytest.fixture(scope="module")
+def plan_175b():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    plan = plan_gpt(PRESETS["175b"], A100, 1024, 1536)
+    return plan, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+
+
+def test_planning_175b_allocates_nothing_of_its_size(plan_175b):
+    plan, grown_mib = plan_175b
+    assert grown_mib < 500, f"planning grew the process by {grown_mib:.0f} MiB"
+    assert plan.config.parameters > 1.7e11
+    assert plan.best.memory <= plan.memory_limit
+
+
+# ------------------------------------------------------------------------------------------------ the search
+def test_175b_on_1024_gpus_keeps_tensor_parallel_in_a_node_and_explains_itself(plan_175b):
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "autopar.cli.main", "plan", "gpt", "--layers", "96", "--hidden",
+                          "12288", "--seq", "2048", "--global-batch", "1536", "-n", "1024", "--machine", "a100-ib"],
+                         capture_output=True, text=True, timeout=120)
+    seconds = time.perf_counter() - start
+    assert out.returncode == 0, out.stderr
+    assert seconds < 60
+    text = out.stdout
+    for expect in ("mesh: dp ", "pipeline: ", "bubble (p-1)/(m+p-1)", "MFU", "memory per device:",
+                   "one decoder layer on a tensor group of", "qkv", "softmax", "runners-up:"):
+        assert expect in text, expect
+    plan = plan_175b[0]
+    b = plan.best
+    assert b.t * b.p * b.d == 1024 and b.t <= A100.devices_per_node  # two nodes' worth was costed and lost
+    across = plan_gpt(PRESETS["175b"], A100, 1024, 1536, fixed={"tp": 16, "pp": 4})
+    assert "tensor groups across nodes" in across.explain() and across.best.step > b.step
+    assert 0.2 < plan.mfu() < 0.8
+    assert b.step == pytest.approx(sum(b.parts.values()))
+
+
+def test_a_model_that_fits_one_device_trains_data_parallel():
+    plan = plan_gpt(GPTConfig(12, 768, 12, seq=1024), A100, 8, 64)  # GPT-2 small
+    assert (plan.best.t, plan.best.p, plan.best.d) == (1, 1, 8), plan.explain()
+
+
+def test_a_model_too_big_for_data_parallel_gets_sharded_and_the_bubble_is_consistent():
+    cfg = PRESETS["13b"]  # 13B x 16 bytes = 208 GB of state: no device holds it whole
+    plan = plan_gpt(cfg, A100, 32, 256)
+    b = plan.best
+    assert b.t > 1 or b.p > 1 or b.zero >= 1
+    assert not any(c.t == 1 and c.p == 1 and c.zero == 0 for c in plan.ranked)
+    for c in plan.ranked:
+        assert c.bubble == pytest.approx((c.p - 1) / (c.m + c.p - 1))
+        assert c.memory <= plan.memory_limit
+
+
+def test_pinned_parts_are_kept_and_a_pipeline_costs_its_bubble():
+    cfg = PRESETS["13b"]
+    one = plan_gpt(cfg, A100, 64, 512, fixed={"tp": 8, "pp": 2, "micro_batch": 1, "recompute": True, "zero": 0})
+    assert (one.best.t, one.best.p, one.best.b, one.best.recompute) == (8, 2, 1, True)
+    assert one.best.m == 512 // (4 * 1)
+    assert math.isclose(one.best.bubble, 1 / (128 + 1))
+
+
+def test_a_model_that_fits_nowhere_names_its_smallest_need():
+    with pytest.raises(ConfigError, match=r"fits nowhere on 8 x A100-SXM4-80GB: the smallest plan \(.*\) needs "
+                                          r"\d+\.\d GiB per device, 72\.0 GiB usable"):
+        plan_gpt(PRESETS["175b"], A100, 8, 64)
+    with pytest.raises(ConfigError, match="data-parallel degree must divide the batch"):
+        plan_gpt(PRESETS["1.3b"], A100, 8, 3, fixed={"tp": 1, "pp": 1})
+
+
+def test_gpt_plan_on_this_host_uses_the_local_model(capsys):
+    assert cli(["plan", "gpt", "--layers", "2", "--hidden", "256", "--seq", "64", "--global-batch", "8", "-n", "2",
+                "--no-calibrate"]) == 0
+    text = capsys.readouterr().out
+    assert "CPU worker (this host" in text and ", fp32" in text
