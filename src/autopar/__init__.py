@@ -56,7 +56,17 @@ def _install_first_call_hooks() -> None:
     install()
 
 
+def _remove_first_call_hooks() -> None:
+    import sys
+
+    entry = sys.modules.get("autopar.parallel.entry")  # never installed: nothing to remove (and nothing to import)
+    if entry is not None:
+        entry.uninstall()
+
+
+# inert until a parallel mode is set: torch's global hooks are installed then, and removed on reset
 context.on_parallel_mode(_install_first_call_hooks)
+context.on_reset(_remove_first_call_hooks)
 
 # name -> "module:attribute", imported on first access (PEP 562)
 _LAZY = {

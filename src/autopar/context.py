@@ -217,6 +217,13 @@ def _warn_not_applied(key: str, value: Any) -> None:
 
 
 _mode_listeners: list = []
+_reset_listeners: list = []
+
+
+def on_reset(listener) -> None:
+    """Call ``listener()`` when the parallel context is reset (a higher layer removes what it installed)."""
+    if listener not in _reset_listeners:
+        _reset_listeners.append(listener)
 
 
 def on_parallel_mode(listener) -> None:
@@ -253,8 +260,8 @@ class ScopedFlag:
         return getattr(self._local, "depth", 0) > 0
 
 
-# Calls made by autopar itself (a training step of ``Model``, the planner's trace): the networks inside are already
-# taken care of and must not parallelize themselves on the side.
+# Calls inside run as they are: no network parallelizes itself on its first call (autopar's own traces and pipeline
+# schedules; a user's one-process reference inside a parallel job: ``with autopar.context.managed(): ref(x)``).
 managed = ScopedFlag()
 is_managed = managed.on
 
@@ -282,8 +289,12 @@ def _communication_default(key: str) -> int:
 
 
 def reset_auto_parallel_context() -> None:
+    """Back to MindSpore's defaults (stand-alone); what a parallel mode installed process-wide (the first-call
+    hooks) is removed. Networks parallelized before keep training as they were set up."""
     global _auto
     _auto = _AutoParallelContext()
+    for listener in list(_reset_listeners):
+        listener()
 
 
 def auto_parallel_context() -> _AutoParallelContext:

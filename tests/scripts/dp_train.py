@@ -10,9 +10,9 @@ import torch
 
 import autopar
 import autopar.dataset as ds
-import autopar.parallel.data.replicas as dp
 from autopar.comm.host_memory import HostGroup
 from autopar.nn import Momentum
+from autopar.parallel.grads.buckets import GroupTransport
 from autopar.train import Model
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -22,15 +22,15 @@ out, mean, accum, batch = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), int
 autopar.set_auto_parallel_context(parallel_mode="data_parallel", gradients_mean=mean, parameter_broadcast=True)
 autopar.init()
 calls = [0]
-original_hook = dp._sum_hook
+original_reduce = GroupTransport.reduce
 
 
-def counting_hook(state, bucket):
+def counting_reduce(self, *args, **kwargs):
     calls[0] += 1
-    return original_hook(state, bucket)
+    return original_reduce(self, *args, **kwargs)
 
 
-dp._sum_hook = counting_hook
+GroupTransport.reduce = counting_reduce
 host_calls = [0]
 original_range = HostGroup.all_reduce_range
 
@@ -48,6 +48,6 @@ torch.manual_seed(autopar.get_rank())  # different init per rank: parameter_broa
 net = make_net()
 model = Model(net, torch.nn.CrossEntropyLoss(), Momentum(net.parameters(), 0.1, 0.9), grad_accumulation_steps=accum)
 model.train(1, data, dataset_sink_mode=True, sink_size=3 * accum)
-print(f"RANK {autopar.get_rank()} SUM_HOOK_CALLS {calls[0]} SHARED_MEMORY_SUMS {host_calls[0]}", flush=True)
+print(f"RANK {autopar.get_rank()} GROUP_SUMS {calls[0]} SHARED_MEMORY_SUMS {host_calls[0]}", flush=True)
 if autopar.get_rank() == 0:
     torch.save({k: v.detach().clone() for k, v in net.state_dict().items()}, out)

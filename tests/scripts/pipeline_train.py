@@ -20,7 +20,7 @@ import autopar
 from autopar import nn
 from autopar.communication import get_group_size, get_rank, init
 from autopar.errors import ConfigError
-from autopar.parallel.pipeline.runner import PipelineParallel
+from autopar.parallel.pipeline import PipelineParallel, pipeline_of
 from autopar.train import Model
 from autopar.train.callbacks import Callback
 
@@ -117,7 +117,7 @@ for scheduler in ("1f1b", "gpipe"):
                           optimizer=opt)
             cb = Losses()
             model.train(1, [replica_batch(s) for s in range(5)], callbacks=[cb])
-            runner = net.__dict__["_autopar_pipeline"]
+            runner = pipeline_of(net)
             results[key] = {"loss_diff": max(abs(a - b) for a, b in zip(cb.values, refs[opt_name][0])),
                             "param_diff": stage_diff(runner, refs[opt_name][1]),
                             "stage": runner.stage_index}
@@ -139,7 +139,7 @@ for scheduler in ("1f1b", "gpipe"):  # interleaved: two pieces per rank (Interle
                       optimizer=OPTIMIZERS["SGD"](net.parameters()))
         cb = Losses()
         model.train(1, [replica_batch(s) for s in range(5)], callbacks=[cb])
-        runner = net.__dict__["_autopar_pipeline"]
+        runner = pipeline_of(net)
         results[key] = {"loss_diff": max(abs(a - b) for a, b in zip(cb.values, refs["SGD"][0])),
                         "param_diff": stage_diff(runner, refs["SGD"][1]), "stage": runner.stage_index,
                         "pieces": len(list(runner.stage_module.children())) if runner.virtual_stages > 1 else 1}

@@ -20,7 +20,7 @@ import autopar.ops as ops
 from autopar import Parameter, Tensor
 from autopar.communication import get_group_size, get_rank, init
 from autopar.errors import StrategyError
-from autopar.parallel.api import finish_gradients, parallelize
+from autopar.parallel.api import parallelize
 from autopar.train import Model
 
 
@@ -176,9 +176,7 @@ def run_direct(kind, strategy):
         x, y = torch.tensor(X[step]), torch.tensor(Y[step])
         out = net(x[rows])
         ((out - y[rows]) ** 2).mean().backward()
-        if kind == "semi" and not bare:
-            finish_gradients(net)  # a no-op now (hooks complete the gradients); loops that still call it stay exact
-        # hybrid: nothing either -- the layerwise gradient is divided by the world size (gradients_mean) by its hook
+        # hybrid: the layerwise gradient is divided by the world size (gradients_mean) by its hook
         worst["out"] = max(worst["out"], (out - REF[0][step][rows]).abs().max().item())
         worst["grad"] = max(worst["grad"], (gather(net.weight.grad) - REF[1][step]).abs().max().item())
         opt.step()
@@ -221,7 +219,6 @@ def run_ops():
     net, ref = OpsNet(), OpsNet()
     out = net(x, labels)
     out.sum().backward()
-    finish_gradients(net)
     ref_out = ref.forward(x, labels)  # forward() bypasses the parallel runtime: plain local computation
     ref_out.sum().backward()
     rows = slice(rank * 8 // n, (rank + 1) * 8 // n)

@@ -37,8 +37,8 @@ def reference(batch: int, steps: int = 3, scale: float = 1.0, accum: int = 1):
 
 
 def run_dp(procs, tmp_path, mean: bool, accum: int, batch: int, world: int = 2, engine: str = "shared_memory"):
-    """Returns rank 0's parameters and how many times it summed gradients: buckets through the engine's path (DDP's
-    sum hook on gloo; ranges of the shared segment)."""
+    """Returns rank 0's parameters and how many times it summed gradients through the engine's transport (buckets
+    all-reduced on gloo; ranges of the shared segment), and through the other one."""
     out = tmp_path / "params.pt"
     env = procs.env(AUTOPAR_SHARED_MEMORY="1" if engine == "shared_memory" else "0")
     res = procs.run(autopar_cmd("launch", "-n", str(world), "--log-dir", str(tmp_path / "logs"),
@@ -46,7 +46,7 @@ def run_dp(procs, tmp_path, mean: bool, accum: int, batch: int, world: int = 2, 
                     timeout=180, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     log = (tmp_path / "logs" / "worker_0.log").read_text()
-    hook, host = (int(c) for c in re.search(r"SUM_HOOK_CALLS (\d+) SHARED_MEMORY_SUMS (\d+)", log).groups())
+    hook, host = (int(c) for c in re.search(r"GROUP_SUMS (\d+) SHARED_MEMORY_SUMS (\d+)", log).groups())
     return torch.load(out), (host if engine == "shared_memory" else hook), (hook if engine == "shared_memory" else host)
 
 
@@ -65,8 +65,8 @@ def test_two_ranks_equal_one_process_on_the_global_batch(procs, tmp_path, mean, 
     # sum (MindSpore's default): the sum of 2 ranks' mean-loss gradients = twice the global-batch gradient.
     ref = reference(batch=8, scale=1.0 if mean else 2.0)
     assert max_diff(params, ref) <= 1e-5
-    # one bucket per step; DDP's sum hook runs only in sum mode (mean is its built-in path); the other engine idle
-    assert calls == (0 if mean and engine == "gloo" else 3) and other == 0
+    # one bucket per step, through the engine's transport; the other one idle
+    assert calls == 3 and other == 0
 
 
 @pytest.mark.parametrize("engine", ENGINES)

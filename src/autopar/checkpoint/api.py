@@ -55,7 +55,9 @@ def save_checkpoint(save_obj: torch.nn.Module, ckpt_file_name: str | os.PathLike
 
 def layouts_of(network: torch.nn.Module) -> dict:
     """Every parameter's Layout (as dicts) -- the strategy a checkpoint carries."""
-    runtime = getattr(network, "_autopar_runtime", None)
+    from autopar.parallel.api import runtime_of
+
+    runtime = runtime_of(network)
     if runtime is not None:
         return {k: v.to_dict() for k, v in runtime.layouts().items()}
     from autopar.layout.layout import Layout

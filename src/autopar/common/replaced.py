@@ -11,11 +11,14 @@ parallel layer) and by autopar's own optimizers. It sits at the bottom of the ho
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 _replacement: WeakIdKeyDictionary = WeakIdKeyDictionary()  # original parameter -> the one that trains now
 _generation = 0  # bumped on every replacement: an optimizer remapped at this generation needs no new look
+_seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> the generation it was remapped at
 
 
 def record(original: torch.Tensor, replacement: torch.Tensor) -> None:
@@ -35,9 +38,9 @@ def resolve(param: torch.Tensor) -> torch.Tensor:
 
 def remap_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Point ``optimizer``'s groups and state at the replacements of the parameters it holds."""
-    if getattr(optimizer, "_autopar_generation", -1) == _generation:
+    if _seen.get(optimizer, -1) == _generation:
         return
-    optimizer._autopar_generation = _generation
+    _seen[optimizer] = _generation
     if not len(_replacement):
         return
     for group in optimizer.param_groups:

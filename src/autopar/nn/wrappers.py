@@ -53,7 +53,7 @@ class PipelineCell(Cell):
     def construct(self, *inputs: Any) -> torch.Tensor:
         from autopar import context as _context
 
-        if _context.auto_parallel_context().pipeline_stages > 1 and not _context.is_managed():
+        if _context.auto_parallel_context().pipeline_stages > 1:
             raise TrainingError("with pipeline_stages > 1 a PipelineCell trains through Model.train (the pipeline "
                                 "runs forward and backward together); or use autopar.PipelineParallel")
         chunks = [t.tensor_split(self.micro_size) if isinstance(t, torch.Tensor) else [t] * self.micro_size

@@ -2,22 +2,35 @@
 
 An operator is a ``torch.nn.Module``: it appears in ``named_modules()`` (so the parallel layer can find every
 operator and its shard strategy), is callable in ``construct``, and holds no parameters itself. How an operator
-*executes* under a parallel mode is not decided here: the parallel layer installs an executor (see
-:func:`set_executor`), keeping imports flowing one way (parallel -> ops).
+*executes* under a parallel mode is not decided here: while a parallel network runs (or the planner traces one),
+that layer runs it inside :func:`executing`, keeping imports flowing one way (parallel -> ops). Outside, an operator
+computes locally, as in PyNative mode.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import threading
+from typing import Any, Callable, Iterator
 
 import torch
 
-# The parallel layer replaces this with its sharded executor; the default runs the op locally.
-_executor: Callable[["Primitive", tuple, dict], Any] | None = None
+_local = threading.local()  # the executors in force on this thread, innermost last
 
 
-def set_executor(executor: Callable[["Primitive", tuple, dict], Any] | None) -> None:
-    global _executor
-    _executor = executor
+@contextlib.contextmanager
+def executing(executor: Callable[["Primitive", tuple, dict], Any]) -> Iterator[None]:
+    """Operators called inside run through ``executor(op, args, kwargs)``."""
+    stack = _local.__dict__.setdefault("stack", [])
+    stack.append(executor)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def current_executor() -> Callable[["Primitive", tuple, dict], Any] | None:
+    stack = getattr(_local, "stack", None)
+    return stack[-1] if stack else None
 
 
 class Primitive(torch.nn.Module):
@@ -35,8 +48,9 @@ class Primitive(torch.nn.Module):
         raise NotImplementedError
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if _executor is not None:
-            return _executor(self, args, kwargs)
+        executor = current_executor()
+        if executor is not None:
+            return executor(self, args, kwargs)
         return self.compute(*args, **kwargs)
 
     def extra_repr(self) -> str:

@@ -97,3 +97,16 @@ def shard(module: Any, in_strategy: Any, out_strategy: Any = None) -> Any:
         module._autopar_op = base
         module.__class__ = _sharded_class(type(module))
     return module
+
+
+def has_strategies(*modules: torch.nn.Module | None) -> bool:
+    """Does any operator or module carry a shard strategy?"""
+    for root in modules:
+        if not isinstance(root, torch.nn.Module):  # None, or a loss given as a function
+            continue
+        for m in root.modules():
+            if getattr(m, "_autopar_op", None) is not None:
+                return True
+            if isinstance(m, ShardablePrimitive) and m.strategy is not None:
+                return True
+    return False

@@ -1,19 +1,22 @@
 """A network parallelizes itself on its first call: the user's loop needs nothing from autopar.
 
 MindSpore compiles a network for the parallel context when it is first called; torch users call ``DDP(model)`` or
-``fully_shard(model)`` first. Here neither is needed: once a parallel mode is set (``set_auto_parallel_context``),
+``fully_shard(model)`` first. Here neither is needed: while a parallel mode is set (``set_auto_parallel_context``),
 torch's global module hooks watch for the first *outermost* call -- a module called while no other module is
-running -- of a network in a parallel mode after ``init()``, and parallelize it in place
-(:func:`autopar.parallel.api.parallelize`): SEMI_AUTO/AUTO lay its parameters out, DATA/HYBRID attach gradient hooks.
+running -- of a network after ``init()``, and parallelize it in place (:func:`autopar.parallel.api.attach`).
 A global optimizer step pre-hook moves any optimizer onto the parameters that train now (one made before the first
-forward holds the originals). Calls that autopar makes itself (``Model``'s steps, the planner's trace) run inside
-``context.managed()`` and are left alone, as are operators called outside a network, training wrappers (``TrainOneStepCell``: the network inside is the
-one to parallelize), modules without trainable parameters or strategies (losses, metrics), torch's own parallel
-wrappers (DDP, FSDP: the user chose them), and gradient-free calls in the data-parallel modes (evaluation).
+forward holds the originals) and gives it the fused kernel where that is a speed default (:mod:`autopar.perf`).
+
+Left alone: networks already parallelized (their state says how they run), calls autopar makes itself while
+:func:`suspended` (the planner's trace, a pipeline's stages), operators called outside a network, training wrappers
+(``TrainOneStepCell``: the network inside is the one to parallelize), modules without trainable parameters or
+strategies (losses, metrics), torch's own parallel wrappers (DDP, FSDP: the user chose them), and gradient-free calls
+in the data-parallel modes (evaluation). The hooks are removed by ``reset_auto_parallel_context()``.
 """
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 from torch.nn.modules import module as _module
@@ -23,19 +26,35 @@ from autopar import context as _context
 from autopar.comm import management as _comm
 from autopar.common.replaced import remap_optimizer
 
-_state = threading.local()
-_installed = False
+_state = threading.local()  # depth of module calls on this thread
+_handles: list = []
+_tuned: weakref.WeakSet = weakref.WeakSet()  # optimizers the step pre-hook has looked at
 
 
 def install() -> None:
-    """Idempotent; called when a parallel mode is first set (``context.on_parallel_mode``)."""
-    global _installed
-    if _installed:
+    """Idempotent; called when a parallel mode is set (``context.on_parallel_mode``)."""
+    if _handles:
         return
-    _installed = True
-    _module.register_module_forward_pre_hook(_pre)
-    _module.register_module_forward_hook(_post, always_call=True)
-    register_optimizer_step_pre_hook(_before_step)
+    _handles.append(_module.register_module_forward_pre_hook(_pre))
+    _handles.append(_module.register_module_forward_hook(_post, always_call=True))
+    _handles.append(register_optimizer_step_pre_hook(_before_step))
+
+
+def uninstall() -> None:
+    """Remove the global hooks (``reset_auto_parallel_context``); networks parallelized before keep their state."""
+    while _handles:
+        _handles.pop().remove()
+    _state.depth = 0
+
+
+def installed() -> bool:
+    return bool(_handles)
+
+
+def suspended():
+    """Calls autopar makes itself (a trace, a pipeline schedule) -- or a user's reference computed in one process
+    (``autopar.context.managed()``, the same flag): no network parallelizes itself inside."""
+    return _context.managed()
 
 
 def _is_wrapper(module: torch.nn.Module) -> bool:
@@ -51,16 +70,20 @@ def _pre(module: torch.nn.Module, args: tuple):
         return None
     if not _comm.is_initialized():
         return None
-    state = module.__dict__
-    runtime = state.get("_autopar_runtime")
-    if runtime is not None:
-        if runtime.is_root(module):
-            return None  # its own hooks run this call
+    from autopar.parallel.state import state_of
+
+    state = state_of(module)
+    if state is None:
+        return _first_call(module, args)
+    runtime = state.runtime
+    if runtime is not None and not runtime.is_root(module):
         runtime.add_root(module)  # e.g. the backbone of a WithLossCell that trained first: same parameters
         return runtime.enter_first_call(module, args)
-    if "_autopar_sync" in state:
-        return None
-    return _first_call(module, args)
+    for engine in state.engines:  # a part of the network called on its own: its outputs end the backward too
+        watch = getattr(engine, "watch_once", None)
+        if watch is not None:
+            watch(module)
+    return None
 
 
 def _post(module: torch.nn.Module, args: tuple, output):
@@ -79,23 +102,29 @@ def _first_call(module: torch.nn.Module, args: tuple):
         return None
     if isinstance(module, Primitive):  # an operator called outside any network runs locally, as in PyNative
         return None
-    layouts = api._layout_mode(module)
     trainable = any(p.requires_grad for p in module.parameters())
-    if not layouts:
-        if trainable and torch.is_grad_enabled():
-            api.parallelize(module)
-            from autopar.parallel.zero import fsdp as optimizer_shard
-
-            if optimizer_shard.is_sharded(module):  # sharded inside its own call: FSDP's root pre-forward by hand
-                return optimizer_shard.enter_first_call(module, args)
-        return None
     if not trainable and not api.has_strategies(module):
         return None
-    api.parallelize(module, sample=list(args))
-    runtime = api.runtime_of(module)
-    return runtime.enter_first_call(module, args) if runtime is not None else None
+    ctx = _context.auto_parallel_context()
+    if not api.lays_out(module, None, ctx) and not torch.is_grad_enabled():
+        return None  # evaluation in the data-parallel modes: replicas compute alone
+    state = api.attach(module, sample=list(args))
+    if state.zero_level:  # sharded inside its own call: FSDP's root pre-forward by hand
+        from autopar.parallel.zero.fsdp import enter_first_call
+
+        return enter_first_call(module, args)
+    if state.runtime is not None:
+        return state.runtime.enter_first_call(module, args)
+    return None
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args, kwargs):
     remap_optimizer(optimizer)
+    if optimizer not in _tuned:
+        _tuned.add(optimizer)
+        from autopar.parallel.grads.engine import owner_of
+        from autopar.perf.tuning import tune_optimizer
+
+        if any(owner_of(p) is not None for g in optimizer.param_groups for p in g["params"]):
+            tune_optimizer(optimizer)  # the speed defaults Model applies, for the plain loop too
     return None

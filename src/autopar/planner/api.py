@@ -1,4 +1,5 @@
-"""AUTO_PARALLEL inside a job: plan on rank 0 with the calibrated machine, broadcast, apply, report."""
+"""AUTO_PARALLEL inside a job: plan on rank 0 with the calibrated machine, broadcast, report -- and return the plan
+(the runtime applies it: :func:`autopar.parallel.api.attach`)."""
 from __future__ import annotations
 
 import os
@@ -21,7 +22,7 @@ def _global_batch(sample: list) -> tuple:
     return tuple(all_gather(t.detach()) if isinstance(t, torch.Tensor) and t.dim() >= 1 else t for t in sample)
 
 
-def plan_and_apply(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sample: list) -> Plan:
+def make_plan(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sample: list) -> Plan:
     ctx = _context.auto_parallel_context()
     machine = load_or_calibrate()
     limit = ctx.max_device_memory or _context.run_context().max_device_memory or machine.memory_per_device
@@ -34,7 +35,6 @@ def plan_and_apply(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sa
         box = [plan.choice if dist.get_rank() == 0 else None, plan.pure_data_parallel, plan.zero_level, plan.pipeline]
         dist.broadcast_object_list(box, src=0)
         plan.choice, plan.pure_data_parallel, plan.zero_level, plan.pipeline = box
-    plan.apply(network)
     if not dist.is_initialized() or dist.get_rank() == 0:
         _report(plan)
     if ctx.strategy_ckpt_save_file:

@@ -157,6 +157,7 @@ class Tracer:
         self.names = {id(m): n for n, m in network.named_modules()}
         self.param_names = {id(p): n for n, p in network.named_parameters()}
         self.handles: list = []
+        self._open: dict[int, OpNode] = {}  # id(module) -> the node its call opened (closed by the post hook)
 
     # -- sources ----------------------------------------------------------------------------------------------
     def _src(self, t: torch.Tensor) -> Any:
@@ -210,15 +211,15 @@ class Tracer:
             op = module._autopar_op if isinstance(module, _Sharded) else (
                 LinearOp() if kind == "linear" else Conv2dOp(module._conv_forward, module.groups))
             fixed = op.strategy if isinstance(module, _Sharded) else None
-            module._autopar_trace_node = self.add_node(self.names.get(id(module), type(module).__name__), kind,
-                                                       module, op.spec(*tensors), tensors, fixed)
+            self._open[id(module)] = self.add_node(self.names.get(id(module), type(module).__name__), kind,
+                                                   module, op.spec(*tensors), tensors, fixed)
         else:
             if not isinstance(module, LAYOUT_TRANSPARENT):
                 self._consume_dp([a for a in args if isinstance(a, torch.Tensor)])
 
     def _module_post(self, module, args, out):
         self.depth -= 1
-        node = module.__dict__.pop("_autopar_trace_node", None)
+        node = self._open.pop(id(module), None)
         if node is not None:
             self.finish_node(node, out, getattr(module, "groups", 1))
             return
@@ -317,10 +318,8 @@ class Tracer:
                 continue
             self.handles.append(module.register_forward_pre_hook(self._module_pre))
             self.handles.append(module.register_forward_hook(self._module_post))
-        previous = _primitive._executor
-        _primitive.set_executor(lambda op, args, kwargs: self.primitive(op, args, kwargs))
         try:
-            with torch.no_grad(), _Recorder(self):
+            with torch.no_grad(), _Recorder(self), _primitive.executing(self.primitive):
                 for t in inputs:
                     if isinstance(t, torch.Tensor):
                         self._set(t, DP)
@@ -328,7 +327,6 @@ class Tracer:
                 self._consume_dp([t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)])
                 return out
         finally:
-            _primitive.set_executor(previous)
             for h in self.handles:
                 h.remove()
 
@@ -342,11 +340,8 @@ def capture(network: torch.nn.Module, loss_fn: torch.nn.Module | None, inputs: t
     was_training = root.training
     root.eval()  # no BatchNorm statistics are touched by the trace
     tracer = Tracer(root)
-    from autopar.context import managed
-
     try:
-        with managed():
-            tracer.run(root, *inputs)
+        tracer.run(root, *inputs)
     finally:
         root.train(was_training)
     batch = int(inputs[0].shape[0]) if inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() else 1

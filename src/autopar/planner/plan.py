@@ -55,24 +55,18 @@ class Plan:
         return self.costs[n].choices[self.choice[n]]
 
     # -- running it -------------------------------------------------------------------------------------------
-    def apply(self, network: torch.nn.Module | None = None) -> None:
-        """Annotate the network's operators/modules with the chosen strategies (nothing for pure data parallel,
-        which then runs on DDP). A strategy the user gave is left as it was. A pipeline is recorded on the network
-        for the training preparation to build."""
-        if self.pipeline is not None:
-            if network is not None:
-                network.__dict__["_autopar_planned_pipeline"] = self.pipeline
-            return
-        if self.pure_data_parallel:
-            if self.zero_level and network is not None:  # data-parallel preparation shards the optimizer so
-                network.__dict__["_autopar_zero_level"] = self.zero_level
-            return
-        from autopar.ops.shard import shard
-
+    def strategies(self) -> list[tuple[torch.nn.Module, tuple]]:
+        """``(operator or module, strategy)`` for every operator the search chose (one a user annotated is left
+        out): what ``autopar.shard`` applies -- the strategies a user could have written. Empty for pure data
+        parallel and for a pipeline."""
+        if self.pipeline is not None or self.pure_data_parallel:
+            return []
+        out = []
         for node, n in zip(self.graph.nodes, range(len(self.choice))):
             if node.fixed is None:
                 strategy = self.chosen(n).strategy
-                shard(node.target, strategy[:2] if node.kind in ("linear", "conv") else strategy)
+                out.append((node.target, strategy[:2] if node.kind in ("linear", "conv") else strategy))
+        return out
 
     def layouts(self) -> dict[str, Layout]:
         out = {}

@@ -16,7 +16,7 @@ import torch
 
 from autopar import context as _context
 from autopar.comm import management as _comm
-from autopar.context import log_dir, managed
+from autopar.context import log_dir
 from autopar.errors import ConfigError, TrainingError
 from autopar.labels import call_loss, class_indices
 from autopar.train.callbacks import (
@@ -128,8 +128,7 @@ class Model:
                 raise ConfigError("with a loss_fn the dataset must yield (inputs..., label)")
             inputs = inputs[:-1] + [class_indices(inputs[-1])]
         prepared = self._prepare()
-        # the network and loss are prepared by Model: no Cell parallelizes itself on the side
-        with managed(), self._precision.autocast():
+        with self._precision.autocast():
             return prepared.forward_loss(inputs)
 
     # -- one step ----------------------------------------------------------------------------------------------
@@ -138,7 +137,7 @@ class Model:
         inputs = self._to_device(batch)
         self._micro_step += 1
         last = self._micro_step % self._accumulation == 0
-        sync = prepared.no_sync if not last else _null
+        sync = prepared.no_sync if not last else contextlib.nullcontext
         if prepared.runs_backward:  # the pipeline: forward and backward over the micro-batches in one schedule
             if self._accumulation > 1:
                 raise ConfigError("grad_accumulation_steps with pipeline_stages: the pipeline's micro_size already "
@@ -151,10 +150,8 @@ class Model:
             loss = self._forward_loss(inputs)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TrainingError(f"the loss must be a scalar tensor, got {getattr(loss, 'shape', loss)!r}")
-            with managed():  # DDP reduces Model's steps; gradient hooks a plain loop added stand aside
-                self._precision.backward(loss / self._accumulation if self._accumulation > 1 else loss)
+            self._precision.backward(loss / self._accumulation if self._accumulation > 1 else loss)
         if last:
-            prepared.after_backward()
             self._precision.step(self._optimizer)
             self._optimizer.zero_grad(set_to_none=True)
         return loss.detach()
@@ -285,13 +282,12 @@ class Model:
         with torch.no_grad():
             for batch in _epoch_batches(valid_dataset, 0):
                 inputs = self._to_device(batch)
-                with managed() if prepared.runtime is None else contextlib.nullcontext(), self._precision.autocast():
+                with self._precision.autocast():
                     logits = network(*inputs[:-1])
                 inputs[-1] = class_indices(inputs[-1])
                 if full_batch:  # every rank loaded the whole batch; the network returned this rank's share
                     inputs[-1] = inputs[-1].chunk(prepared.world_size)[_comm.get_rank()]
-                with managed():
-                    loss = call_loss(self._loss_fn, logits, inputs[-1]) if self._loss_fn is not None else None
+                loss = call_loss(self._loss_fn, logits, inputs[-1]) if self._loss_fn is not None else None
                 for metric in self._metrics.values():
                     if isinstance(metric, Loss):
                         metric.update(logits, inputs[-1], loss)
@@ -331,20 +327,7 @@ class Model:
         network.eval()
         prepared = self._prepare()
         prepared.sync_parameters()
-        with torch.no_grad(), (managed() if prepared.runtime is None else contextlib.nullcontext()), \
-                self._precision.autocast():
+        with torch.no_grad(), self._precision.autocast():
             out = network(*self._to_device(list(predict_data)))
         network.train(was_training)
         return out
-
-
-class _NullContext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _null() -> _NullContext:
-    return _NullContext()

@@ -19,7 +19,7 @@ from torch.optim.swa_utils import update_bn
 
 from autopar.comm import functional as _functional
 from autopar.comm import management as _comm
-from autopar.context import managed
+from autopar.parallel.entry import suspended
 
 
 class _Unpack(torch.nn.Module):
@@ -52,7 +52,7 @@ def recompute_batchnorm_statistics(network: torch.nn.Module, inputs: Iterable[li
             used[0] += 1
             yield (batch,)
 
-    with managed():
+    with suspended():  # the network is prepared already: the wrapper must not parallelize itself
         update_bn(counted(), _Unpack(network))
     if _comm.is_initialized() and _comm.get_group_size() > 1:
         for bn in layers:

@@ -1,1 +1,1 @@
-"""parallel/data"""
+"""Data parallelism: replicas that start equal (the gradient sums are :mod:`autopar.parallel.grads.buckets`)."""

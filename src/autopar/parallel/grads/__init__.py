@@ -1,1 +1,1 @@
-"""parallel/grads"""
+"""The gradient seam (:mod:`autopar.parallel.grads.engine`) and its engines."""

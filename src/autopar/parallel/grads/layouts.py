@@ -1,25 +1,28 @@
-"""Gradients completed during the backward pass, from hooks on the parameters: no call needed in the user's loop.
+"""Gradients of the layout modes (SEMI_AUTO / AUTO) and of HYBRID's ``layerwise_parallel`` slices, completed one
+parameter at a time inside the backward.
 
-Each trainable parameter of a parallelized network carries one tensor hook (``Tensor.register_hook``). It sees the
-gradient this backward contributes, *before* it is added to ``.grad``, and returns the completed one:
+:class:`LayoutGrads` puts one tensor hook on each parameter. It sees the gradient this backward contributes, *before*
+it is added to ``.grad``, and returns the completed one:
 
 - a parameter laid out as a DTensor: its gradient redistributed to the parameter's own placements (a partial sum
   over a split contraction is reduced, a replicated parameter's gradient summed over the data-parallel ranks);
-- a replicated plain parameter (data parallel, and unannotated modules in the layout modes): all-reduced;
-- a ``layerwise_parallel`` parameter (hybrid parallel): left to the network's own collectives;
+- a plain parameter beside them (an unannotated module runs data-parallel on the local batch): all-reduced;
 
-and then scaled by ``gradients_mean`` (and by the world size when the loss itself was global). Because the hook
-acts on each backward's contribution and not on the accumulated ``.grad``, everything a torch loop does stays
-exact: several backwards before a step accumulate as one process would, ``zero_grad()`` with or without
-``set_to_none`` needs nothing, ``torch.autograd.grad`` (MindSpore's ``value_and_grad``) returns completed
-gradients, and ``clip_grad_norm_`` and the optimizer see gradients equal to one process's on the global batch.
+then scaled by ``gradients_mean`` (and by the world size when the loss itself was global). Because the hook acts on
+each backward's contribution and not on the accumulated ``.grad``, several backwards before a step accumulate as one
+process would, ``torch.autograd.grad`` (MindSpore's ``value_and_grad``) returns completed gradients, and
+``clip_grad_norm_`` and the optimizer see gradients equal to one process's on the global batch.
 
-Why hooks and not torch's DDP here: DDP's reducer expects every backward to follow a forward through its wrapper,
-so a loop that calls the inner network, a sub-module or ``autograd.grad`` would silently skip the reduction.
-``Model.train`` in DATA_PARALLEL keeps DDP (bucketed and overlapped with the backward: the measured fast path).
+Where the gradient becomes ``.grad`` itself (``.grad`` was None), the hook hands it on untouched and a
+post-accumulate hook completes it in place: completing out of place costs a gradient-sized allocation per parameter
+(on a CPU host a fresh 64 MiB buffer is 16k page faults, ~80 ms measured here).
+
+:class:`LocalGrads` (HYBRID): the network's own collectives (``ops.AllReduce``) already combined the ranks'
+contributions; only ``gradients_mean`` divides them, as for every other parameter.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Callable
 
@@ -27,66 +30,60 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from autopar import context as _context
-
-REPLICATED, LAYOUT, LOCAL = "replicated", "layout", "local"
+from autopar.parallel.grads.engine import accumulates, accumulator, claim, release, returns_deferred
 
 
-class GradSync:
-    def __init__(self, world: int, gradients_mean: bool, loss_was_global: Callable[[], bool] = lambda: False,
-                 yields_to_ddp: bool = False):
+class LayoutGrads:
+    name = "layout redistribution"
+
+    def __init__(self, world: int, gradients_mean: bool, loss_was_global: Callable[[], bool] = lambda: False):
         self.world = world
         self.gradients_mean = gradients_mean
         self.loss_was_global = loss_was_global
-        # the network is also wrapped in DDP by Model: inside Model's own steps DDP reduces, the hooks stand aside
-        self.yields_to_ddp = yields_to_ddp
-        self.hooked: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> its kind
         self._pending: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> completed after accumulation
-        self._nodes: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> its AccumulateGrad node
+        # parameter -> its AccumulateGrad node, made at its first backward: a parameter the runtime replaced by its
+        # slice before any backward keeps none, and is freed as soon as nothing else holds it
+        self._nodes: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._handles: list = []
+        self._sync = True
 
     def scale(self) -> float:
         n = self.world
         return (1.0 / n if self.gradients_mean else 1.0) * (n if self.loss_was_global() else 1.0)
 
-    def attach(self, param: torch.nn.Parameter, kind: str) -> None:
-        if param in self.hooked or not param.requires_grad or getattr(param, "_autopar_grad_sync", False):
-            return  # one hook per parameter, whichever network (or wrapper) reached it first
-        param._autopar_grad_sync = True
-        ref = weakref.ref(param)
-        if kind == LAYOUT:
-            mesh, placements = param.device_mesh, tuple(param.placements)
-            param.register_hook(lambda g: self._layout(g, mesh, placements, ref))
-            param.register_post_accumulate_grad_hook(self._finish_in_place)
-        elif kind == REPLICATED:
-            param.register_hook(lambda g: self._replicated(g, ref))
-            param.register_post_accumulate_grad_hook(self._finish_in_place)
-        else:
-            param.register_hook(self._local)
-        self.hooked[param] = kind
+    def attach(self, params) -> None:
+        """Hook the parameters of ``params`` no engine owns yet: DTensors by their layout, the rest replicated."""
+        from torch.distributed.tensor import DTensor
+
+        for p in claim(self, params):
+            ref = weakref.ref(p)
+            if isinstance(p, DTensor):
+                mesh, placements = p.device_mesh, tuple(p.placements)
+                self._handles.append(p.register_hook(
+                    lambda g, mesh=mesh, placements=placements, ref=ref: self._layout(g, mesh, placements, ref())))
+            else:
+                self._handles.append(p.register_hook(lambda g, ref=ref: self._replicated(g, ref())))
+            self._handles.append(p.register_post_accumulate_grad_hook(self._finish_in_place))
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        # a contribution completed in its own backward is exact whenever it is completed: nothing to postpone
+        yield
 
     # -- completing a gradient where it lies -----------------------------------------------------------------
-    # The hooks below must not change the gradient they are handed in place: autograd may hand the same tensor to
-    # several inputs. Completing it out of place costs a gradient-sized allocation and pass per parameter -- on a
-    # CPU host a fresh 64 MiB buffer is 16k page faults (~80 ms measured here). When this backward's gradient becomes
-    # the parameter's ``.grad`` itself (``.grad`` was None, the engine will accumulate it), the hook hands it on
-    # untouched and the post-accumulate hook completes ``.grad`` in place -- if nothing else shares its storage.
+    # The hooks must not change the gradient they are handed in place: autograd may hand the same tensor to several
+    # inputs. When this backward's gradient becomes ``.grad`` itself, the post-accumulate hook completes ``.grad`` in
+    # place -- if nothing else shares its storage.
     def _defer(self, param: torch.nn.Parameter | None) -> bool:
-        if param is None or param.grad is not None or self.yields_to_ddp and _context.is_managed():
-            return False
-        node = self._accumulator(param)
-        try:
-            if not torch._C._will_engine_execute_node(node):
-                return False  # backward(inputs=...) without this parameter
-        except RuntimeError:  # torch.autograd.grad: nothing is accumulated, the gradient is returned
+        if param is None or param.grad is not None or not accumulates(self._node(param)):
             return False
         self._pending[param] = True
         return True
 
-    def _accumulator(self, param: torch.nn.Parameter):
+    def _node(self, param: torch.nn.Parameter):
         node = self._nodes.get(param)
         if node is None:
-            with torch.enable_grad():  # the backward runs without grad mode: no graph, no node, otherwise
-                node = self._nodes[param] = param.view_as(param).grad_fn.next_functions[0][0]
+            node = self._nodes[param] = accumulator(param)
         return node
 
     def _finish_in_place(self, param: torch.nn.Parameter) -> None:
@@ -101,8 +98,7 @@ class GradSync:
                           if isinstance(g, DTensor) else self._replicated_out_of_place(g))
             return
         if isinstance(g, DTensor):
-            target = tuple(param.placements)
-            for dim, (have, want) in enumerate(zip(g.placements, target)):
+            for dim, (have, want) in enumerate(zip(g.placements, tuple(param.placements))):
                 if have != want:  # Partial(sum) -> Replicate (what _deferrable admits)
                     dist.all_reduce(local, group=g.device_mesh.get_group(dim))
         elif self.world > 1:
@@ -113,19 +109,6 @@ class GradSync:
         if isinstance(g, DTensor) and tuple(g.placements) != tuple(param.placements):
             param.grad = DTensor.from_local(local, g.device_mesh, tuple(param.placements), run_check=False)
 
-    def attach_module(self, module: torch.nn.Module) -> None:
-        """Every trainable parameter of ``module``: a DTensor by its layout, a layerwise one as local, the rest
-        replicated."""
-        from torch.distributed.tensor import DTensor
-
-        for p in module.parameters():
-            if isinstance(p, DTensor):
-                self.attach(p, LAYOUT)
-            elif getattr(p, "layerwise_parallel", False):
-                self.attach(p, LOCAL)
-            else:
-                self.attach(p, REPLICATED)
-
     # -- the hooks (they run inside the backward, in the same order on every rank) ----------------------------
     def _scaled(self, g: torch.Tensor, copy: bool) -> torch.Tensor:
         s = self.scale()
@@ -133,8 +116,8 @@ class GradSync:
             return g * s
         return g.clone() if copy else g
 
-    def _layout(self, g, mesh, placements, ref=None):
-        if _deferrable(g, placements) and self._defer(ref() if ref else None):
+    def _layout(self, g, mesh, placements, param):
+        if _deferrable(g, placements) and self._defer(param):
             return g
         return self._layout_out_of_place(g, mesh, placements)
 
@@ -153,10 +136,8 @@ class GradSync:
                 return g
         return self._scaled(g, copy=False)
 
-    def _replicated(self, g: torch.Tensor, ref=None) -> torch.Tensor:
-        if self.yields_to_ddp and _context.is_managed():
-            return g
-        if self._defer(ref() if ref else None):
+    def _replicated(self, g: torch.Tensor, param) -> torch.Tensor:
+        if self._defer(param):
             return g
         return self._replicated_out_of_place(g)
 
@@ -167,10 +148,45 @@ class GradSync:
             dist.all_reduce(g)
         return g
 
-    def _local(self, g: torch.Tensor) -> torch.Tensor:
-        if self.yields_to_ddp and _context.is_managed():
+    def complete_returned(self, params, grads) -> list[torch.Tensor]:
+        return list(grads)  # completed by the hooks as autograd returned them
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        release(self)
+
+
+class LocalGrads:
+    """``layerwise_parallel`` slices: each backward's contribution scaled by ``gradients_mean``, nothing summed."""
+
+    name = "layerwise (the network's own collectives)"
+
+    def __init__(self, params, world: int, gradients_mean: bool):
+        self.scale = 1.0 / world if gradients_mean and world > 1 else 1.0
+        self._handles = []
+        for p in claim(self, params):
+            node = accumulator(p)
+            self._handles.append(p.register_hook(lambda g, node=node: self._local(g, node)))
+
+    def _local(self, g: torch.Tensor, node) -> torch.Tensor:
+        if self.scale == 1.0 or (not accumulates(node) and returns_deferred()):
             return g
-        return self._scaled(g, copy=False)
+        return g * self.scale
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        yield
+
+    def complete_returned(self, params, grads) -> list[torch.Tensor]:
+        return [g * self.scale if self.scale != 1.0 else g for g in grads]
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        release(self)
 
 
 def _deferrable(g, placements) -> bool:
@@ -181,12 +197,3 @@ def _deferrable(g, placements) -> bool:
         return False
     return all(have == want or (isinstance(have, Partial) and have.reduce_op == "sum" and isinstance(want, Replicate))
                for have, want in zip(g.placements, placements))
-
-
-def sync_of(module: torch.nn.Module) -> GradSync | None:
-    return module.__dict__.get("_autopar_sync")
-
-
-def mark(module: torch.nn.Module, sync: GradSync) -> None:
-    for m in module.modules():
-        m.__dict__["_autopar_sync"] = sync

@@ -111,13 +111,10 @@ def _split_points_interleaved(network: torch.nn.Module, stages: dict[str, int], 
 
 def _groups(num_stages: int) -> tuple[Any, Any, int, int]:
     """(pipeline group of this replica, data-parallel group of this stage, stage, replica)."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from autopar.comm.topology import pipeline_mesh
 
-    from autopar.comm import management as _comm
-
-    world = dist.get_world_size()
-    replicas = world // num_stages
-    mesh = init_device_mesh(_comm.device().type, (num_stages, replicas), mesh_dim_names=("pp", "dp"))
+    mesh = pipeline_mesh(num_stages)
+    replicas = dist.get_world_size() // num_stages
     rank = dist.get_rank()
     return mesh.get_group("pp"), mesh.get_group("dp"), rank // replicas, rank % replicas
 
@@ -165,8 +162,13 @@ class PipelineParallel:
         self._schedule = None
         self.stage_module: torch.nn.Module | None = None
         self.owner: dict[str, int] = {}
-        for module in network.modules():  # found from any part of the network (a checkpoint of the backbone)
-            module.__dict__["_autopar_pipeline"] = self
+        from autopar.context import parallel_mode
+        from autopar.parallel.state import ParallelState, bind, state_of
+
+        # found from any part of the network (a checkpoint of the backbone); the network's first call must not
+        # parallelize it on the side
+        self.state = state_of(network) or bind(ParallelState(parallel_mode(), world), network)
+        self.state.pipeline = self
 
     # -- building (on the first batch: the trace needs real shapes) ------------------------------------------------
     def _build(self, inputs: tuple) -> None:
@@ -187,7 +189,7 @@ class PipelineParallel:
                               "micro-batches")
         example = tuple(t.tensor_split(self.micro_batches)[0] if isinstance(t, torch.Tensor) else t for t in inputs)
         try:
-            with _context.managed():
+            with _context.managed():  # the trace calls the network: it must not parallelize itself meanwhile
                 pipe = pipeline(self.network, mb_args=example,
                                 split_spec={name: SplitPoint.BEGINNING for name in self.split_points})
         except Exception as exc:  # noqa: BLE001 - torch.export's many failure types, said in one line
@@ -235,7 +237,7 @@ class PipelineParallel:
         if self._schedule is None:
             self._build(inputs)
         losses: list[torch.Tensor] = []
-        with _context.managed():
+        with _context.managed():  # the stages' modules are called by the schedule, not as networks to parallelize
             if self.stage_index == 0:
                 self._schedule.step(*inputs, target=target, losses=losses)
             else:
@@ -265,13 +267,13 @@ class PipelineParallel:
         return tuple(out)
 
     def _reduce_gradients(self) -> None:
+        """The replicas of this stage sum (or average) their gradients: one collective per bucket."""
         if self.replicas == 1:
             return
-        for p in self.stage_module.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=self.dp_group)
-                if self.gradients_mean:
-                    p.grad.div_(self.replicas)
+        from autopar.parallel.grads.buckets import reduce_now
+
+        grads = [p.grad for p in self.stage_module.parameters() if p.grad is not None]
+        reduce_now(grads, self.dp_group, 1.0 / self.replicas if self.gradients_mean else 1.0, into=True)
 
     @contextlib.contextmanager
     def full_parameters(self):
@@ -293,8 +295,7 @@ class PipelineParallel:
 
 
 def pipeline_of(network: torch.nn.Module) -> PipelineParallel | None:
-    for module in network.modules():
-        runner = module.__dict__.get("_autopar_pipeline")
-        if runner is not None:
-            return runner
-    return None
+    from autopar.parallel.state import state_within
+
+    state = state_within(network)
+    return state.pipeline if state is not None else None

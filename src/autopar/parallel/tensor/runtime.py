@@ -47,7 +47,7 @@ from autopar.ops import primitive as _primitive
 from autopar.ops.comm import _CommPrimitive
 from autopar.ops.math import OneHot, Reshape
 from autopar.ops.primitive import Primitive
-from autopar.parallel.grads.layouts import LAYOUT, GradSync
+from autopar.parallel.grads.layouts import LayoutGrads
 from autopar.parallel.tensor import local_matmul
 from autopar.parallel.tensor import placements as P
 from autopar.parallel.tensor import state_dict as _state_dict
@@ -62,13 +62,11 @@ def active_runtime() -> "SemiAutoRuntime | None":
 
 
 def _execute(op: Primitive, args: tuple, kwargs: dict) -> Any:
+    """How an autopar operator runs while a network of this runtime runs (installed for the call's duration)."""
     rt = active_runtime()
     if rt is None or isinstance(op, _CommPrimitive):
         return op.compute(*args, **kwargs)
     return rt.run_op(op, args, kwargs)
-
-
-_primitive.set_executor(_execute)
 
 
 class SemiAutoRuntime:
@@ -103,7 +101,9 @@ class SemiAutoRuntime:
         self._matmul_mode = None
         self._hooked: set[int] = set()
         self._strategy_written = False
-        self.sync = GradSync(self.device_num, gradients_mean, loss_was_global=lambda: self.loss_was_global)
+        self.loss_root: torch.nn.Module | None = None  # network + loss, when Model gave a loss
+        self._executing = None
+        self.grads = LayoutGrads(self.device_num, gradients_mean, loss_was_global=lambda: self.loss_was_global)
 
     # -- installation -------------------------------------------------------------------------------------------
     def add_root(self, root: torch.nn.Module, prefix: str = "") -> None:
@@ -113,7 +113,6 @@ class SemiAutoRuntime:
         self.roots.append(root)
         for name, module in root.named_modules(prefix=prefix.rstrip(".")):
             self.names.setdefault(id(module), name or type(module).__name__)
-            module._autopar_runtime = self
             leaf = not any(True for _ in module.children())
             if (leaf and not isinstance(module, (Primitive, *LAYOUT_TRANSPARENT))
                     and id(module) not in self._hooked):
@@ -138,7 +137,7 @@ class SemiAutoRuntime:
                 for p in root.parameters():
                     if not isinstance(p, DTensor) and not getattr(p, "layerwise_parallel", False):
                         dist.broadcast(p.data, src=0)
-        self.sync.attach_module(root)
+        self.grads.attach(root.parameters())
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
         if optimizer is not None and optimizer not in self.optimizers:
@@ -161,6 +160,8 @@ class SemiAutoRuntime:
                 return False
             _local.runtime = self
             self.loss_was_global = False
+            self._executing = _primitive.executing(_execute)
+            self._executing.__enter__()
             if len(world_mesh().shape) > 1:  # a dimension may be split over two mesh axes
                 self._matmul_mode = local_matmul.enter()
         self._depth += 1
@@ -170,6 +171,9 @@ class SemiAutoRuntime:
         self._depth -= 1
         if self._depth == 0:
             _local.runtime = None
+            executing, self._executing = self._executing, None
+            if executing is not None:
+                executing.__exit__(None, None, None)
             mode, self._matmul_mode = self._matmul_mode, None
             if mode is not None:
                 local_matmul.leave(mode)
@@ -359,7 +363,7 @@ class SemiAutoRuntime:
         self.converted[param] = new
         self.param_names[new] = name
         _replaced.record(param, new)
-        self.sync.attach(new, LAYOUT)
+        self.grads.attach([new])
         self._remap_optimizers()
         return new
 
@@ -424,11 +428,6 @@ class SemiAutoRuntime:
                 if id(p) not in seen:
                     seen.add(id(p))
                     yield self.param_names.get(p, name), p
-
-    # -- gradients ---------------------------------------------------------------------------------------------
-    def finish_gradients(self) -> None:
-        """Nothing left to do: the parameters' hooks completed the gradients during the backward. Kept so that
-        loops written for earlier versions (``finish_gradients(net)`` after each backward) stay exact."""
 
     # -- strategy file -----------------------------------------------------------------------------------------
     def layouts(self) -> dict[str, Layout]:

@@ -8,6 +8,8 @@ themselves: they read the state dict inside :func:`sharded_state_dict`.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -37,10 +39,13 @@ def _slice(module, state_dict, prefix, local_metadata, strict, missing_keys, une
                                                 src_data_rank=None)
 
 
+_hooked: weakref.WeakSet = weakref.WeakSet()
+
+
 def install(module: torch.nn.Module) -> None:
     """Hooks on ``module``, which owns (or will own) a sliced parameter; once per module."""
-    if module.__dict__.get("_autopar_state_dict_hooks"):
+    if module in _hooked:
         return
-    module.__dict__["_autopar_state_dict_hooks"] = True
+    _hooked.add(module)
     module.register_state_dict_post_hook(_gather)
     module.register_load_state_dict_pre_hook(_slice)

@@ -1,1 +1,1 @@
-"""parallel/zero"""
+"""Optimizer sharding (ZeRO) on FSDP2."""

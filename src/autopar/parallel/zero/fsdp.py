@@ -122,8 +122,36 @@ def storage_placements(layout_placements: tuple, shape: tuple[int, ...], mesh_sh
     return tuple(out)
 
 
-def is_sharded(network: torch.nn.Module) -> bool:
-    return "_autopar_zero" in network.__dict__
+class ShardedGrads:
+    """The seam's view of ZeRO: FSDP2 reduce-scatters the gradients itself, from its own hooks."""
+
+    name = "ZeRO (FSDP2 reduce-scatter)"
+
+    def __init__(self, network: torch.nn.Module):
+        from autopar.parallel.grads.engine import claim
+
+        self.network = network
+        claim(self, network.parameters())
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation: the micro-batches before the last keep unsharded local gradients."""
+        self.network.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.network.set_requires_gradient_sync(True)
+
+    def complete_returned(self, params, grads):
+        from autopar.errors import TrainingError
+
+        raise TrainingError("gradients returned by torch.autograd.grad are not reduce-scattered by ZeRO: use "
+                            "loss.backward() (or autopar's value_and_grad, which does) with enable_parallel_optimizer")
+
+    def close(self) -> None:
+        from autopar.parallel.grads.engine import release
+
+        release(self)
 
 
 def shard_optimizer(network: torch.nn.Module, level: str, gradients_mean: bool, shard_size: int | None = None
@@ -136,8 +164,6 @@ def shard_optimizer(network: torch.nn.Module, level: str, gradients_mean: bool, 
 
     from autopar.comm.topology import world_size
 
-    if is_sharded(network):
-        return
     before = dict(network.named_parameters())
     mesh = hybrid_mesh(shard_size or world_size())
     reshard = LEVELS[level]
@@ -156,7 +182,6 @@ def shard_optimizer(network: torch.nn.Module, level: str, gradients_mean: bool, 
     for name, old in before.items():
         if after.get(name) is not None and after[name] is not old:
             _replaced.record(old, after[name])
-    network.__dict__["_autopar_zero"] = level
     handle = []
 
     def after_first_forward(module, args, output):
@@ -190,11 +215,3 @@ def enter_first_call(network: torch.nn.Module, args: tuple) -> tuple:
     return args
 
 
-@contextlib.contextmanager
-def no_sync(network: torch.nn.Module):
-    """Gradient accumulation: the micro-batches before the last keep unsharded local gradients, no reduce-scatter."""
-    network.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        network.set_requires_gradient_sync(True)

@@ -1,0 +1,70 @@
+"""MindSpore's door to pipelines: ``Model(nn.PipelineCell(nn.WithLossCell(net, loss), micro_size))`` with
+``pipeline_stages`` = S, and AUTO_PARALLEL's planned pipeline -- both on :class:`PipelineParallel`."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from autopar.errors import ConfigError
+from autopar.parallel.pipeline.runner import PipelineParallel, pipeline_of, segments_of, split_points_from_stages
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=4)
+
+
+def warn_zero_in_pipeline(ctx) -> None:
+    from autopar.parallel.zero.fsdp import level_of
+
+    if level_of(ctx):
+        _warn_once("zero+pipeline", "autopar: enable_parallel_optimizer is not applied inside pipeline stages yet: "
+                   "each stage keeps its whole optimizer state (a stage already holds only its own parameters)")
+
+
+def attach_pipeline_cell(network: torch.nn.Module, loss_fn, ctx, world: int) -> PipelineParallel:
+    """``pipeline_stages`` > 1: the runner of ``Model(nn.PipelineCell(nn.WithLossCell(net, loss), micro_size))``,
+    split before the first cell of each stage (``cell.pipeline_stage``)."""
+    from autopar.nn.wrappers import PipelineCell, WithLossCell
+    from autopar.ops.shard import has_strategies
+
+    stages = ctx.pipeline_stages
+    if (not isinstance(network, PipelineCell) or loss_fn is not None
+            or not isinstance(network.network, WithLossCell)):
+        raise ConfigError(f"pipeline_stages={stages} trains Model(nn.PipelineCell(nn.WithLossCell(net, loss), "
+                          "micro_size), optimizer=opt): the label meets the loss on the last stage")
+    if world % stages:
+        raise ConfigError(f"pipeline_stages={stages} does not divide the {world} ranks")
+    if has_strategies(network):
+        _warn_once("pipeline+strategies", "autopar: shard strategies inside pipeline stages are not applied yet: "
+                   "each stage runs whole, replicated over its data-parallel ranks")
+    warn_zero_in_pipeline(ctx)
+    backbone, loss = network.network.backbone_network, network.network._loss_fn
+    runner = pipeline_of(backbone)
+    if runner is not None:
+        return runner
+    config = dict(ctx.pipeline_config or {})
+    unknown = set(config) - {"pipeline_scheduler", "pipeline_interleave"}
+    if unknown:
+        raise ConfigError(f"pipeline_config: unknown keys {sorted(unknown)}; known: pipeline_scheduler, "
+                          "pipeline_interleave")
+    segments = segments_of(backbone) if config.get("pipeline_interleave") else 1
+    if config.get("pipeline_interleave") and segments == 1:
+        _warn_once("pipeline_interleave", "autopar: pipeline_interleave=True but no cell has pipeline_segment: "
+                   "one piece per stage (set cell.pipeline_segment = v, as MindSpore)")
+    return PipelineParallel(backbone, loss, network.micro_size, split_points_from_stages(backbone, stages, segments),
+                            schedule=str(config.get("pipeline_scheduler", "1f1b")).lower(),
+                            gradients_mean=ctx.gradients_mean, virtual_stages=segments)
+
+
+def attach_planned_pipeline(network: torch.nn.Module, loss_fn, option, ctx) -> PipelineParallel:
+    """AUTO_PARALLEL cut the network into stages (:mod:`autopar.planner.pipeline_plan`): Model's steps run on the
+    pipeline engine, as ``pipeline_stages`` does; each rank holds its data-parallel share of the global batch (a
+    replica's batch is the shares of its stages' ranks together: ``runner.replica_batch``)."""
+    warn_zero_in_pipeline(ctx)
+    return pipeline_of(network) or PipelineParallel(network, loss_fn, option.micro_batches, option.split_points,
+                                                    gradients_mean=ctx.gradients_mean)
