@@ -3,13 +3,19 @@
 An operator is a ``torch.nn.Module``: it appears in ``named_modules()`` (so the parallel layer can find every
 operator and its shard strategy), is callable in ``construct``, and holds no parameters itself. How an operator
 *executes* under a parallel mode is not decided here: the parallel layer installs an executor (see
-:func:`set_executor`), keeping imports flowing one way (parallel -> ops).
+:func:`set_executor`), keeping imports flowing one way (parallel -> ops). Operators marked ``local`` (shape and
+array helpers such as ``Flatten``, ``Print``) never go through the executor: they run on whatever tensors they get,
+DTensors included (torch's DTensor dispatch keeps the layout).
+
+``op.recompute()`` (MindSpore's ``Primitive.recompute``) keeps only the operator's inputs for the backward and
+computes it again there (``torch.utils.checkpoint``, ``use_reentrant=False``): the same result and gradients.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 # The parallel layer replaces this with its sharded executor; the default runs the op locally.
 _executor: Callable[["Primitive", tuple, dict], Any] | None = None
@@ -23,9 +29,31 @@ def set_executor(executor: Callable[["Primitive", tuple, dict], Any] | None) -> 
 class Primitive(torch.nn.Module):
     """A stateless operator. Subclasses implement :meth:`compute` (plain torch on whatever tensors they get)."""
 
+    local = False  # True: never through the parallel executor (see the module docstring)
+
     def __init__(self) -> None:
         super().__init__()
         self.strategy: tuple[tuple[int, ...], ...] | None = None
+        self.recompute_mode = False
+        self.attrs: dict[str, Any] = {}
+
+    def recompute(self, mode: bool = True) -> "Primitive":
+        self.recompute_mode = bool(mode)
+        return self
+
+    def add_prim_attr(self, name: str, value: Any) -> "Primitive":
+        """MindSpore's operator attributes (compiler hints): kept in ``attrs``, read by nothing here."""
+        self.attrs[name] = value
+        return self
+
+    def set_device(self, device: str) -> "Primitive":
+        """MindSpore's heterogeneous placement (an operator on the host CPU): every operator here runs where its
+        inputs are, so it is accepted and warned about once."""
+        from autopar.errors import warn_once
+
+        warn_once("Primitive.set_device", f"{self.name}.set_device({device!r}) is accepted: operators run on the "
+                  f"device of their inputs")
+        return self
 
     @property
     def name(self) -> str:
@@ -35,7 +63,12 @@ class Primitive(torch.nn.Module):
         raise NotImplementedError
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if _executor is not None:
+        if self.recompute_mode and torch.is_grad_enabled():
+            return checkpoint(self._run, *args, use_reentrant=False, **kwargs)
+        return self._run(*args, **kwargs)
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        if _executor is not None and not self.local:
             return _executor(self, args, kwargs)
         return self.compute(*args, **kwargs)
 
