@@ -29,73 +29,20 @@ from __future__ import annotations
 import argparse
 import ast
 import hashlib
-import importlib
-import inspect
 import json
 import re
-import subprocess
 import sys
-import warnings
 from collections import defaultdict
 from pathlib import Path
 
-BRANCHES = re.compile(r"^(r1\.([5-9]|1[01])|r2\.[0-6](\.0)?|master)$")
-SAMPLE_FOLDERS = re.compile(r"^(distributed_\w+|manual_parallel|recompute|sharding_propagation|startup_method|"
-                            r"parallel_support_dynamic_shape|high_dimension_tensor_parallel|shard_function_parallel|"
-                            r"pynative_shard_function_parallel|operator_parallel|gradient_accumulation|comm_subgraph|"
-                            r"dataset_slice|disaster_recover)$")
-TUTORIAL_DIRS = ("tutorials/experts/source_en/parallel", "tutorials/source_en/parallel",
-                 "docs/mindspore/source_en/features/parallel")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ms_names_markdown import markdown  # noqa: E402
+from ms_names_resolve import resolve  # noqa: E402
+from ms_samples import CORE, extract  # noqa: E402
 
-# The 15 distributed samples of issue 29 (paths in the --extract layout): label -> files.
-CORE = {
-    "CPU ResNet-50 tutorial (with its resnet.py)": ["r2.1/distributed_training_cpu/resnet50_distributed_training.py",
-                                                    "r2.1/distributed_training_cpu/resnet.py"],
-    "data parallel": ["r2.3/distributed_data_parallel/distributed_data_parallel.py"],
-    "dynamic-cluster startup": ["r2.3/startup_method/net.py"],
-    "operator parallel": ["r2.3/distributed_operator_parallel/distributed_operator_parallel.py"],
-    "optimizer parallel": ["r2.3/distributed_optimizer_parallel/distributed_optimizer_parallel.py"],
-    "pipeline parallel r2.2": ["r2.2/distributed_pipeline_parallel/distributed_pipeline_parallel.py"],
-    "pipeline parallel r2.3": ["r2.3/distributed_pipeline_parallel/distributed_pipeline_parallel.py"],
-    "gradient accumulation": ["r2.3/distributed_gradient_accumulation/train.py"],
-    "sharding propagation": ["r2.3/sharding_propagation/train.py"],
-    "manual parallel": ["r2.3/manual_parallel/train.py"],
-    "recompute": ["r2.3/recompute/train.py"],
-    "parallel quick start": ["r2.1/distributed_training_quickstart/net.py"],
-    "r1.x operator parallel (rank table)": ["r1.10/operator_parallel/train.py"],
-    "2.6 operator parallel (AutoParallel)": ["r2.6.0/distributed_operator_parallel/distributed_operator_parallel.py"],
-    "distributed inference": [f"r2.1/distributed_inference/{f}.py" for f in
-                              ("distributed_training", "distributed_inference", "net", "dataset")],
-}
 # methods whose result is the receiver's kind (a dataset's chain, a Cell's set_train ...)
 FLUENT = {"map", "batch", "shuffle", "repeat", "project", "shard", "set_train", "to_float", "set_grad", "take",
           "skip", "rename", "filter", "add_flags", "add_flags_recursive", "recompute"}
-# setters whose keywords go through **kwargs: a keyword is known unless the setter says "unknown key"
-PROBED = {"set_context", "set_auto_parallel_context", "set_ps_context", "set_algo_parameters"}
-
-
-# ------------------------------------------------------------------------------------------------- extraction
-def extract(git_dir: Path, out: Path) -> int:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(git_dir), *args], check=True, capture_output=True).stdout.decode()
-
-    count = 0
-    branches = [b for b in git("branch", "--format=%(refname:short)").split() if BRANCHES.match(b)]
-    for branch in branches:
-        files = git("ls-tree", "-r", "--name-only", branch, "docs/sample_code", *TUTORIAL_DIRS).splitlines()
-        for path in files:
-            parts = path.split("/")
-            if path.startswith("docs/sample_code/") and path.endswith(".py") and SAMPLE_FOLDERS.match(parts[2]):
-                dest = out / "sample_code" / branch / "/".join(parts[2:])
-            elif path.endswith(".md") and not path.startswith("docs/sample_code/"):
-                dest = out / "tutorials" / branch / path
-            else:
-                continue
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_bytes(subprocess.run(["git", "-C", str(git_dir), "show", f"{branch}:{path}"], check=True,
-                                            capture_output=True).stdout)
-            count += 1
-    return count
 
 
 # ------------------------------------------------------------------------------------------------- collection
@@ -306,89 +253,6 @@ def collect(root: Path) -> dict[str, dict]:
     return files
 
 
-# ------------------------------------------------------------------------------------------------- resolution
-def _lookup(path: str):
-    """The autopar object for a mindspore dotted path; raises LookupError."""
-    parts = ["autopar"] + path.split(".")[1:]
-    obj = None
-    for i in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
-            continue
-        for j, attr in enumerate(parts[i:], start=i):
-            try:
-                obj = _member(obj, attr)
-            except AttributeError:
-                try:
-                    obj = importlib.import_module(".".join(parts[: j + 1]))
-                except ImportError:
-                    raise LookupError(path) from None
-        return obj
-    raise LookupError(path)
-
-
-def _member(cls, attr: str):
-    """``cls.attr``, or (for an attribute a torch module sets in ``__init__``) the class itself when some class of its
-    MRO assigns ``self.attr``; raises AttributeError."""
-    try:
-        return getattr(cls, attr)
-    except AttributeError:
-        pass
-    if isinstance(cls, type):
-        pattern = re.compile(rf"self\.{re.escape(attr)}\s*(:[^=]*)?=[^=]")
-        for klass in cls.__mro__:
-            try:
-                if pattern.search(inspect.getsource(klass)):
-                    return cls
-            except (OSError, TypeError):
-                continue
-    raise AttributeError(attr)
-
-
-def _refusal(obj) -> str | None:
-    return getattr(obj, "_autopar_unsupported", None) if obj is not None else None
-
-
-def _keyword_ok(target: str, keyword: str) -> bool:
-    fn = _lookup(target)
-    name = target.rsplit(".", 1)[-1]
-    if name in PROBED:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                fn(**{keyword: None})
-            except Exception as exc:  # noqa: BLE001 - any error but "unknown key" means the key is known
-                return "unknown key" not in str(exc)
-        return True
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return True
-    params = sig.parameters
-    return keyword in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
-def resolve(name: str) -> tuple[str, str]:
-    """("ok" | "refused" | "missing", detail)."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            if name.endswith("=)"):
-                target, keyword = name[:-2].split("(")
-                refused = _refusal(_lookup(target))
-                if refused:
-                    return "refused", refused
-                return ("ok", "") if _keyword_ok(target, keyword) else ("missing", "keyword not accepted")
-            obj = _lookup(name)
-    except LookupError:
-        return "missing", "not found"
-    except Exception as exc:  # noqa: BLE001 - importing a module that fails is a finding, not a crash
-        return "missing", f"{type(exc).__name__}: {exc}".splitlines()[0][:120]
-    refused = _refusal(obj)
-    return ("refused", refused) if refused else ("ok", "")
-
-
 # ------------------------------------------------------------------------------------------------- report
 def _figure(names: set[str], status: dict[str, tuple[str, str]]) -> str:
     ok = sum(status[n][0] == "ok" for n in names)
@@ -409,7 +273,7 @@ def report(root: Path) -> dict:
             names |= set(files[key]["names"])
         core_names |= names
         core_rows.append({"sample": label, "files": paths, "present": len(found) == len(rels),
-                          "names": len(names), "covered": _figure(names, status),
+                          "names": len(names), "covered": _figure(names, status), "used": sorted(names),
                           "not_covered": sorted(n for n in names if status[n][0] != "ok")})
     groups = {"the 15 distributed samples": core_names,
               "all distributed sample_code files": {n for k, f in files.items() if k.startswith("sample_code/")
@@ -425,45 +289,11 @@ def report(root: Path) -> dict:
             "core": core_rows,
             "names": {n: {"status": s, "detail": d, "files": users[n], "core": n in core_names}
                       for n, (s, d) in status.items()},
-            "files": {k: {"names": len(f["names"]), "covered": _figure(set(f["names"]), status),
+            "files": {k: {"covered": _figure(set(f["names"]), status),
                           "not_covered": [n for n in f["names"] if status[n][0] != "ok"],
+                          "names": {n: status[n][0] for n in f["names"]},
                           "same_as": f["same_as"], "unparsed_blocks": f["unparsed_blocks"]}
                       for k, f in files.items()}}
-
-
-def markdown(rep: dict, before: dict | None = None) -> str:
-    out = ["# MindSpore names in MindSpore's distributed samples, resolved by autopar", "",
-           "Written by `tools/ms_names.py` (see its docstring for how names are found and looked up). Read from "
-           "the MindSpore docs repository's distributed sample folders and parallel tutorials, branches r1.5 .. "
-           "master (identical files read once). A name is `mindspore.x.y`, a member `Class.member` of an object "
-           "the script made, or a keyword `callable(key=)`. *refused*: autopar defines the name only to stop "
-           "at its first use with one line saying what to use instead.", "", "## Coverage", "",
-           "| names in | " + ("before | " if before else "") + "now |", "|---|" + ("---|" if before else "") + "---|"]
-    for group, fig in rep["coverage"].items():
-        out.append(f"| {group} | " + (f"{before['coverage'].get(group, '')} | " if before else "") + f"{fig} |")
-    out += ["", "## The 15 distributed samples", "", "| sample | files | names | covered | not covered |",
-            "|---|---|---|---|---|"]
-    for row in rep["core"]:
-        missing = ", ".join(f"`{n}` ({rep['names'][n]['status']})" for n in row["not_covered"]) or "-"
-        files = "<br>".join(row["files"]) + ("" if row["present"] else " (absent)")
-        out.append(f"| {row['sample']} | {files} | {row['names']} | {row['covered']} | {missing} |")
-    out += ["", "## Names not covered", "", "| name | status | files using it | in the 15 | detail |",
-            "|---|---|---|---|---|"]
-    for n, info in sorted(rep["names"].items(), key=lambda kv: (not kv[1]["core"], -kv[1]["files"], kv[0])):
-        if info["status"] != "ok":
-            out.append(f"| `{n}` | {info['status']} | {info['files']} | {'yes' if info['core'] else ''} | "
-                       f"{info['detail'].replace('|', '/')} |")
-    out += ["", "## Every file read", "", "| file (and identical copies) | names | covered | not covered |",
-            "|---|---|---|---|"]
-    for k, f in rep["files"].items():
-        copies = f" (= {len(f['same_as'])} more: {', '.join(f['same_as'][:3])}{' ...' if len(f['same_as']) > 3 else ''})" \
-            if f["same_as"] else ""
-        miss = ", ".join(f"`{n}`" for n in f["not_covered"]) or "-"
-        out.append(f"| {k}{copies} | {f['names']} | {f['covered']} | {miss} |")
-    out += ["", "## Every name", "", "| name | status | files using it |", "|---|---|---|"]
-    for n, info in rep["names"].items():
-        out.append(f"| `{n}` | {info['status']} | {info['files']} |")
-    return "\n".join(out) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

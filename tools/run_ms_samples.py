@@ -3,7 +3,7 @@
     python tools/ms_names.py --extract DOCS_GIT_DIR /tmp/ms_docs        # the samples, from the docs repository
     python tools/run_ms_samples.py /tmp/ms_docs [--only "data parallel"] [--markdown OUT.md]
 
-Each sample's files (``tools/ms_names.CORE``) are copied to a scratch directory and changed there, never here:
+Each sample's files (``tools/ms_samples.CORE``) are copied to a scratch directory and changed there, never here:
 
 * imports: ``mindspore`` -> ``autopar`` in ``import``/``from`` lines (a bare ``import mindspore`` becomes
   ``import autopar as mindspore``);
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ms_names import CORE  # noqa: E402
+from ms_samples import CORE  # noqa: E402
 
 NPROC = {"operator parallel": 8, "sharding propagation": 8, "parallel quick start": 8,
          "r1.x operator parallel (rank table)": 8, "2.6 operator parallel (AutoParallel)": 8,

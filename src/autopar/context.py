@@ -103,7 +103,7 @@ _IGNORED_RUN_KEYS = {
     "graph_kernel_flags", "jit_config", "memory_optimize_level", "pynative_synchronize", "runtime_num_threads",
     "enable_compile_cache", "compile_cache_path", "inter_op_parallel_num", "check_bprop", "max_call_depth",
 }
-_IGNORED_AUTO_KEYS = {"strategy_ckpt_config", "enable_alltoall", "auto_pipeline"}
+_IGNORED_AUTO_KEYS = {"strategy_ckpt_config", "enable_alltoall", "auto_pipeline", "pipeline_result_broadcast"}
 _KNOWN_PS_KEYS = {"enable_ssl", "client_password", "server_password", "config_file_path"}
 
 
@@ -207,7 +207,7 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
 # Keys autopar accepts (tutorial scripts pass them) but does not act on yet. A value that asks for something --
 # not the default -- is warned about once: no option is silently ignored.
 _NEUTRAL = {"strategy_ckpt_config": (None, {}),
-            "enable_alltoall": (None, False), "auto_pipeline": (None, False)}
+            "enable_alltoall": (None, False), "auto_pipeline": (None, False), "pipeline_result_broadcast": (None, False)}
 _warned: set[str] = set()
 
 

@@ -3,10 +3,10 @@ parameters, names and shapes, the same outputs from the same weights, MindSpore'
 import sys
 
 import torch
-from procutil import ROOT
 
 import autopar.models as models
 from autopar import nn
+from procutil import ROOT
 
 sys.path.insert(0, str(ROOT / "examples"))
 from resnet import resnet50  # noqa: E402 - the import the tutorial's script writes

@@ -107,3 +107,33 @@ def test_no_init_parameters_builds_on_meta_and_materialises_on_the_first_call():
     opt.step()  # the optimizer made inside the block holds the same (now real) parameters
     assert not torch.equal(net[0].weight, before)
     assert materialize_pending() == 0
+
+
+def test_a_trainonestepcell_subclass_written_as_mindspores_trains():
+    class Step(nn.TrainOneStepCell):
+        def construct(self, *inputs):
+            loss = self.network(*inputs)
+            sens = ops.fill(loss.dtype, loss.shape, self.sens)
+            grads = self.grad(self.network, self.weights)(*inputs, sens)
+            grads = self.grad_reducer(grads)
+            self.optimizer(grads)
+            return loss
+
+    torch.manual_seed(0)
+    net, ref = nn.Dense(3, 2), nn.Dense(3, 2)
+    ref.load_state_dict(net.state_dict())
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+    Step(nn.WithLossCell(net, nn.MSELoss()), nn.SGD(net.trainable_params(), 0.1))(x, y)
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    assert torch.allclose(net.weight, ref.weight - 0.1 * ref.weight.grad, atol=1e-6)
+
+
+def test_mindspore_transformer_library_stops_at_first_use():
+    from autopar.nn.transformer import TransformerOpParallelConfig
+
+    with pytest.raises(UnsupportedError, match="nn.transformer.TransformerOpParallelConfig is not available"):
+        TransformerOpParallelConfig(data_parallel=1, model_parallel=2)
+    hint = nn.Dropout(keep_prob=0.9).dropout
+    autopar.errors._warned.discard("nn.Dropout.dropout.shard")
+    with pytest.warns(UserWarning, match="accepted and not applied"):
+        assert hint.shard(((2, 1),)) is hint

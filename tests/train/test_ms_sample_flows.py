@@ -5,9 +5,9 @@ import json
 import re
 
 import pytest
-from procutil import SCRIPTS, autopar_cmd
 
 from autopar.dataset.mnist import write_synthetic_mnist
+from procutil import SCRIPTS, autopar_cmd
 
 CASES = ["dp_functional", "recompute", "operator", "autoparallel", "quickstart", "model_generator"]
 TOL = 1e-5

@@ -1,6 +1,6 @@
 """MindSpore-style ``nn``: ``Cell``, layers, losses, optimizers, wrappers (PyTorch modules underneath)."""
 from autopar.errors import unsupported as _unsupported
-from autopar.nn import utils, wrap  # noqa: F401  (mindspore.nn.utils / mindspore.nn.wrap paths)
+from autopar.nn import transformer, utils, wrap  # noqa: F401  (mindspore.nn.transformer / utils / wrap paths)
 from autopar.nn.basic import (  # noqa: F401
     ELU,
     GELU,

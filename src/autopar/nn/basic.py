@@ -114,6 +114,27 @@ class Dropout(Cell, torch.nn.Dropout):
 
     forward = construct = torch_forward(torch.nn.Dropout)
 
+    @property
+    def dropout(self) -> "_ElementwiseHint":
+        """MindSpore 1.x shards the operator inside (``self.dropout.dropout.shard(((dp, 1),))``)."""
+        return _ElementwiseHint("nn.Dropout.dropout")
+
+
+class _ElementwiseHint:
+    """The operator inside an element-wise MindSpore layer, kept for its ``shard``: the layer runs on whatever layout
+    its input has (or data-parallel), which computes the same values, so the strategy is accepted and warned
+    about once."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def shard(self, in_strategy: Any, out_strategy: Any = None) -> "_ElementwiseHint":
+        from autopar.errors import warn_once
+
+        warn_once(f"{self.name}.shard", f"{self.name}.shard(...) is accepted and not applied: the element-wise layer "
+                  f"follows its input's layout")
+        return self
+
 
 class SequentialCell(Cell, torch.nn.Sequential):
     """``nn.SequentialCell(cell, cell, ...)``, ``SequentialCell([cells])`` or ``SequentialCell(OrderedDict)``."""

@@ -77,6 +77,12 @@ class TrainOneStepCell(Cell):
         self.network = network
         self.optimizer = optimizer
         self.sens = float(sens)
+        # what MindSpore's own cell holds, for subclasses that write their construct as MindSpore's does:
+        # grads = self.grad(self.network, self.weights)(*inputs, sens); grads = self.grad_reducer(grads)
+        from autopar.ops.composite import GradOperation
+
+        self.grad = GradOperation(get_by_list=True, sens_param=True)
+        self.grad_reducer = DistributedGradReducer()
 
     @property
     def weights(self) -> tuple:
