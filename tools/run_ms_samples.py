@@ -144,8 +144,9 @@ def run_sample(root: Path, label: str, files: list[str], timeout: float) -> dict
 def markdown(results: list[dict]) -> str:
     out = ["| sample | ranks | result | seconds | last loss line / error line |", "|---|---|---|---|---|"]
     for r in results:
-        detail = "; ".join((s["loss"] if s["rc"] == 0 else f"{s['script']}: {s['error']}") for s in r.get("steps", [])) \
-            or r.get("detail", "")
+        parts = [(s["loss"] or f"{s['script']} ran") if s["rc"] == 0 else f"{s['script']}: {s['error']}"
+                 for s in r.get("steps", [])]
+        detail = "; ".join(parts) or r.get("detail", "")
         out.append(f"| {r['sample']} | {r.get('ranks', '')} | {r['result']} | {r.get('seconds', '')} | "
                    f"{detail.replace('|', '/')} |")
     return "\n".join(out) + "\n"

@@ -63,7 +63,7 @@ class Primitive(torch.nn.Module):
         raise NotImplementedError
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.recompute_mode and torch.is_grad_enabled():
+        if self.__dict__.get("recompute_mode") and torch.is_grad_enabled():
             return checkpoint(self._run, *args, use_reentrant=False, **kwargs)
         return self._run(*args, **kwargs)
 
