@@ -14,7 +14,8 @@ def fresh_context():
     autopar.reset_auto_parallel_context()
 
 
-@pytest.mark.parametrize("key, value", [("comm_fusion", {"allreduce": {"mode": "size"}}), ("auto_pipeline", True)])
+@pytest.mark.parametrize("key, value", [("comm_fusion", {"allreduce": {"mode": "index", "config": [0, 2]}}),
+                                        ("auto_pipeline", True)])
 def test_a_key_that_asks_for_something_not_applied_warns(key, value):
     with pytest.warns(UserWarning, match=f"{key}=.* is accepted but not applied yet"):
         autopar.set_auto_parallel_context(**{key: value})

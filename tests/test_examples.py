@@ -14,13 +14,13 @@ def test_allgather_example_prints_the_tutorial_output(procs, tmp_path):
 
 
 def test_tutorial_run_sh_trains(procs, tmp_path):
-    data = write_synthetic_cifar10(tmp_path / "data", records_per_file=64)  # 320 images: 5 steps of 32 per rank
+    data = write_synthetic_cifar10(tmp_path / "data", records_per_file=64)  # 384 images: 6 steps of 32 per rank
     env = procs.env(WORKER_NUM="2", SCHED_PORT=str(free_port()), IMAGE_SIZE="32", EPOCH_SIZE="2", PYTHON=PYTHON)
     res = procs.run(["bash", str(ROOT / "examples/run.sh"), str(data)], env, timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.stdout + (tmp_path / "worker_0.txt").read_text()
     logs = [(tmp_path / f"worker_{i}.txt").read_text() for i in range(2)]
     for log in logs:  # sink mode: one line per epoch, with the epoch's step count
-        assert re.findall(r"epoch: (\d) step: 5, loss is \d", log) == ["1", "2"], log
+        assert re.findall(r"epoch: (\d) step: 6, loss is \d", log) == ["1", "2"], log
     assert "job succeeded" in (tmp_path / "scheduler.txt").read_text()
     assert not procs.wait_no_leftovers()
 

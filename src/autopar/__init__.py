@@ -30,6 +30,7 @@ from autopar.context import (  # noqa: F401
     reset_auto_parallel_context,
     set_auto_parallel_context,
     set_context,
+    set_device,
     set_ps_context,
 )
 from autopar.dtype import (  # noqa: F401
@@ -85,13 +86,20 @@ _LAZY = {
     "load_param_into_net": "autopar.checkpoint.api:load_param_into_net",
     "load_distributed_checkpoint": "autopar.checkpoint.api:load_distributed_checkpoint",
     "merge_sliced_checkpoints": "autopar.checkpoint.api:merge_sliced_checkpoints",
+    "set_seed": "autopar.seed:set_seed",
+    "get_seed": "autopar.seed:get_seed",
+    "jit": "autopar.common.api:jit",
+    "lazy_inline": "autopar.common.api:lazy_inline",
+    "ms_function": "autopar.common.api:jit",
+    "ParameterTuple": "autopar.common.tensor:ParameterTuple",
 }
 
 
 def __getattr__(name: str) -> Any:
     target = _LAZY.get(name)
     if target is None:
-        if name in ("nn", "ops", "dataset", "train", "models", "parallel", "checkpoint", "communication", "comm"):
+        if name in ("nn", "ops", "dataset", "train", "models", "parallel", "checkpoint", "communication", "comm",
+                    "common", "runtime"):
             return importlib.import_module(f"autopar.{name}")
         raise AttributeError(f"module 'autopar' has no attribute {name!r}")
     module, attr = target.split(":")

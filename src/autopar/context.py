@@ -84,6 +84,7 @@ class _AutoParallelContext:
     loss_repeated_mean: bool = True
     gradient_fp32_sync: bool = True
     all_reduce_fusion_config: list = field(default_factory=list)
+    comm_fusion: dict = field(default_factory=dict)  # {"allreduce": {"mode": "size", "config": 32}, ...}
 
 
 @dataclass
@@ -102,7 +103,7 @@ _IGNORED_RUN_KEYS = {
     "graph_kernel_flags", "jit_config", "memory_optimize_level", "pynative_synchronize", "runtime_num_threads",
     "enable_compile_cache", "compile_cache_path", "inter_op_parallel_num", "check_bprop", "max_call_depth",
 }
-_IGNORED_AUTO_KEYS = {"comm_fusion", "strategy_ckpt_config", "enable_alltoall", "auto_pipeline"}
+_IGNORED_AUTO_KEYS = {"strategy_ckpt_config", "enable_alltoall", "auto_pipeline", "pipeline_result_broadcast"}
 _KNOWN_PS_KEYS = {"enable_ssl", "client_password", "server_password", "config_file_path"}
 
 
@@ -191,6 +192,8 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
             raise ConfigError(f"pipeline_stages must be a positive integer, got {value!r}")
         elif key in ("parallel_optimizer_config", "pipeline_config") and not isinstance(value, dict):
             raise ConfigError(f"{key} must be a dict, got {value!r}")
+        elif key == "comm_fusion":
+            value = _check_comm_fusion(value)
         elif key not in valid:
             raise ConfigError(
                 f"set_auto_parallel_context got an unknown key {key!r}; valid keys: {', '.join(sorted(valid))}"
@@ -203,17 +206,86 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
 
 # Keys autopar accepts (tutorial scripts pass them) but does not act on yet. A value that asks for something --
 # not the default -- is warned about once: no option is silently ignored.
-_NEUTRAL = {"comm_fusion": (None, {}), "strategy_ckpt_config": (None, {}),
-            "enable_alltoall": (None, False), "auto_pipeline": (None, False)}
+_NEUTRAL = {"strategy_ckpt_config": (None, {}),
+            "enable_alltoall": (None, False), "auto_pipeline": (None, False), "pipeline_result_broadcast": (None, False)}
 _warned: set[str] = set()
 
 
-def _warn_not_applied(key: str, value: Any) -> None:
+def _warn_not_applied(key: str, value: Any, why: str = "training runs as if it were not given") -> None:
     if key in _warned or value in _NEUTRAL.get(key, (None,)):
         return
     _warned.add(key)
-    warnings.warn(f"autopar: set_auto_parallel_context({key}={value!r}) is accepted but not applied yet: "
-                  f"training runs as if it were not given", stacklevel=3)
+    name = key.split(".")[0]
+    warnings.warn(f"autopar: set_auto_parallel_context({name}={value if isinstance(value, str) else repr(value)}) "
+                  f"is accepted but not applied yet: {why}", stacklevel=3)
+
+
+_FUSION_OPS = ("allreduce", "allgather", "reducescatter")
+_FUSION_MODES = ("auto", "size", "index")
+
+
+def _check_comm_fusion(value: Any) -> dict:
+    """MindSpore's ``comm_fusion``: ``{"openstate": bool, "allreduce" | "allgather" | "reducescatter": {"mode":
+    "auto" | "size" | "index", "config": None | MB | [indices]}}``. What acts: see :func:`allreduce_bucket_mb`;
+    everything else is warned about once."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"comm_fusion must be a dict such as {{'allreduce': {{'mode': 'size', 'config': 32}}}}, "
+                          f"got {value!r}")
+    unknown = [k for k in value if k not in _FUSION_OPS + ("openstate",)]
+    if unknown:
+        raise ConfigError(f"comm_fusion: unknown key(s) {unknown}; expected 'openstate', {', '.join(_FUSION_OPS)}")
+    if not isinstance(value.get("openstate", True), bool):
+        raise ConfigError(f"comm_fusion: openstate must be True or False, got {value['openstate']!r}")
+    for op in _FUSION_OPS:
+        if op not in value:
+            continue
+        entry = value[op]
+        if not isinstance(entry, dict) or entry.get("mode", "auto") not in _FUSION_MODES:
+            raise ConfigError(f"comm_fusion[{op!r}] must be {{'mode': 'auto' | 'size' | 'index', 'config': ...}}, "
+                              f"got {entry!r}")
+        mode, config = entry.get("mode", "auto"), entry.get("config")
+        if mode == "auto" and config is not None:
+            raise ConfigError(f"comm_fusion[{op!r}]: mode 'auto' takes config None, got {config!r}")
+        if mode == "size" and (isinstance(config, bool) or not isinstance(config, (int, float)) or config <= 0):
+            raise ConfigError(f"comm_fusion[{op!r}]: mode 'size' takes config = the fusion size in MB (a positive "
+                              f"number), got {config!r}")
+        if mode == "index":
+            if op != "allreduce":
+                raise ConfigError(f"comm_fusion[{op!r}]: mode 'index' exists for 'allreduce' only (MindSpore)")
+            if not isinstance(config, (list, tuple)) or not all(isinstance(i, int) for i in config):
+                raise ConfigError(f"comm_fusion['allreduce']: mode 'index' takes config = a list of parameter "
+                                  f"indices, got {config!r}")
+            _warn_not_applied("comm_fusion.index", "{'allreduce': {'mode': 'index', ...}}",
+                              "gradients are fused by size; use {'allreduce': {'mode': 'size', 'config': MB}}")
+        if op != "allreduce" and mode != "auto":
+            _warn_not_applied(f"comm_fusion.{op}", f"{{{op!r}: ...}}",
+                              "optimizer sharding's all-gathers and reduce-scatters are bucketed by FSDP2, per module")
+    return dict(value)
+
+
+def allreduce_bucket_mb() -> float | None:
+    """The all-reduce bucket size that ``comm_fusion`` asks for, in MB (2**20 bytes), for the gradient reducers:
+
+    - no ``comm_fusion``, no ``"allreduce"`` entry, or ``{"mode": "auto"}``: None -- the engine's default;
+    - ``{"mode": "size", "config": s}``: ``float(s)``;
+    - ``{"mode": "index", ...}``: None (fusion by parameter index is not honoured; warned when set);
+    - ``"openstate": False``: 0.0 -- no fusion, each gradient travels on its own.
+    """
+    fusion = _auto.comm_fusion or {}
+    if fusion.get("openstate", True) is False:
+        return 0.0
+    entry = fusion.get("allreduce") or {}
+    if entry.get("mode") == "size":
+        return float(entry["config"])
+    return None
+
+
+def set_device(device_target: str, device_id: int | None = None) -> None:
+    """MindSpore 2.5+'s ``set_device("CPU")`` / ``set_device("GPU", 0)``: ``set_context(device_target=...,
+    device_id=...)``."""
+    set_context(device_target=device_target, device_id=device_id)
 
 
 _mode_listeners: list = []

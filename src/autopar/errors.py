@@ -36,3 +36,48 @@ class ConfigError(AutoparError, ValueError):
 
 class TrainingError(AutoparError):
     """Training cannot continue (an invalid loss, a model used without what it needs)."""
+
+
+class UnsupportedError(AutoparError):
+    """A MindSpore name autopar cannot honour on this stack; the message names it and what to use instead."""
+
+
+def unsupported(name: str, instead: str) -> type:
+    """A stand-in for the MindSpore name ``name``: importing it works (a script's imports all load), and its FIRST USE
+    -- calling it, instantiating it, subclassing it -- raises :class:`UnsupportedError` with one line saying what to
+    use instead. ``tools/ms_names.py`` counts such names as *refused*, not as covered (``_autopar_unsupported``)."""
+    message = f"{name} is not available in autopar: {instead}"
+
+    def refuse(*args, **kwargs):
+        raise UnsupportedError(message)
+
+    return type(name.rsplit(".", 1)[-1], (), {"__new__": refuse, "__init_subclass__": classmethod(refuse),
+                                               "_autopar_unsupported": message, "__doc__": message})
+
+
+def refuses(name: str, instead: str):
+    """Decorator for a method autopar keeps only to refuse: calling it raises one line (see :func:`unsupported`)."""
+    message = f"{name} is not available in autopar: {instead}"
+
+    def wrap(fn):
+        def refuse(*args, **kwargs):
+            raise UnsupportedError(message)
+
+        refuse.__name__, refuse.__qualname__, refuse.__doc__ = fn.__name__, fn.__qualname__, message
+        refuse._autopar_unsupported = message
+        return refuse
+
+    return wrap
+
+
+_warned: set = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """Say once per process that something accepted does nothing useful here ("no silent result")."""
+    if key in _warned:
+        return
+    _warned.add(key)
+    import warnings
+
+    warnings.warn(f"autopar: {message}", stacklevel=3)

@@ -56,7 +56,7 @@ def test_extract_verifies_checksum_and_contents(tmp_path, cifar_small):
     archive, md5 = make_archive(tmp_path, cifar_small)
     target = extract_cifar10_archive(archive, tmp_path / "out", md5=md5)
     assert target == tmp_path / "out" / "cifar-10-batches-bin"
-    assert ds.Cifar10Dataset(tmp_path / "out").get_dataset_size() == 320
+    assert ds.Cifar10Dataset(tmp_path / "out").get_dataset_size() == 384  # usage None: train + test, as MindSpore
     with pytest.raises(DatasetError) as err:
         extract_cifar10_archive(archive, tmp_path / "out2", md5="0" * 32)
     msg = str(err.value)
@@ -75,7 +75,7 @@ def test_extract_reports_missing_members_and_download_reuses_local_files(tmp_pat
     # A verified archive already there is extracted, not downloaded again.
     good, good_md5 = make_archive(tmp_path / "", cifar_small)
     target = download_cifar10(tmp_path, md5=good_md5)
-    assert ds.Cifar10Dataset(target).get_dataset_size() == 320
+    assert ds.Cifar10Dataset(target, usage="train").get_dataset_size() == 320
     with pytest.raises(DatasetError, match="download_cifar10: cannot download file:///nonexistent"):
         download_cifar10(tmp_path / "empty", url="file:///nonexistent/cifar.tar.gz")
 

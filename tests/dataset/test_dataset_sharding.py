@@ -49,7 +49,7 @@ def test_shards_stay_disjoint_every_epoch_and_reshuffle():
 def test_cifar_shards_partition_the_records(cifar_small):
     seen = []
     for k in range(2):
-        d = ds.Cifar10Dataset(cifar_small, num_shards=2, shard_id=k).batch(40)
+        d = ds.Cifar10Dataset(cifar_small, usage="train", num_shards=2, shard_id=k).batch(40)
         assert d.get_dataset_size() == 4
         for img, _ in d.iter_epoch(0, output_numpy=True):
             seen.extend(row.tobytes() for row in img)

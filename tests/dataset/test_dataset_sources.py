@@ -28,7 +28,7 @@ def test_cifar10_rows_equal_the_file_bytes(cifar_small):
     bindir = cifar_small / "cifar-10-batches-bin"
     rec = np.concatenate([read_records(bindir / f"data_batch_{i}.bin") for i in range(1, 6)])
     for path in (cifar_small, bindir):  # the parent or the cifar-10-batches-bin directory itself
-        data = ds.Cifar10Dataset(str(path), shuffle=False)
+        data = ds.Cifar10Dataset(str(path), usage="train", shuffle=False)
         assert data.get_dataset_size() == 320
         assert data.get_col_names() == ["image", "label"]
         imgs, labels = all_rows(data)
@@ -114,7 +114,7 @@ def test_cifar10_epoch_does_not_pull_the_files_into_the_resident_set(tmp_path):
 
     write_synthetic_cifar10(tmp_path, records_per_file=10000, seed=1)
     before = _resident_file_mb()
-    data = ds.Cifar10Dataset(tmp_path, shuffle=True).batch(256)
+    data = ds.Cifar10Dataset(tmp_path, usage="train", shuffle=True).batch(256)
     n = 0
     for img, _ in data.create_tuple_iterator(output_numpy=True):
         n += img.shape[0]

@@ -70,7 +70,7 @@ def create_dataset(data_path, repeat_num=1, batch_size=32):
 
 def test_cpu_tutorial_create_dataset(cifar_small):
     data_set = create_dataset(str(cifar_small / "cifar-10-batches-bin"), repeat_num=2)
-    assert data_set.get_dataset_size() == 2 * (320 // 32)
+    assert data_set.get_dataset_size() == 2 * (384 // 32)  # usage None reads train + test (384 rows), as MindSpore
     assert data_set.get_col_names() == ["image", "label"]
     assert data_set.output_shapes() == [[32, 3, 64, 64], [32]]
     n = 0
@@ -80,7 +80,7 @@ def test_cpu_tutorial_create_dataset(cifar_small):
         assert 0 <= int(label.min()) and int(label.max()) <= 9
         assert -3.0 < float(image.mean()) < 3.0
         n += 1
-    assert n == 20
+    assert n == 24
 
 
 def test_tutorial_on_two_ranks_gives_disjoint_equal_shards(cifar_small):
@@ -88,14 +88,15 @@ def test_tutorial_on_two_ranks_gives_disjoint_equal_shards(cifar_small):
     for rank in range(2):
         RANK.update(id=rank, size=2)
         data_set = create_dataset(cifar_small, batch_size=16)
-        assert data_set.get_dataset_size() == 10
+        assert data_set.get_dataset_size() == 12
         labels = [label for _, label in data_set.iter_epoch(0, output_numpy=True)]
         seen.append(np.concatenate(labels))
     RANK.update(id=0, size=1)
-    assert len(seen[0]) == len(seen[1]) == 160
+    assert len(seen[0]) == len(seen[1]) == 192
     counts = np.bincount(np.concatenate(seen), minlength=10)
-    expected = np.bincount(np.concatenate([np.fromfile(cifar_small / "cifar-10-batches-bin" / f"data_batch_{i}.bin",
-                                                       np.uint8).reshape(-1, 3073)[:, 0] for i in range(1, 6)]),
+    files = [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]
+    expected = np.bincount(np.concatenate([np.fromfile(cifar_small / "cifar-10-batches-bin" / name,
+                                                       np.uint8).reshape(-1, 3073)[:, 0] for name in files]),
                            minlength=10)
     np.testing.assert_array_equal(counts, expected)  # together the two shards are exactly the data
 

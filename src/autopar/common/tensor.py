@@ -40,14 +40,31 @@ class Tensor(metaclass=_TensorMeta):
 
 
 class Parameter(torch.nn.Parameter):
-    """``Parameter(default_input, name=None, requires_grad=True, layerwise_parallel=False)``."""
+    """``Parameter(default_input, name=None, requires_grad=True, layerwise_parallel=False, parallel_optimizer=True)``.
+
+    ``default_input`` may be ``initializer(...)``'s tensor, a numpy array, a number or a list. Made inside
+    ``nn.utils.no_init_parameters()`` it is an empty meta tensor that keeps its initializer until it is materialised.
+    ``parallel_optimizer=False`` (keep this parameter out of optimizer sharding) is accepted and warned about: the
+    optimizer sharding here shards every parameter of a module alike."""
 
     def __new__(cls, default_input: Any, name: str | None = None, requires_grad: bool = True,
-                layerwise_parallel: bool = False):
+                layerwise_parallel: bool = False, parallel_optimizer: bool = True, **kwargs: Any):
+        from autopar.common.initializer import RECIPE
+        from autopar.errors import warn_once
+
+        if kwargs:
+            warn_once("Parameter." + ",".join(sorted(kwargs)),
+                      f"Parameter({', '.join(f'{k}=' for k in sorted(kwargs))}) is accepted and not applied")
+        if not parallel_optimizer:
+            warn_once("Parameter.parallel_optimizer", "Parameter(parallel_optimizer=False) is accepted and not "
+                      "applied: optimizer sharding (enable_parallel_optimizer) shards every parameter")
         data = default_input if isinstance(default_input, torch.Tensor) else Tensor(default_input)
         param = super().__new__(cls, data.detach(), requires_grad)
         param._ms_name = name
         param.layerwise_parallel = bool(layerwise_parallel)
+        recipe = getattr(default_input, RECIPE, None)
+        if recipe is not None:
+            setattr(param, RECIPE, recipe)
         return param
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # attributes are set in __new__
@@ -61,6 +78,21 @@ class Parameter(torch.nn.Parameter):
     @name.setter
     def name(self, value: str | None) -> None:
         self.__dict__["_ms_name"] = value
+
+    def value(self) -> torch.Tensor:
+        """MindSpore's ``param.value()``: the parameter's tensor (its data, outside autograd)."""
+        return self.detach()
+
+    def set_data(self, data: Any, slice_shape: bool = False) -> "Parameter":
+        """MindSpore's ``param.set_data(tensor)``: new values for this parameter (same object, so optimizers
+        holding it keep it)."""
+        data = data if isinstance(data, torch.Tensor) else Tensor(data)
+        with torch.no_grad():
+            if tuple(data.shape) == tuple(self.shape):
+                self.copy_(data)
+            else:
+                self.data = data.to(self.dtype)
+        return self
 
     def __deepcopy__(self, memo: dict) -> "Parameter":
         if id(self) in memo:
@@ -84,3 +116,12 @@ def _rebuild_parameter(data: torch.Tensor, name: str | None, requires_grad: bool
 
 def is_layerwise_parallel(param: torch.Tensor) -> bool:
     return bool(getattr(param, "layerwise_parallel", False))
+
+
+class ParameterTuple(tuple):
+    """MindSpore's ``ParameterTuple(net.trainable_params())``: a tuple of parameters (``clone`` copies them)."""
+
+    def clone(self, prefix: str, init: str = "same") -> "ParameterTuple":
+        return ParameterTuple(Parameter(p.detach().clone() if init == "same" else torch.zeros_like(p),
+                                        f"{prefix}.{getattr(p, 'name', None) or i}", p.requires_grad)
+                              for i, p in enumerate(self))

@@ -12,5 +12,6 @@ from autopar.comm.management import (  # noqa: F401
     init,
     release,
 )
+from autopar.communication import comm_func  # noqa: E402,F401  (mindspore.communication.comm_func)
 
 HCCL_WORLD_COMM_GROUP = NCCL_WORLD_COMM_GROUP = MCCL_WORLD_COMM_GROUP = GlobalComm.WORLD_COMM_GROUP

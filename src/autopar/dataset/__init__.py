@@ -6,6 +6,9 @@ transforms run vectorised on whole batches, a background thread prefetches, and 
 by (seed, epoch, shard, step) so any epoch can be replayed from any step (exact resume).
 """
 from autopar.dataset import config, transforms, vision
+from autopar.dataset.generator import GeneratorDataset
+from autopar.dataset.mnist import MnistDataset
 from autopar.dataset.pipeline import Cifar10Dataset, Dataset, DatasetIterator, NumpySlicesDataset
 
-__all__ = ["Cifar10Dataset", "Dataset", "DatasetIterator", "NumpySlicesDataset", "config", "transforms", "vision"]
+__all__ = ["Cifar10Dataset", "Dataset", "DatasetIterator", "GeneratorDataset", "MnistDataset", "NumpySlicesDataset",
+           "config", "transforms", "vision"]

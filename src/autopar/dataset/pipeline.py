@@ -491,8 +491,9 @@ class DatasetIterator:
 class Cifar10Dataset(Dataset):
     """CIFAR-10 from the binary files (``cifar-10-batches-bin``, or a directory containing it).
 
-    Columns ``image`` (uint8, 32x32x3 HWC) and ``label`` (uint32 scalar). ``usage``: 'train' (default,
-    ``data_batch_1..5.bin``), 'test' (``test_batch.bin``) or 'all'. ``shuffle=None`` means True.
+    Columns ``image`` (uint8, 32x32x3 HWC) and ``label`` (uint32 scalar). ``usage``: 'train'
+    (``data_batch_1..5.bin``), 'test' (``test_batch.bin``), or 'all' -- also what None (the default) reads, as in
+    MindSpore: the 50000 training and the 10000 test images. ``shuffle=None`` means True.
     ``num_shards``/``shard_id``: MindSpore DistributedSampler sharding (equal-size shards); ``num_samples``
     caps the rows per shard. ``num_parallel_workers`` / ``cache`` are accepted and ignored.
     """
@@ -503,7 +504,7 @@ class Cifar10Dataset(Dataset):
             raise DatasetError("Cifar10Dataset: custom samplers are not supported; use shuffle, num_shards, "
                                "shard_id and num_samples")
         shard_sampler = ShardSampler(shuffle, num_shards, shard_id, num_samples, where="Cifar10Dataset")
-        source = Cifar10Source(dataset_dir, "train" if usage is None else usage)
+        source = Cifar10Source(dataset_dir, "all" if usage is None else usage)
         self._init_pipeline(source, shard_sampler.bind(source.num_rows))
 
 

@@ -50,6 +50,19 @@ def cifar10_files(usage: str) -> tuple[str, ...]:
     raise DatasetError(f"Cifar10Dataset: usage must be 'train', 'test' or 'all', got {usage!r}")
 
 
+def cifar10_present(dataset_dir: Any) -> tuple[str, ...]:
+    """MindSpore's ``usage=None`` / ``"all"``: the training files and the test file, each group read when it is in
+    the directory. A group only partly there is an error (resolve_cifar10_dir names the missing files), so a broken
+    download is never read as half a dataset; no group at all is the same error."""
+    root = Path(dataset_dir).expanduser()
+    for cand in (root, root / CIFAR10_DIRNAME):
+        found = [group for group in (CIFAR10_TRAIN_FILES, CIFAR10_TEST_FILES)
+                 if any((cand / f).is_file() for f in group)]
+        if found:
+            return tuple(f for group in found for f in group)
+    return CIFAR10_TRAIN_FILES + CIFAR10_TEST_FILES
+
+
 def resolve_cifar10_dir(dataset_dir: Any, files: tuple[str, ...]) -> Path:
     """The directory holding the ``.bin`` files: ``dataset_dir`` itself or its ``cifar-10-batches-bin``."""
     root = Path(dataset_dir).expanduser()
@@ -77,7 +90,7 @@ class Cifar10Source(Source):
     _LABEL_CHUNK = 1024  # records per read while scanning the labels (3 MB)
 
     def __init__(self, dataset_dir: Any, usage: str = "train"):
-        files = cifar10_files(usage)
+        files = cifar10_present(dataset_dir) if usage == "all" else cifar10_files(usage)
         self.directory = resolve_cifar10_dir(dataset_dir, files)
         self.paths = [self.directory / f for f in files]
         self._open()

@@ -34,6 +34,7 @@ __all__ = [
     "SameMaxPool2d",
     "resnet50",
     "same_padding",
+    "torch_momentum",
 ]
 
 # MindSpore's ``Uniform`` initializer default: ``Uniform(scale=0.07)`` samples U(-scale, scale)
@@ -44,6 +45,12 @@ MS_UNIFORM_SCALE = 0.07
 # MindSpore's 0.99 is torch's 0.01.
 MS_BN_MOMENTUM = 0.99
 BN_EPS = 1e-5
+
+
+def torch_momentum(ms_momentum: float) -> float:
+    """torch's BatchNorm momentum for MindSpore's: ``moving = m * moving + (1 - m) * batch`` is torch's
+    ``(1 - m') * running + m' * batch`` with ``m' = 1 - m`` (``autopar.nn.BatchNorm2d`` uses it too)."""
+    return 1.0 - ms_momentum
 
 
 def same_padding(size: int, kernel: int, stride: int) -> tuple[int, int]:
@@ -115,7 +122,7 @@ def _bn(channels: int) -> nn.BatchNorm2d:
     moving_mean_init=mean, moving_var_init=var)`` with beta = mean = zeros and var = ones
     (weight_variable_0 / weight_variable_1). Note gamma starts in U(-0.07, 0.07), not at 1.
     """
-    bn = nn.BatchNorm2d(channels, eps=BN_EPS, momentum=1.0 - MS_BN_MOMENTUM)
+    bn = nn.BatchNorm2d(channels, eps=BN_EPS, momentum=torch_momentum(MS_BN_MOMENTUM))
     with torch.no_grad():
         bn.weight.uniform_(-MS_UNIFORM_SCALE, MS_UNIFORM_SCALE)  # gamma_init='Uniform'
         bn.bias.zero_()  # beta_init=weight_variable_0

@@ -1,6 +1,10 @@
 """Losses. ``SoftmaxCrossEntropyExpand`` is the tutorials' loss, built from small operators exactly as written
 there, so that each operator can be given a shard strategy (or be chosen by the auto-parallel planner).
-``SoftmaxCrossEntropyWithLogits`` is the fused equivalent (one torch kernel; faster for data parallel)."""
+``SoftmaxCrossEntropyWithLogits`` is the fused equivalent (one torch kernel; faster for data parallel). The others
+are torch's losses with MindSpore's names and defaults (integer labels of any width taken as class indices).
+
+``SoftmaxCrossEntropyWithLogits``'s default ``reduction='none'`` gives one loss per sample: MindSpore back-propagates
+such a loss with a sensitivity of ones (the sum's gradient); ``TrainOneStepCell`` and ``value_and_grad`` do too."""
 from __future__ import annotations
 
 import torch
@@ -57,3 +61,85 @@ class SoftmaxCrossEntropyWithLogits(Cell):
         if self.sparse:
             return F.cross_entropy(logits, labels.long(), reduction=self.reduction)
         return F.cross_entropy(logits, labels.to(logits.dtype), reduction=self.reduction)
+
+
+def _class_indices(labels: torch.Tensor) -> torch.Tensor:
+    """MindSpore's losses take int32 class indices (the samples' ``TypeCast(ms.int32)``); torch's take int64."""
+    return labels.long() if not labels.is_floating_point() and labels.dtype != torch.bool else labels
+
+
+class CrossEntropyLoss(Cell, torch.nn.CrossEntropyLoss):
+    """``nn.CrossEntropyLoss(weight=None, ignore_index=-100, reduction='mean', label_smoothing=0.0)``: class indices
+    of any integer dtype, or class probabilities (float labels of the logits' shape)."""
+
+    def __init__(self, weight: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
+                 label_smoothing: float = 0.0):
+        torch.nn.CrossEntropyLoss.__init__(self, weight, ignore_index=ignore_index, reduction=reduction,
+                                           label_smoothing=label_smoothing)
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.CrossEntropyLoss.forward(self, logits, _class_indices(labels))
+
+    construct = forward
+
+
+class NLLLoss(Cell, torch.nn.NLLLoss):
+    def __init__(self, weight: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean"):
+        torch.nn.NLLLoss.__init__(self, weight, ignore_index=ignore_index, reduction=reduction)
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.NLLLoss.forward(self, logits, _class_indices(labels))
+
+    construct = forward
+
+
+class MSELoss(Cell, torch.nn.MSELoss):
+    """``nn.MSELoss(reduction='mean')``."""
+
+    def __init__(self, reduction: str = "mean"):
+        torch.nn.MSELoss.__init__(self, reduction=reduction)
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.MSELoss.forward(self, logits, labels.to(logits.dtype))
+
+    construct = forward
+
+
+class L1Loss(Cell, torch.nn.L1Loss):
+    """``nn.L1Loss(reduction='mean')``; ``nn.MAELoss`` is the same loss."""
+
+    def __init__(self, reduction: str = "mean"):
+        torch.nn.L1Loss.__init__(self, reduction=reduction)
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.L1Loss.forward(self, logits, labels.to(logits.dtype))
+
+    construct = forward
+
+
+MAELoss = L1Loss
+
+
+class SmoothL1Loss(Cell, torch.nn.SmoothL1Loss):
+    """``nn.SmoothL1Loss(beta=1.0, reduction='none')`` (MindSpore's default reduction is 'none')."""
+
+    def __init__(self, beta: float = 1.0, reduction: str = "none"):
+        torch.nn.SmoothL1Loss.__init__(self, reduction=reduction, beta=beta)
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.SmoothL1Loss.forward(self, logits, labels.to(logits.dtype))
+
+    construct = forward
+
+
+class BCEWithLogitsLoss(Cell, torch.nn.BCEWithLogitsLoss):
+    """``nn.BCEWithLogitsLoss(reduction='mean', weight=None, pos_weight=None)``."""
+
+    def __init__(self, reduction: str = "mean", weight: torch.Tensor | None = None,
+                 pos_weight: torch.Tensor | None = None):
+        torch.nn.BCEWithLogitsLoss.__init__(self, weight=weight, reduction=reduction, pos_weight=pos_weight)
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.BCEWithLogitsLoss.forward(self, logits, labels.to(logits.dtype))
+
+    construct = forward

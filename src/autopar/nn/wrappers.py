@@ -63,7 +63,9 @@ class PipelineCell(Cell):
 
 class TrainOneStepCell(Cell):
     """``TrainOneStepCell(net_with_loss, optimizer, sens=1.0)(*inputs)``: forward, backward (the loss's gradient
-    scaled by ``sens``), optimizer step; returns the loss. Works with any torch optimizer."""
+    scaled by ``sens``; a non-scalar loss -- ``SoftmaxCrossEntropyWithLogits()``'s one per sample -- is
+    back-propagated with ``sens`` in every element, as MindSpore does), optimizer step; returns the loss. Works with
+    any torch optimizer."""
 
     _autopar_step_wrapper = True
 
@@ -75,6 +77,12 @@ class TrainOneStepCell(Cell):
         self.network = network
         self.optimizer = optimizer
         self.sens = float(sens)
+        # what MindSpore's own cell holds, for subclasses that write their construct as MindSpore's does:
+        # grads = self.grad(self.network, self.weights)(*inputs, sens); grads = self.grad_reducer(grads)
+        from autopar.ops.composite import GradOperation
+
+        self.grad = GradOperation(get_by_list=True, sens_param=True)
+        self.grad_reducer = DistributedGradReducer()
 
     @property
     def weights(self) -> tuple:
@@ -83,11 +91,11 @@ class TrainOneStepCell(Cell):
     def construct(self, *inputs: Any) -> torch.Tensor:
         with torch.enable_grad():
             loss = self.network(*inputs)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise TrainingError(f"TrainOneStepCell: the network must return a scalar loss, got "
-                                    f"{getattr(loss, 'shape', type(loss).__name__)}")
+            if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+                raise TrainingError(f"TrainOneStepCell: the network must return a loss tensor that depends on the "
+                                    f"parameters, got {getattr(loss, 'shape', type(loss).__name__)}")
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward(torch.full_like(loss, self.sens))
+            loss.backward(torch.full_like(loss, self.sens))  # a loss per sample: MindSpore's sensitivity of ones
         self.optimizer.step()
         return loss.detach()
 

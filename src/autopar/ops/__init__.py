@@ -1,7 +1,61 @@
 """MindSpore-style operators (``autopar.ops``): communication ops and shardable compute ops."""
 from autopar.comm.functional import ReduceOp  # noqa: F401
 from autopar.ops import functional, operations  # noqa: F401,E402  (MindSpore's P / F module paths)
+from autopar.ops.array import (  # noqa: F401
+    Abs,
+    Assign,
+    AssignAdd,
+    Concat,
+    Dropout,
+    DType,
+    Equal,
+    Erf,
+    ExpandDims,
+    Fill,
+    Flatten,
+    Gather,
+    Greater,
+    GreaterEqual,
+    Less,
+    LessEqual,
+    LogicalAnd,
+    LogicalNot,
+    LogicalOr,
+    NotEqual,
+    OnesLike,
+    Pow,
+    Print,
+    Select,
+    Shape,
+    Stack,
+    ZerosLike,
+)
 from autopar.ops.comm import AllGather, AllReduce, AlltoAll, Broadcast, ReduceScatter  # noqa: F401
+from autopar.ops.composite import GradOperation, HyperMap, Map, MultitypeFuncGraph, depend, partial  # noqa: F401
+from autopar.ops.functional import (  # noqa: F401
+    assign,
+    assign_add,
+    bias_add,
+    cast,
+    concat,
+    dtype,
+    exp,
+    expand_dims,
+    fill,
+    flatten,
+    gelu,
+    log,
+    matmul,
+    ones,
+    ones_like,
+    relu,
+    reshape,
+    softmax,
+    sqrt,
+    square,
+    zeros,
+    zeros_like,
+)
 from autopar.ops.grad import grad, value_and_grad  # noqa: F401
 from autopar.ops.math import (  # noqa: F401
     GELU,

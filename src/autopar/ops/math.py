@@ -286,6 +286,8 @@ class Squeeze(ShardablePrimitive):
 
 
 class Cast(Primitive):
+    local = True  # a dtype change keeps any layout
+
     def compute(self, x, dtype):
         return x.to(dtype)
 

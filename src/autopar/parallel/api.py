@@ -217,21 +217,16 @@ def _attach_data_parallel(state, network, ctx, layerwise: set[str]) -> None:
     params = [p for n, p in network.named_parameters() if n not in layerwise]
     local = [p for n, p in network.named_parameters() if n in layerwise]
     levers = current()
+    fusion = _context.allreduce_bucket_mb()  # comm_fusion={"allreduce": {"mode": "size", "config": MB}}; 0: no fusion
     graph = _context.run_context().mode == _context.GRAPH_MODE
     reducers = bucket_reducers(params, scale=1.0 / state.world if ctx.gradients_mean else 1.0,
-                               bucket_mb=_fusion_bucket_mb() or levers.bucket_mb,
+                               bucket_mb=levers.bucket_mb if fusion is None else fusion,
                                shared_memory=levers.shared_memory and not graph)
     for reducer in reducers:
         reducer.watch(network)
     state.engines.extend(reducers)
     if local:
         state.engines.append(LocalGrads(local, state.world, ctx.gradients_mean))
-
-
-def _fusion_bucket_mb() -> float | None:
-    """``comm_fusion``'s all-reduce bucket size, where the context gives one."""
-    bucket = getattr(_context, "allreduce_bucket_mb", None)
-    return bucket() if bucket is not None else None
 
 
 def _plan(network, loss_fn, sample):
