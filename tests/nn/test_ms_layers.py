@@ -73,7 +73,7 @@ def test_conv2d_pad_mode_pad_takes_four_sides_and_rejects_padding_elsewhere():
 
 
 def test_conv2d_small_map_lowering_keeps_the_same_padding():
-    from autopar.parallel.small_conv import install
+    from autopar.perf.small_conv import install
 
     torch.manual_seed(0)
     net = nn.SequentialCell(nn.Conv2d(4, 6, 3, stride=2), nn.Conv2d(6, 6, 3))

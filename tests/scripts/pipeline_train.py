@@ -20,7 +20,7 @@ import autopar
 from autopar import nn
 from autopar.communication import get_group_size, get_rank, init
 from autopar.errors import ConfigError
-from autopar.parallel.pipeline import PipelineParallel, pipeline_of
+from autopar.parallel.pipeline.runner import PipelineParallel, pipeline_of
 from autopar.train import Model
 from autopar.train.callbacks import Callback
 

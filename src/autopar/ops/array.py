@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from autopar.errors import StrategyError
-from autopar.ops import spec as S
+from autopar.layout import spec as S
 from autopar.ops.math import ShardablePrimitive, _Binary, _Unary
 from autopar.ops.primitive import Primitive
 
