@@ -12,7 +12,7 @@ import autopar
 import autopar.dataset as ds
 from autopar.comm.host_memory import HostGroup
 from autopar.nn import Momentum
-from autopar.parallel.grads.buckets import GroupTransport
+from autopar.parallel.grads.transports import GroupTransport
 from autopar.train import Model
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])

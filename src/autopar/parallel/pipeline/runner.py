@@ -270,7 +270,7 @@ class PipelineParallel:
         """The replicas of this stage sum (or average) their gradients: one collective per bucket."""
         if self.replicas == 1:
             return
-        from autopar.parallel.grads.buckets import reduce_now
+        from autopar.parallel.grads.transports import reduce_now
 
         grads = [p.grad for p in self.stage_module.parameters() if p.grad is not None]
         reduce_now(grads, self.dp_group, 1.0 / self.replicas if self.gradients_mean else 1.0, into=True)

@@ -25,15 +25,13 @@ moved onto the slices before their next step.
 """
 from __future__ import annotations
 
-import contextlib
-import math
 import threading
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, distribute_tensor
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from autopar.comm.topology import mesh_shape, world_mesh, world_size
@@ -41,17 +39,17 @@ from autopar.common import replaced as _replaced
 from autopar.errors import StrategyError
 from autopar.layout.layout import Layout
 from autopar.layout.leaves import LAYOUT_TRANSPARENT, is_annotated
-from autopar.layout.strategy import data_parallel_strategy, derive_plan
 from autopar.layout.strategy_file import load_strategy_file, save_strategy_file
 from autopar.ops import primitive as _primitive
 from autopar.ops.comm import _CommPrimitive
-from autopar.ops.math import OneHot, Reshape
 from autopar.ops.primitive import Primitive
 from autopar.parallel.grads.layouts import LayoutGrads
 from autopar.parallel.tensor import local_matmul
 from autopar.parallel.tensor import placements as P
 from autopar.parallel.tensor import state_dict as _state_dict
+from autopar.parallel.tensor.attention import register_attention_rules
 from autopar.parallel.tensor.inputs import dataset_input
+from autopar.parallel.tensor.operators import run_operator
 from autopar.parallel.tensor.regather import Regather
 
 _local = threading.local()
@@ -75,12 +73,14 @@ class SemiAutoRuntime:
                  dataset_strategy: Any = "data_parallel", zero_level: str | None = None,
                  zero_shard_size: int | None = None):
         self.device_num = world_size()
+        register_attention_rules()
         # optimizer sharding (enable_parallel_optimizer): parameters stored split over the mesh axes their layout
         # replicates them on, gathered to the layout for each use (parallel.optimizer_shard.storage_placements)
         self.zero_level = zero_level
         self.zero_shard_size = zero_shard_size
         self._leaf_params: dict[int, list[tuple[str, DTensor]]] = {}  # id(leaf module) -> its ZeRO-stored params
         self._regathers: dict[int, Regather] = {}  # id(leaf module) -> its level-3 hooks while it runs
+        self._leaf_batched: dict[int, list[bool]] = {}  # id(leaf module) -> did its running call get batch data?
         self.gradients_mean = gradients_mean
         self.full_batch = full_batch
         self.dataset_strategy = dataset_strategy if isinstance(dataset_strategy, (tuple, list)) else None
@@ -228,6 +228,10 @@ class SemiAutoRuntime:
         if regather is not None:
             regather.__enter__()  # left in _leaf_post (always called, also when the forward raises)
             self._regathers[id(module)] = regather
+        # what the module computes follows its inputs: from the network's inputs (DTensors), this rank's share of
+        # the batch; from tensors made inside the network (``arange`` positions, masks), the same on every rank
+        self._leaf_batched.setdefault(id(module), []).append(
+            any(isinstance(t, DTensor) for t in tree_flatten((args,))[0]))
         return tree_map(lambda t: P.to_data_parallel_local(t) if isinstance(t, DTensor) else t, args)
 
     def _leaf_post(self, module, args, output):
@@ -238,11 +242,13 @@ class SemiAutoRuntime:
         regather = self._regathers.pop(id(module), None)
         if regather is not None:
             regather.__exit__(None, None, None)
+        batched = self._leaf_batched.get(id(module))
+        batched = batched.pop() if batched else True
         n = self.device_num
 
         def wrap(t):
             if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.dim() >= 1:
-                return P.wrap_data_parallel(t) if n > 1 else P.to_dtensor_replicated(t)
+                return P.wrap_data_parallel(t) if n > 1 and batched else P.to_dtensor_replicated(t)
             return t
 
         return tree_map(wrap, output)
@@ -252,68 +258,7 @@ class SemiAutoRuntime:
         return f"{type(op).__name__} '{self.names.get(id(op), '?')}'"
 
     def run_op(self, op: Primitive, args: tuple, kwargs: dict) -> Any:
-        if isinstance(op, Reshape):
-            x, shape = args[0], args[1]
-            x = x if isinstance(x, DTensor) else P.to_dtensor_replicated(x)
-            return x.reshape(tuple(shape))
-        if isinstance(op, OneHot):
-            return self._one_hot(op, *args)
-        positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        if not positions:
-            return op.compute(*args, **kwargs)
-        spec = op.spec(*args)
-        shapes = tuple(tuple(args[i].shape) for i in positions)
-        strategy = op.strategy or data_parallel_strategy(spec, shapes, self.device_num)
-        plan = derive_plan(self.name_of(op), spec, strategy, shapes, self.device_num)
-        local_args = list(args)
-        mesh = world_mesh()
-        regather = Regather() if self.zero_level == "level3" else None
-        for k, i in enumerate(positions):
-            layout = plan.inputs[k]
-            dt = stored = self._input(args[i], op, plan, layout)
-            target = layout.placements()
-            if tuple(dt.placements) != target:
-                dt = dt.redistribute(mesh, target)
-            grad_placements = P.placements_for(layout, plan.absent_axes(k), grad_partial=True)
-            local_args[i] = dt.to_local(grad_placements=grad_placements)
-            if regather is not None and dt is not stored and isinstance(stored, torch.nn.Parameter):
-                regather.add(local_args[i], stored, target)  # ZeRO-3: gathered again for the backward
-        bias = getattr(op, "bias_index", None)
-        if plan.partial_axes and bias is not None and bias < len(local_args) and local_args[bias] is not None:
-            # the output is a partial sum over the split contraction: each part carries 1/k of the bias
-            parts = math.prod(plan.device_matrix[a] for a in plan.partial_axes)
-            local_args[bias] = local_args[bias] / parts
-        with regather if regather is not None and regather.gathered else contextlib.nullcontext():
-            out = op.compute(*local_args, **kwargs)
-        partial, reduction = plan.partial_axes, plan.reduction
-        if partial and reduction in ("max", "min"):
-            out = P.all_reduce_extreme(out, plan.device_matrix, partial, reduction)
-            partial = ()
-        elif partial and reduction == "avg":
-            # a mean of k equal parts = the sum of (local mean / k). Emitting Partial(sum) keeps the backward exact:
-            # DTensor hands a Partial(avg) input the whole gradient, k times too much for a mean taken locally.
-            out = out / math.prod(plan.device_matrix[a] for a in partial)
-            reduction = "sum"
-        return P.wrap_local(out, P.output_placements(plan.device_matrix, plan.output_map, partial, reduction))
-
-    def _one_hot(self, op: OneHot, indices, depth, on_value, off_value):
-        depth = int(depth)
-        shape = tuple(indices.shape) + (depth,)
-        spec = op.spec(indices, depth, on_value, off_value)
-        strategy = op.strategy or data_parallel_strategy(spec, [shape, (), ()], self.device_num)
-        plan = derive_plan(self.name_of(op), spec, strategy, (shape, (), ()), self.device_num)
-        out_layout = plan.inputs[0]
-        idx_layout = Layout(plan.device_matrix, out_layout.tensor_map[:-1], shape[:-1])
-        idx = indices if isinstance(indices, DTensor) else P.to_dtensor_replicated(indices)
-        idx = idx.redistribute(world_mesh(), idx_layout.placements()).to_local()
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        part = out_layout.slice_shape[-1]
-        start = out_layout.slice_index(rank)[-1] * part
-        columns = torch.arange(start, start + part, device=idx.device)
-        on = on_value.full_tensor() if isinstance(on_value, DTensor) else torch.as_tensor(on_value)
-        off = off_value.full_tensor() if isinstance(off_value, DTensor) else torch.as_tensor(off_value)
-        hot = (idx.long().unsqueeze(-1) == columns).to(on.dtype)
-        return P.wrap_local(hot * (on - off) + off, out_layout.placements())
+        return run_operator(self, op, args, kwargs)
 
     # -- parameters ------------------------------------------------------------------------------------------
     def _input(self, arg: torch.Tensor, op: Primitive, plan, layout: Layout) -> DTensor:

@@ -1,0 +1,87 @@
+"""How one autopar operator runs under layouts (:meth:`SemiAutoRuntime.run_op`): its inputs are redistributed to the
+layouts its strategy demands, it computes on the *local shards* with plain torch, and its output is wrapped with the
+layout the strategy implies (a split contracted dimension gives a partial sum, resolved lazily by the next
+consumer's redistribution). Running the unsharded operator and slicing afterwards never happens."""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from autopar.comm.topology import world_mesh
+from autopar.layout.layout import Layout
+from autopar.layout.strategy import data_parallel_strategy, derive_plan
+from autopar.ops.math import OneHot, Reshape
+from autopar.ops.primitive import Primitive
+from autopar.parallel.tensor import placements as P
+from autopar.parallel.tensor.regather import Regather
+
+
+def run_operator(rt, op: Primitive, args: tuple, kwargs: dict) -> Any:
+    """``op`` called with ``args`` while runtime ``rt`` runs its network."""
+    if isinstance(op, Reshape):
+        x, shape = args[0], args[1]
+        x = x if isinstance(x, DTensor) else P.to_dtensor_replicated(x)
+        return x.reshape(tuple(shape))
+    if isinstance(op, OneHot):
+        return _one_hot(rt, op, *args)
+    positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    if not positions:
+        return op.compute(*args, **kwargs)
+    spec = op.spec(*args)
+    shapes = tuple(tuple(args[i].shape) for i in positions)
+    strategy = op.strategy or data_parallel_strategy(spec, shapes, rt.device_num)
+    plan = derive_plan(rt.name_of(op), spec, strategy, shapes, rt.device_num)
+    local_args = list(args)
+    mesh = world_mesh()
+    regather = Regather() if rt.zero_level == "level3" else None
+    for k, i in enumerate(positions):
+        layout = plan.inputs[k]
+        dt = stored = rt._input(args[i], op, plan, layout)
+        target = layout.placements()
+        if tuple(dt.placements) != target:
+            dt = dt.redistribute(mesh, target)
+        grad_placements = P.placements_for(layout, plan.absent_axes(k), grad_partial=True)
+        local_args[i] = dt.to_local(grad_placements=grad_placements)
+        if regather is not None and dt is not stored and isinstance(stored, torch.nn.Parameter):
+            regather.add(local_args[i], stored, target)  # ZeRO-3: gathered again for the backward
+    bias = getattr(op, "bias_index", None)
+    if plan.partial_axes and bias is not None and bias < len(local_args) and local_args[bias] is not None:
+        # the output is a partial sum over the split contraction: each part carries 1/k of the bias
+        parts = math.prod(plan.device_matrix[a] for a in plan.partial_axes)
+        local_args[bias] = local_args[bias] / parts
+    with regather if regather is not None and regather.gathered else contextlib.nullcontext():
+        out = op.compute(*local_args, **kwargs)
+    partial, reduction = plan.partial_axes, plan.reduction
+    if partial and reduction in ("max", "min"):
+        out = P.all_reduce_extreme(out, plan.device_matrix, partial, reduction)
+        partial = ()
+    elif partial and reduction == "avg":
+        # a mean of k equal parts = the sum of (local mean / k). Emitting Partial(sum) keeps the backward exact:
+        # DTensor hands a Partial(avg) input the whole gradient, k times too much for a mean taken locally.
+        out = out / math.prod(plan.device_matrix[a] for a in partial)
+        reduction = "sum"
+    return P.wrap_local(out, P.output_placements(plan.device_matrix, plan.output_map, partial, reduction))
+
+def _one_hot(rt, op: OneHot, indices, depth, on_value, off_value):
+    depth = int(depth)
+    shape = tuple(indices.shape) + (depth,)
+    spec = op.spec(indices, depth, on_value, off_value)
+    strategy = op.strategy or data_parallel_strategy(spec, [shape, (), ()], rt.device_num)
+    plan = derive_plan(rt.name_of(op), spec, strategy, (shape, (), ()), rt.device_num)
+    out_layout = plan.inputs[0]
+    idx_layout = Layout(plan.device_matrix, out_layout.tensor_map[:-1], shape[:-1])
+    idx = indices if isinstance(indices, DTensor) else P.to_dtensor_replicated(indices)
+    idx = idx.redistribute(world_mesh(), idx_layout.placements()).to_local()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    part = out_layout.slice_shape[-1]
+    start = out_layout.slice_index(rank)[-1] * part
+    columns = torch.arange(start, start + part, device=idx.device)
+    on = on_value.full_tensor() if isinstance(on_value, DTensor) else torch.as_tensor(on_value)
+    off = off_value.full_tensor() if isinstance(off_value, DTensor) else torch.as_tensor(off_value)
+    hot = (idx.long().unsqueeze(-1) == columns).to(on.dtype)
+    return P.wrap_local(hot * (on - off) + off, out_layout.placements())
