@@ -28,7 +28,7 @@ def fresh_context():
     ("autopar.common.initializer", ["initializer", "Normal", "One", "Zero", "XavierUniform", "HeUniform",
                                     "HeNormal", "TruncatedNormal", "Uniform", "Constant"]),
     ("autopar.runtime", ["set_memory", "synchronize"]),
-    ("autopar.planner_parallel", ["AutoParallel"]),
+    ("autopar.parallel.auto_parallel", ["AutoParallel"]),
     ("autopar.nn.utils", ["no_init_parameters"]),
     ("autopar", ["set_seed", "jit", "lazy_inline", "set_device", "ParameterTuple"]),
 ])
@@ -89,7 +89,7 @@ def test_comm_fusion_is_validated_and_unhonoured_modes_warn():
 
 
 def test_autoparallel_methods_set_the_context():
-    from autopar.planner_parallel import AutoParallel
+    from autopar.parallel.auto_parallel import AutoParallel
 
     net = autopar.nn.Dense(2, 2)
     wrapped = AutoParallel(net, parallel_mode="sharding_propagation")

@@ -36,7 +36,7 @@ from autopar import nn, ops
 from autopar.common.initializer import HeUniform, initializer
 from autopar.communication import get_group_size, get_rank, init
 from autopar.nn.utils import no_init_parameters
-from autopar.planner_parallel import AutoParallel
+from autopar.parallel.auto_parallel import AutoParallel
 from autopar.train import LossMonitor, Model
 
 out_prefix, data_path, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])

@@ -2,8 +2,9 @@
 
 argv: OUT_PREFIX CKPT_DIR [LOAD_FROM]. 2 stages x (world / 2) data-parallel replicas. Cases: Model.train with
 PipelineCell(WithLossCell(net, loss), micro_size=4), schedules 1F1B and GPipe, SGD and AdamW (the MindSpore door:
-cell.pipeline_stage); the PyTorch door (PipelineParallel with split points, a plain loop, AdamW made before the
-first step) recording each step's loss. Each against one process on the same global batch: per-step losses, and
+cell.pipeline_stage; the micro-batches' losses summed, as MindSpore's PipelineCell), MindSpore 2.3's functional
+pipeline (PipelineCell inside value_and_grad, PipelineGradReducer); the PyTorch door (PipelineParallel with split
+points, a plain loop, AdamW made before the first step; the mean) recording each step's loss. Each against one process on the same global batch: per-step losses, and
 this rank's stage parameters after 5 steps. Bad input: a cell with no stage, stages that do not divide the ranks,
 micro_size < stages (a warning). Saves the MindSpore-door SGD/1f1b case integrated (CKPT_DIR/integrated.ckpt[.r])
 and sliced (CKPT_DIR/sliced_<r>); with LOAD_FROM, loads that sliced set (written by another world size) into a
@@ -56,13 +57,15 @@ def staged() -> Net:
     return net
 
 
-def reference(opt_name: str) -> tuple[list[float], dict]:
+def reference(opt_name: str, micro_size: int = 1) -> tuple[list[float], dict]:
+    """One process on the global batch. ``micro_size``: MindSpore's PipelineCell adds its micro-batches' losses, so
+    its loss and gradients are micro_size x the mean's (the PyTorch door's PipelineParallel keeps the mean)."""
     autopar.reset_auto_parallel_context()
     net = Net()
     opt = OPTIMIZERS[opt_name](net.parameters())
     losses = []
     for step in range(5):
-        loss = torch.nn.functional.cross_entropy(net(X[step]), Y[step])
+        loss = torch.nn.functional.cross_entropy(net(X[step]), Y[step]) * micro_size
         losses.append(float(loss))
         opt.zero_grad()
         loss.backward()
@@ -105,7 +108,8 @@ def interleaved() -> Net:
 
 
 results = {}
-refs = {name: reference(name) for name in OPTIMIZERS}
+refs = {name: reference(name) for name in OPTIMIZERS}  # the PyTorch door: the mean
+summed = {name: reference(name, micro_size=4) for name in OPTIMIZERS}  # the MindSpore door: PipelineCell's sum
 for scheduler in ("1f1b", "gpipe"):
     for opt_name in OPTIMIZERS:
         key = f"model/{scheduler}/{opt_name}"
@@ -118,8 +122,8 @@ for scheduler in ("1f1b", "gpipe"):
             cb = Losses()
             model.train(1, [replica_batch(s) for s in range(5)], callbacks=[cb])
             runner = pipeline_of(net)
-            results[key] = {"loss_diff": max(abs(a - b) for a, b in zip(cb.values, refs[opt_name][0])),
-                            "param_diff": stage_diff(runner, refs[opt_name][1]),
+            results[key] = {"loss_diff": max(abs(a - b) for a, b in zip(cb.values, summed[opt_name][0])),
+                            "param_diff": stage_diff(runner, summed[opt_name][1]),
                             "stage": runner.stage_index}
             if key == "model/1f1b/SGD":
                 autopar.save_checkpoint(net, f"{ckpt_dir}/integrated.ckpt" + (f".{rank}" if rank else ""))
@@ -140,13 +144,34 @@ for scheduler in ("1f1b", "gpipe"):  # interleaved: two pieces per rank (Interle
         cb = Losses()
         model.train(1, [replica_batch(s) for s in range(5)], callbacks=[cb])
         runner = pipeline_of(net)
-        results[key] = {"loss_diff": max(abs(a - b) for a, b in zip(cb.values, refs["SGD"][0])),
-                        "param_diff": stage_diff(runner, refs["SGD"][1]), "stage": runner.stage_index,
+        results[key] = {"loss_diff": max(abs(a - b) for a, b in zip(cb.values, summed["SGD"][0])),
+                        "param_diff": stage_diff(runner, summed["SGD"][1]), "stage": runner.stage_index,
                         "pieces": len(list(runner.stage_module.children())) if runner.virtual_stages > 1 else 1}
     except Exception as exc:  # noqa: BLE001
         import traceback
 
         results[key] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}", "trace": traceback.format_exc()[-1500:]}
+# MindSpore 2.3's functional pipeline: PipelineCell called inside value_and_grad, PipelineGradReducer, opt(grads)
+key = "functional/1f1b/Momentum"
+try:
+    set_pipeline("1f1b")
+    net = staged()
+    opt = nn.Momentum(net.trainable_params(), 0.1, 0.9)
+    cell = nn.PipelineCell(nn.WithLossCell(net, torch.nn.CrossEntropyLoss()), 4)
+    grad_fn = autopar.value_and_grad(lambda x, y: cell(x, y), None, opt.parameters)
+    reducer = nn.PipelineGradReducer(opt.parameters)
+    losses = []
+    for step in range(5):
+        loss, grads = grad_fn(*replica_batch(step))
+        opt(reducer(grads))
+        losses.append(float(loss))
+    runner = pipeline_of(net)
+    results[key] = {"loss_diff": max(abs(a - b) for a, b in zip(losses, summed["SGD"][0])),
+                    "param_diff": stage_diff(runner, summed["SGD"][1]), "stage": runner.stage_index}
+except Exception as exc:  # noqa: BLE001
+    import traceback
+
+    results[key] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}", "trace": traceback.format_exc()[-1500:]}
 # the PyTorch door: split points by name, a plain loop, the optimizer made first; then interleaved (three split
 # points, two virtual stages per rank)
 for key, points, virtual in (("torch/1f1b/AdamW", ["l3"], 1), ("torch/interleaved/AdamW", ["l2", "l3", "l4"], 2)):

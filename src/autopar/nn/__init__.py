@@ -44,7 +44,14 @@ from autopar.nn.loss import (  # noqa: F401
     SoftmaxCrossEntropyWithLogits,
 )
 from autopar.nn.optim import SGD, Adam, AdamWeightDecay, Momentum  # noqa: F401
-from autopar.nn.wrappers import DistributedGradReducer, PipelineCell, TrainOneStepCell, WithLossCell  # noqa: F401
+from autopar.nn.wrappers import (  # noqa: F401
+    DistributedGradReducer,
+    GradAccumulationCell,
+    PipelineCell,
+    PipelineGradReducer,
+    TrainOneStepCell,
+    WithLossCell,
+)
 
 TrainOneStepWithLossScaleCell = _unsupported(
     "nn.TrainOneStepWithLossScaleCell", "loss scaling is for float16 training; train in float32 with "

@@ -4,7 +4,7 @@ Inside ``with no_init_parameters():`` every tensor is made on torch's meta devic
 parameters from ``initializer(...)`` and the MindSpore layers remember their initializer, torch modules are reset
 with their own ``reset_parameters()``. They are materialised -- in place, the same ``Parameter`` objects, so an
 optimizer made inside the block keeps working -- when the network is prepared: by
-``autopar.planner_parallel.AutoParallel(net)``, or at the first call of any module, whichever comes first
+``autopar.parallel.auto_parallel.AutoParallel(net)``, or at the first call of any module, whichever comes first
 (:func:`materialize_pending` does it by hand). Parameters are materialised whole on every rank and then laid out by
 the parallel runtime as usual: unlike MindSpore, no rank saves the memory of the slices it will not keep.
 """

@@ -1,5 +1,6 @@
-"""MindSpore's training wrappers: ``WithLossCell`` (a backbone and its loss), ``TrainOneStepCell`` (one training
-step per call, MindSpore r1.x's custom loop) and ``DistributedGradReducer``.
+"""MindSpore's training wrappers: ``WithLossCell`` (a backbone and its loss), ``PipelineCell`` and
+``GradAccumulationCell`` (micro-batches whose losses are summed), ``TrainOneStepCell`` (one training step per call,
+MindSpore r1.x's custom loop), ``DistributedGradReducer`` and ``PipelineGradReducer``.
 
 In a parallel mode the network inside ``TrainOneStepCell`` is the one that parallelizes itself on its first call
 (the wrapper is marked as a step wrapper, so autopar looks through it), and gradients are complete when the
@@ -30,13 +31,22 @@ class WithLossCell(Cell):
         return self._backbone
 
 
+def _micro_batches(inputs: tuple, micro_size: int) -> list[tuple]:
+    chunks = [t.tensor_split(micro_size) if isinstance(t, torch.Tensor) else [t] * micro_size for t in inputs]
+    return list(zip(*chunks))
+
+
 class PipelineCell(Cell):
     """``nn.PipelineCell(network_with_loss, micro_size, stage_config=None)``: the loss of a batch computed over
-    ``micro_size`` micro-batches (their mean: the same loss and gradients as the whole batch at once).
+    ``micro_size`` micro-batches and *summed*, as MindSpore's ``PipelineCell.construct`` adds them: the loss and every
+    gradient are ``micro_size`` x the batch mean's (the PyTorch door, ``autopar.PipelineParallel``, keeps torch's
+    mean).
 
-    With ``set_auto_parallel_context(pipeline_stages=S)``, S > 1, ``Model.train`` runs it on torch's pipeline
-    engine (:mod:`autopar.parallel.pipeline`), split before the first cell of each stage (``cell.pipeline_stage =
-    k``, or ``stage_config={"cell name": k}`` here). Called directly it computes on this process."""
+    With ``set_auto_parallel_context(pipeline_stages=S)``, S > 1, it runs on torch's pipeline engine
+    (:mod:`autopar.parallel.pipeline`), split before the first cell of each stage (``cell.pipeline_stage = k``, or
+    ``stage_config={"cell name": k}`` here): through ``Model.train``, or called inside ``value_and_grad`` (MindSpore
+    2.3's functional pipeline) -- a call then runs the forward and the backward of every micro-batch and returns the
+    loss; ``value_and_grad`` takes the gradients the backward left. Without stages it computes on this process."""
 
     def __init__(self, network: torch.nn.Module, micro_size: int, stage_config: dict | None = None):
         super().__init__()
@@ -54,11 +64,48 @@ class PipelineCell(Cell):
         from autopar import context as _context
 
         if _context.auto_parallel_context().pipeline_stages > 1:
-            raise TrainingError("with pipeline_stages > 1 a PipelineCell trains through Model.train (the pipeline "
-                                "runs forward and backward together); or use autopar.PipelineParallel")
-        chunks = [t.tensor_split(self.micro_size) if isinstance(t, torch.Tensor) else [t] * self.micro_size
-                  for t in inputs]
-        return torch.stack([self.network(*micro) for micro in zip(*chunks)]).mean()
+            ref = self.__dict__.get("_autopar_state")  # the parallel runtime's state of this cell (no import)
+            runner = getattr(getattr(ref, "state", None), "pipeline", None)
+            if runner is None:
+                raise TrainingError("a PipelineCell with pipeline_stages > 1 needs a parallel mode "
+                                    "(semi_auto_parallel) and autopar.communication.init() before its first call")
+            return runner.step(*inputs)
+        return torch.stack([self.network(*micro) for micro in _micro_batches(inputs, self.micro_size)]).sum()
+
+
+class GradAccumulationCell(Cell):
+    """``nn.GradAccumulationCell(network_with_loss, micro_size)`` (also ``autopar.parallel.nn.GradAccumulation``):
+    the batch computed as ``micro_size`` micro-batches whose losses are summed, as MindSpore's. Through
+    ``Model.train`` each micro-batch's backward runs on its own (its activations freed before the next one) and only
+    the last one communicates -- gradient accumulation; in any other loop the summed loss has the same gradients."""
+
+    def __init__(self, network: torch.nn.Module, micro_size: int):
+        super().__init__()
+        if not isinstance(micro_size, int) or isinstance(micro_size, bool) or micro_size < 1:
+            raise TrainingError(f"GradAccumulationCell: micro_size must be a positive integer, got {micro_size!r}")
+        self.network = network
+        self.micro_size = micro_size
+
+    def micro_batches(self, *inputs: Any) -> list[tuple]:
+        return _micro_batches(inputs, self.micro_size)
+
+    def construct(self, *inputs: Any) -> torch.Tensor:
+        return torch.stack([self.network(*micro) for micro in self.micro_batches(*inputs)]).sum()
+
+
+class PipelineGradReducer(Cell):
+    """``nn.PipelineGradReducer(parameters, scale_sense=1.0)``: MindSpore's functional pipeline accumulates and
+    reduces the micro-batches' gradients here. autopar's pipeline step already did (the gradients
+    ``value_and_grad`` returns are complete), so this only applies ``scale_sense``."""
+
+    def __init__(self, parameters: Any = None, scale_sense: float = 1.0, opt_shard: bool | None = None):
+        super().__init__()
+        self.scale_sense = float(scale_sense)
+
+    def construct(self, grads: Any) -> Any:
+        if self.scale_sense == 1.0:
+            return grads
+        return tuple(g * self.scale_sense for g in grads)
 
 
 class TrainOneStepCell(Cell):

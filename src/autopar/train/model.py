@@ -146,15 +146,40 @@ class Model:
             self._precision.step(self._optimizer)
             self._optimizer.zero_grad(set_to_none=True)
             return loss
-        with sync():
-            loss = self._forward_loss(inputs)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise TrainingError(f"the loss must be a scalar tensor, got {getattr(loss, 'shape', loss)!r}")
-            self._precision.backward(loss / self._accumulation if self._accumulation > 1 else loss)
+        scale = 1.0 / self._accumulation
+        micro = self._accumulated_micro_batches(inputs)
+        if micro is None:
+            with sync():
+                loss = self._forward_loss(inputs)
+                self._backward(loss, scale)
+        else:  # GradAccumulationCell: each micro-batch's backward on its own, only the very last one communicates
+            losses = []
+            for k, chunk in enumerate(micro):
+                with sync() if k == len(micro) - 1 else prepared.no_sync():
+                    with self._precision.autocast():
+                        loss = self._network.network(*chunk)
+                    self._backward(loss, scale)
+                    losses.append(loss.detach())
+            loss = torch.stack(losses).sum(0)
         if last:
             self._precision.step(self._optimizer)
             self._optimizer.zero_grad(set_to_none=True)
         return loss.detach()
+
+    def _backward(self, loss: Any, scale: float) -> None:
+        if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+            raise TrainingError(f"the loss must be a tensor that depends on the parameters, got "
+                                f"{getattr(loss, 'shape', type(loss).__name__)!r}")
+        self._precision.backward(loss * scale if scale != 1.0 else loss)
+
+    def _accumulated_micro_batches(self, inputs: list) -> list | None:
+        """``nn.GradAccumulationCell``: the batch's micro-batches, each a list of the inner cell's inputs."""
+        from autopar.nn.wrappers import GradAccumulationCell
+
+        cell = self._network
+        if not isinstance(cell, GradAccumulationCell) or self._loss_fn is not None:
+            return None
+        return cell.micro_batches(*inputs)
 
     # -- training loop ------------------------------------------------------------------------------------------
     def train(self, epoch: int, train_dataset: Iterable, callbacks: Callback | list[Callback] | None = None,

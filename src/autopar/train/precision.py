@@ -48,7 +48,10 @@ class Precision:
         return [t.to(self.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in items]
 
     def backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        """A loss of several elements (MindSpore's per-sample losses) is back-propagated with a sensitivity of ones,
+        as MindSpore's training cells do."""
+        loss = self.scaler.scale(loss) if self.scaler is not None else loss
+        loss.backward(torch.ones_like(loss) if loss.numel() != 1 else None)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler is not None:

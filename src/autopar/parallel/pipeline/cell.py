@@ -7,7 +7,8 @@ import warnings
 import torch
 
 from autopar.errors import ConfigError
-from autopar.parallel.pipeline.runner import PipelineParallel, pipeline_of, segments_of, split_points_from_stages
+from autopar.parallel.pipeline.runner import PipelineParallel, pipeline_of
+from autopar.parallel.pipeline.split import segments_of, split_points_from_stages
 
 _warned: set[str] = set()
 
@@ -27,16 +28,18 @@ def warn_zero_in_pipeline(ctx) -> None:
 
 
 def attach_pipeline_cell(network: torch.nn.Module, loss_fn, ctx, world: int) -> PipelineParallel:
-    """``pipeline_stages`` > 1: the runner of ``Model(nn.PipelineCell(nn.WithLossCell(net, loss), micro_size))``,
-    split before the first cell of each stage (``cell.pipeline_stage``)."""
+    """``pipeline_stages`` > 1: the runner of ``nn.PipelineCell(nn.WithLossCell(net, loss), micro_size)`` -- in
+    ``Model`` or called inside ``value_and_grad`` -- split before the first cell of each stage
+    (``cell.pipeline_stage``); the micro-batches' losses summed, as MindSpore's."""
     from autopar.nn.wrappers import PipelineCell, WithLossCell
     from autopar.ops.shard import has_strategies
 
     stages = ctx.pipeline_stages
     if (not isinstance(network, PipelineCell) or loss_fn is not None
             or not isinstance(network.network, WithLossCell)):
-        raise ConfigError(f"pipeline_stages={stages} trains Model(nn.PipelineCell(nn.WithLossCell(net, loss), "
-                          "micro_size), optimizer=opt): the label meets the loss on the last stage")
+        raise ConfigError(f"pipeline_stages={stages} trains nn.PipelineCell(nn.WithLossCell(net, loss), micro_size) "
+                          "(in Model(cell, optimizer=opt) or value_and_grad): the label meets the loss on the last "
+                          "stage")
     if world % stages:
         raise ConfigError(f"pipeline_stages={stages} does not divide the {world} ranks")
     if has_strategies(network):
@@ -58,7 +61,8 @@ def attach_pipeline_cell(network: torch.nn.Module, loss_fn, ctx, world: int) -> 
                    "one piece per stage (set cell.pipeline_segment = v, as MindSpore)")
     return PipelineParallel(backbone, loss, network.micro_size, split_points_from_stages(backbone, stages, segments),
                             schedule=str(config.get("pipeline_scheduler", "1f1b")).lower(),
-                            gradients_mean=ctx.gradients_mean, virtual_stages=segments)
+                            gradients_mean=ctx.gradients_mean, virtual_stages=segments, grads="stage",
+                            reduction="sum")  # MindSpore's PipelineCell adds the micro-batches' losses
 
 
 def attach_planned_pipeline(network: torch.nn.Module, loss_fn, option, ctx) -> PipelineParallel:
@@ -67,4 +71,4 @@ def attach_planned_pipeline(network: torch.nn.Module, loss_fn, option, ctx) -> P
     replica's batch is the shares of its stages' ranks together: ``runner.replica_batch``)."""
     warn_zero_in_pipeline(ctx)
     return pipeline_of(network) or PipelineParallel(network, loss_fn, option.micro_batches, option.split_points,
-                                                    gradients_mean=ctx.gradients_mean)
+                                                    gradients_mean=ctx.gradients_mean, grads="stage")

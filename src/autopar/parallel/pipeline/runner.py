@@ -1,21 +1,27 @@
-"""Pipeline parallelism -- MindSpore's ``pipeline_stages`` + ``nn.PipelineCell`` -- on ``torch.distributed.pipelining``.
+"""Pipeline parallelism -- MindSpore's ``pipeline_stages`` + ``nn.PipelineCell`` and the PyTorch door's
+:class:`PipelineParallel` -- on ``torch.distributed.pipelining``.
 
 ``S`` stages x ``D`` data-parallel replicas = the world; rank ``r`` runs stage ``r // D`` of replica ``r % D``
-(MindSpore's numbering: the ranks of a stage are consecutive). The network-with-loss is traced once
-(``torch.distributed.pipelining.pipeline``, torch.export underneath) and split *before* the first cell of each
-stage -- the stage of a cell is its own ``pipeline_stage`` or its nearest ancestor's -- so any forward code between
-the cells goes where it runs. Each rank keeps its stage's submodule, whose parameters are the network's own
-objects (an optimizer made on ``net.parameters()`` steps them; the other stages' parameters get no gradient here
-and are skipped by every torch optimizer).
+(MindSpore's numbering: the ranks of a stage are consecutive). The network is traced once and split before each
+split point (:mod:`autopar.parallel.pipeline.split`: every piece computes with the network's own parameters, reads
+the network inputs it needs -- targets on the last stage -- from the rank's own batch). A step splits the replica's
+batch into ``micro_batches`` and runs a torch schedule (1F1B by default, GPipe, or interleaved ones with several
+pieces per rank).
 
-A step splits the replica's batch into ``micro_size`` micro-batches and runs a torch schedule (1F1B by default,
-GPipe with ``pipeline_config={"pipeline_scheduler": "gpipe"}``). Loss semantics are one process's on the global
-batch: the step's loss is the mean of the micro-batch losses (each a mean over its micro-batch) and of the replicas'
-(every rank reports the global batch's loss), gradients are
-divided by ``micro_size`` (torch's ``scale_grads``), then averaged (``gradients_mean``) or summed over the replicas
-of the stage.
+Exact as one process on the global batch, in any loop:
 
-The PyTorch door: :class:`PipelineParallel` with explicit split points (module names), the same engine.
+- the loss of a step is the mean of the micro-batches' losses (``reduction="mean"``, the PyTorch door) or their sum
+  (``"sum"``: MindSpore's ``PipelineCell``, whose loss and gradients are ``micro_size`` x the mean); each
+  micro-batch's loss is scaled before its backward, so gradients already in ``.grad`` (several ``step()`` calls
+  before an optimizer step) are never scaled again;
+- ``grads="full"`` (the PyTorch door): after a step every rank holds the *whole* network's gradient -- one
+  all-reduce over all ranks of each rank's stage gradients (zeros elsewhere), which also sums a weight tied across
+  stages and averages (``gradients_mean``) or sums the replicas. The user's own ``clip_grad_norm_`` then takes the
+  global norm, the optimizer steps every parameter identically on every rank, and ``state_dict()`` is the whole,
+  current network -- at the memory of data parallelism for gradients and optimizer state;
+- ``grads="stage"`` (``Model`` with ``pipeline_stages``): a rank keeps only its stage's gradients (summed over the
+  stage's replicas; a tied weight over the stages that hold it, as Megatron's embedding group) -- less memory; the
+  other stages' parameters are made current by :meth:`gather_parameters` before anyone reads them whole.
 """
 from __future__ import annotations
 
@@ -27,86 +33,12 @@ import torch
 import torch.distributed as dist
 
 from autopar import context as _context
+from autopar.common import grad_owners as owners
 from autopar.errors import ConfigError
 from autopar.labels import call_loss, class_indices
+from autopar.parallel.pipeline.split import network_output_loss, pieces_of
 
 SCHEDULES = ("1f1b", "gpipe")
-
-
-def stage_of_modules(network: torch.nn.Module, attr: str = "pipeline_stage", unset: int = -1) -> dict[str, int]:
-    """``{module name: pipeline stage}`` (or another cell attribute, e.g. ``pipeline_segment``) for every module,
-    inherited from the nearest annotated ancestor (``unset``: none)."""
-    stages: dict[str, int] = {}
-    for name, module in network.named_modules():
-        own = getattr(module, attr, None)
-        parent = name.rpartition(".")[0] if name else None
-        inherited = stages.get(parent, unset) if parent is not None else unset
-        stages[name] = int(own) if own is not None else inherited
-    return stages
-
-
-def segments_of(network: torch.nn.Module) -> int:
-    """How many virtual segments the cells' ``pipeline_segment`` marks (MindSpore's interleaved pipeline): 1 + the
-    largest, 1 when no cell has one."""
-    return 1 + max([int(getattr(m, "pipeline_segment", 0) or 0) for m in network.modules()] + [0])
-
-
-def split_points_from_stages(network: torch.nn.Module, num_stages: int, segments: int = 1) -> list[str]:
-    """The module each piece after the first begins with, from the cells' ``pipeline_stage`` (and, interleaved,
-    ``pipeline_segment``: piece = segment x S + stage, in forward order); one-line errors for a cell with parameters
-    but no stage, a stage out of range or unused, and stages that do not follow the forward order."""
-    stages = stage_of_modules(network)
-    unstaged = [n or type(network).__name__ for n, m in network.named_modules()
-                if stages[n] < 0 and any(True for _ in m.parameters(recurse=False))]
-    if unstaged:
-        raise ConfigError(f"pipeline_stages={num_stages}: cell '{unstaged[0]}' has parameters but no pipeline_stage "
-                          f"(set cell.pipeline_stage = k on it or a parent){' and more' if len(unstaged) > 1 else ''}")
-    if segments > 1:
-        return _split_points_interleaved(network, stages, num_stages, segments)
-    out_of_range = sorted({s for s in stages.values() if s >= num_stages})
-    if out_of_range:
-        raise ConfigError(f"pipeline_stage {out_of_range[0]} is out of range: pipeline_stages={num_stages} numbers "
-                          f"stages 0..{num_stages - 1}")
-    first: dict[int, str] = {}
-    last_stage = -1
-    for name, _ in network.named_modules():
-        s = stages[name]
-        if s < 0 or not name:
-            continue
-        if s < last_stage and stages.get(name.rpartition(".")[0], -1) != s:
-            raise ConfigError(f"cell '{name}' is in pipeline_stage {s} after a cell of stage {last_stage}: stages "
-                              "must follow the order the forward runs the cells in")
-        last_stage = max(last_stage, s)
-        first.setdefault(s, name)
-    missing = [s for s in range(num_stages) if s not in first and s > 0]
-    if missing:
-        raise ConfigError(f"pipeline_stages={num_stages} but no cell has pipeline_stage {missing[0]}")
-    return [first[s] for s in range(1, num_stages)]
-
-
-def _split_points_interleaved(network: torch.nn.Module, stages: dict[str, int], num_stages: int,
-                              segments: int) -> list[str]:
-    seg = stage_of_modules(network, "pipeline_segment", unset=0)
-    first: dict[int, str] = {}
-    last = -1
-    for name, _ in network.named_modules():
-        if not name or stages[name] < 0:
-            continue
-        if stages[name] >= num_stages:
-            raise ConfigError(f"pipeline_stage {stages[name]} is out of range: pipeline_stages={num_stages} numbers "
-                              f"stages 0..{num_stages - 1}")
-        piece = seg[name] * num_stages + stages[name]
-        parent = name.rpartition(".")[0]
-        if piece < last and (seg.get(parent, 0) * num_stages + stages.get(parent, -1)) != piece:
-            raise ConfigError(f"cell '{name}' (segment {seg[name]}, stage {stages[name]}) runs after a cell of a later "
-                              "piece: segments, then stages, must follow the order the forward runs the cells in")
-        last = max(last, piece)
-        first.setdefault(piece, name)
-    missing = [k for k in range(1, num_stages * segments) if k not in first]
-    if missing:
-        raise ConfigError(f"pipeline_interleave: no cell has pipeline_segment {missing[0] // num_stages} and "
-                          f"pipeline_stage {missing[0] % num_stages}")
-    return [first[k] for k in range(1, num_stages * segments)]
 
 
 def _groups(num_stages: int) -> tuple[Any, Any, int, int]:
@@ -121,16 +53,20 @@ def _groups(num_stages: int) -> tuple[Any, Any, int, int]:
 
 class PipelineParallel:
     """``network`` split before each of ``split_points`` (module names, in forward order) into
-    ``len(split_points) + 1`` stages over the world, ``loss_fn(output, label)`` on the last stage;
-    ``step(*inputs, label)`` runs one training step's forward and backward over ``micro_batches`` micro-batches and
-    returns the loss (on every rank). Call the optimizer's ``step()`` after it, as after ``loss.backward()``."""
+    ``len(split_points) + 1`` pieces over the world. ``step(*inputs)`` runs one training step's forward and backward
+    over ``micro_batches`` micro-batches and returns the loss (on every rank); call the optimizer after it, as after
+    ``loss.backward()``. With a ``loss_fn`` the last input is the label (``loss_fn(output, label)`` on the last
+    stage); without one, all inputs are the network's and it returns its loss (or a tuple ending with it)."""
 
     def __init__(self, network: torch.nn.Module, loss_fn: Any, micro_batches: int, split_points: Sequence[str],
-                 schedule: str = "1f1b", gradients_mean: bool = True, virtual_stages: int = 1):
+                 schedule: str = "1f1b", gradients_mean: bool = True, virtual_stages: int = 1,
+                 reduction: str = "mean", grads: str = "full"):
         if not dist.is_initialized():
             raise ConfigError("pipeline parallel needs the cluster: call autopar.communication.init() first")
-        self.network = network
-        self.loss_fn = loss_fn
+        if reduction not in ("mean", "sum") or grads not in ("full", "stage"):
+            raise ConfigError(f"PipelineParallel: reduction must be 'mean' or 'sum' and grads 'full' or 'stage', "
+                              f"got {reduction!r}, {grads!r}")
+        self.network, self.loss_fn, self.reduction, self.grads = network, loss_fn, reduction, grads
         # interleaved: the network cut into S x V pieces, rank s holding pieces s, s + S, ... (a smaller bubble,
         # (S-1)/(V M + S - 1), for V times the point-to-point traffic)
         self.virtual_stages = int(virtual_stages)
@@ -161,7 +97,8 @@ class PipelineParallel:
         self.replicas = world // self.num_stages
         self._schedule = None
         self.stage_module: torch.nn.Module | None = None
-        self.owner: dict[str, int] = {}
+        self._pieces: dict = {}
+        self.owner: dict[str, set[int]] = {}  # parameter / buffer name -> the stages that hold it
         from autopar.context import parallel_mode
         from autopar.parallel.state import ParallelState, bind, state_of
 
@@ -173,6 +110,7 @@ class PipelineParallel:
     # -- building (on the first batch: the trace needs real shapes) ------------------------------------------------
     def _build(self, inputs: tuple) -> None:
         from torch.distributed.pipelining import (
+            PipelineStage,
             Schedule1F1B,
             ScheduleGPipe,
             ScheduleInterleaved1F1B,
@@ -183,7 +121,7 @@ class PipelineParallel:
 
         from autopar.comm import management as _comm
 
-        batch = inputs[0].shape[0] if inputs else 0
+        batch = inputs[0].shape[0] if inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() else 0
         if batch % self.micro_batches:
             raise ConfigError(f"the batch of {batch} does not split into micro_size={self.micro_batches} equal "
                               "micro-batches")
@@ -200,26 +138,32 @@ class PipelineParallel:
         if pipe.num_stages != pieces:
             raise ConfigError(f"pipeline: splitting at {self.split_points} gave {pipe.num_stages} stages, not "
                               f"{pieces} (is every split point called in the forward?)")
-        mine = range(self.stage_index, pieces, self.num_stages)  # this rank's pieces (one unless interleaved)
-        modules = [pipe.get_stage_module(k) for k in mine]
+        mine = list(range(self.stage_index, pieces, self.num_stages))  # this rank's pieces (one unless interleaved)
+        self._pieces, users = pieces_of(pipe, self.network, set(mine))
+        self.owner = {name: {k % self.num_stages for k in ks} for name, ks in users.items()}
+        modules = [self._pieces[k] for k in mine]
         self.stage_module = modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
-        # which stage owns each parameter and buffer (the split graph names them submod_<piece>.<network name>)
-        self.owner = {}
-        for name, _ in [*pipe.split_gm.named_parameters(), *pipe.split_gm.named_buffers()]:
-            head, _, rest = name.partition(".")
-            self.owner[rest] = int(head.rpartition("_")[2]) % self.num_stages
-        stages = [pipe.build_stage(k, _comm.device(), group=self.pp_group) for k in mine]
-        loss_fn = self.loss_fn
+        stages = [PipelineStage(self._pieces[k], k, pieces, _comm.device(), group=self.pp_group) for k in mine]
+        for stage in stages:
+            piece = stage.submod
+            if piece.reads_inputs():
+                if not hasattr(stage, "register_forward_context"):
+                    raise ConfigError(f"pipeline: piece {piece.index} reads the network's inputs (targets?), which "
+                                      f"needs torch >= 2.15 (this is {torch.__version__}); give a loss_fn and the "
+                                      "targets as the label instead")
+                stage.register_forward_context(piece.running)
+        loss_fn, scale = self.loss_fn, 1.0 / self.micro_batches if self.reduction == "mean" else 1.0
 
-        def last_stage_loss(output, label):
-            return call_loss(loss_fn, output, label)
+        def micro_batch_loss(output, label):
+            loss = network_output_loss(output) if loss_fn is None else call_loss(loss_fn, output, label)
+            return loss * scale if scale != 1.0 else loss
 
         if self.virtual_stages == 1:
             kind = Schedule1F1B if self.schedule_name == "1f1b" else ScheduleGPipe
-            self._schedule = kind(stages[0], self.micro_batches, loss_fn=last_stage_loss, scale_grads=True)
+            self._schedule = kind(stages[0], self.micro_batches, loss_fn=micro_batch_loss, scale_grads=False)
         else:  # several pieces per rank: interleaved 1F1B, or looped breadth-first (GPipe's order per piece)
             kind = ScheduleInterleaved1F1B if self.schedule_name == "1f1b" else ScheduleLoopedBFS
-            self._schedule = kind(stages, self.micro_batches, loss_fn=last_stage_loss, scale_grads=True)
+            self._schedule = kind(stages, self.micro_batches, loss_fn=micro_batch_loss, scale_grads=False)
 
     def parameters(self):
         """This rank's stage's parameters (all of the network's before the first step)."""
@@ -229,29 +173,100 @@ class PipelineParallel:
     def is_last_stage(self) -> bool:
         return self.stage_index == self.num_stages - 1
 
+    # -- a step -------------------------------------------------------------------------------------------------
     def step(self, *inputs: torch.Tensor) -> torch.Tensor:
-        """``inputs``: the network's inputs, then the label (this replica's batch, the same on all its stages)."""
-        if len(inputs) < 2:
-            raise ConfigError("pipeline step: give the network's inputs and the label")
-        inputs, target = inputs[:-1], class_indices(inputs[-1])
+        """This replica's batch (the same on all its stages): the network's inputs, then the label when there is a
+        ``loss_fn``. Returns the step's loss on every rank, as one process on the global batch reports it."""
+        if self.loss_fn is not None:
+            if len(inputs) < 2:
+                raise ConfigError("pipeline step: give the network's inputs and the label")
+            inputs, target = inputs[:-1], class_indices(inputs[-1])
+        else:
+            if not inputs:
+                raise ConfigError("pipeline step: give the network's inputs")
+            target = torch.zeros(inputs[0].shape[0])  # the loss is the network's own: the schedule's label is unused
         if self._schedule is None:
             self._build(inputs)
+        for piece in self._pieces.values():  # later pieces read the network inputs they need from here
+            if piece.reads_inputs():
+                piece.feed = list(zip(*[t.tensor_split(self.micro_batches) if isinstance(t, torch.Tensor)
+                                        else [t] * self.micro_batches for t in inputs]))
+        carried = self._set_aside_gradients()
         losses: list[torch.Tensor] = []
         with _context.managed():  # the stages' modules are called by the schedule, not as networks to parallelize
             if self.stage_index == 0:
-                self._schedule.step(*inputs, target=target, losses=losses)
+                self._schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
             else:
-                self._schedule.step(target=target, losses=losses)
-        loss = torch.stack([x.detach().float() for x in losses]).mean() if losses else torch.zeros(())
+                self._schedule.step(target=target, losses=losses, return_outputs=False)
+        loss = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros(())
         if self.num_stages > 1:  # every rank of the replica reports its loss ...
             last = dist.get_global_rank(self.pp_group, self.num_stages - 1)
             dist.broadcast(loss, src=last, group=self.pp_group)
         if self.replicas > 1:  # ... and the loss of the global batch, as one process would
             dist.all_reduce(loss, group=self.dp_group)
             loss /= self.replicas
-        self._reduce_gradients()
-        return loss
+        self._complete_gradients(carried)
+        return owners.mark_backward_done(loss)  # value_and_grad takes the gradients from .grad
 
+    # -- gradients -------------------------------------------------------------------------------------------------
+    def _network_parameters(self) -> list[torch.nn.Parameter]:
+        """The trainable parameters some piece computes with (one no piece uses keeps no gradient, as in one
+        process)."""
+        named = self.network.named_parameters(remove_duplicate=False)
+        used = {id(p) for n, p in named if n in self.owner}
+        return [p for p in self.network.parameters() if p.requires_grad and (id(p) in used or not self.owner)]
+
+    def _set_aside_gradients(self) -> dict[int, torch.Tensor]:
+        """Gradients of earlier steps (accumulation): kept out of this step's sums, added back after them."""
+        carried = {}
+        for p in self._network_parameters():
+            if p.grad is not None:
+                carried[id(p)] = p.grad
+                p.grad = None
+        return carried
+
+    def _complete_gradients(self, carried: dict[int, torch.Tensor]) -> None:
+        from autopar.parallel.grads.transports import reduce_now
+
+        params = self._network_parameters()
+        replicas = 1.0 / self.replicas if self.gradients_mean else 1.0
+        if self.grads == "full":  # every rank: the whole gradient (stages summed, replicas averaged or summed)
+            if dist.get_world_size() > 1:
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+                grads = reduce_now(grads, None, replicas)
+                for p, g in zip(params, grads):
+                    p.grad = g
+        else:  # this stage's gradients over its replicas; a weight tied across stages over the stages holding it
+            mine = [p for p in self.stage_module.parameters() if p.grad is not None]
+            if self.replicas > 1:
+                reduce_now([p.grad for p in mine], self.dp_group, replicas, into=True)
+            tied = self._tied_parameters()
+            if tied:
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in tied]
+                reduce_now(grads, self.pp_group, 1.0, into=True)
+                for p, g in zip(tied, grads):
+                    p.grad = g
+        for p in params:
+            kept = carried.get(id(p))
+            if kept is not None:
+                p.grad = kept if p.grad is None else p.grad.add_(kept)
+
+    def _tied_parameters(self) -> list[torch.nn.Parameter]:
+        """Parameters more than one stage holds (every rank of the pipeline group lists them alike)."""
+        named = dict(self.network.named_parameters(remove_duplicate=False))
+        out, seen = [], set()
+        for name in sorted(self.owner):
+            p = named.get(name)
+            if p is not None and len(self._stages_of(p)) > 1 and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
+
+    def _stages_of(self, param: torch.nn.Parameter) -> set[int]:
+        names = [n for n, p in self.network.named_parameters(remove_duplicate=False) if p is param]
+        return set().union(*(self.owner.get(n, set()) for n in names)) if names else set()
+
+    # -- the whole network on every rank ----------------------------------------------------------------------
     def replica_batch(self, inputs) -> tuple:
         """The batches the ranks of this replica's stages hold, concatenated in rank order: what the replica
         trains on when every rank was given its own data-parallel share (AUTO_PARALLEL's planned pipeline)."""
@@ -266,15 +281,6 @@ class PipelineParallel:
             out.append(t)
         return tuple(out)
 
-    def _reduce_gradients(self) -> None:
-        """The replicas of this stage sum (or average) their gradients: one collective per bucket."""
-        if self.replicas == 1:
-            return
-        from autopar.parallel.grads.transports import reduce_now
-
-        grads = [p.grad for p in self.stage_module.parameters() if p.grad is not None]
-        reduce_now(grads, self.dp_group, 1.0 / self.replicas if self.gradients_mean else 1.0, into=True)
-
     @contextlib.contextmanager
     def full_parameters(self):
         """Every rank holds every stage's current parameters and buffers (broadcast from their stage): what an
@@ -284,14 +290,19 @@ class PipelineParallel:
 
     def gather_parameters(self) -> None:
         """Broadcast every stage's parameters and buffers from its ranks to all: after it the whole network is
-        current on every rank (``Model`` does it when training ends and before it evaluates or predicts)."""
-        if self.stage_module is not None and self.num_stages > 1:
-            state = {**dict(self.network.named_parameters()), **dict(self.network.named_buffers())}
-            with torch.no_grad():
-                for name, stage in self.owner.items():
-                    if name in state:
-                        dist.broadcast(state[name].data, src=dist.get_global_rank(self.pp_group, stage),
-                                       group=self.pp_group)
+        current on every rank (``Model`` does it when training ends and before it evaluates or predicts). With
+        ``grads="full"`` every rank stepped every parameter already: only the buffers travel."""
+        if self.stage_module is None or self.num_stages == 1:
+            return
+        state = dict(self.network.named_buffers())
+        if self.grads == "stage":
+            state.update(self.network.named_parameters())
+        with torch.no_grad():
+            for name in sorted(state):
+                stages = self.owner.get(name)
+                if stages:
+                    dist.broadcast(state[name].data, src=dist.get_global_rank(self.pp_group, min(stages)),
+                                   group=self.pp_group)
 
 
 def pipeline_of(network: torch.nn.Module) -> PipelineParallel | None:

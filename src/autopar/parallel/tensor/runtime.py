@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -78,7 +78,7 @@ class SemiAutoRuntime:
         # replicates them on, gathered to the layout for each use (parallel.optimizer_shard.storage_placements)
         self.zero_level = zero_level
         self.zero_shard_size = zero_shard_size
-        self._leaf_params: dict[int, list[tuple[str, DTensor]]] = {}  # id(leaf module) -> its ZeRO-stored params
+        self._leaf_params: dict[int, list[tuple[str, DTensor]]] = {}  # id(leaf module) -> its stored params
         self._regathers: dict[int, Regather] = {}  # id(leaf module) -> its level-3 hooks while it runs
         self._leaf_batched: dict[int, list[bool]] = {}  # id(leaf module) -> did its running call get batch data?
         self.gradients_mean = gradients_mean
@@ -128,8 +128,7 @@ class SemiAutoRuntime:
                 owners = self.owners.setdefault(name, [])
                 if (module, attr) not in owners:
                     owners.append((module, attr))
-        if self.zero_level:
-            self._shard_leaf_parameters(root)
+        self._store_leaf_parameters(root)
         root.register_forward_pre_hook(self._root_pre, with_kwargs=True)
         root.register_forward_hook(self._root_post, always_call=True)
         if self.parameter_broadcast and self.device_num > 1:
@@ -217,21 +216,24 @@ class SemiAutoRuntime:
     def _leaf_pre(self, module, args):
         if active_runtime() is not self or is_annotated(module):
             return None
+        # what the module computes follows its inputs: from the network's inputs (DTensors), this rank's share of
+        # the batch; from tensors made inside the network (``arange`` positions, masks), the same on every rank
+        batched = any(isinstance(t, DTensor) for t in tree_flatten((args,))[0])
+        self._leaf_batched.setdefault(id(module), []).append(batched)
         stored_params = self._leaf_params.get(id(module), ())
         regather = Regather() if stored_params and self.zero_level == "level3" else None
+        whole = P.replicate_placements()
         for attr, stored in stored_params:
-            # ZeRO: the whole parameter for this call only (an all-gather; its gradient is reduce-scattered back)
-            module._parameters[attr] = stored.redistribute(stored.device_mesh, P.replicate_placements()).to_local(
-                grad_placements=tuple(Partial() for _ in stored.placements))
+            # the whole parameter for this call only (under ZeRO an all-gather, its gradient reduce-scattered back).
+            # Its gradient here is this rank's part of the sum when the module computed on this rank's batch, the
+            # whole gradient already when it computed on what every rank holds alike
+            grad = tuple(Partial() if batched else Replicate() for _ in whole)
+            module._parameters[attr] = stored.redistribute(stored.device_mesh, whole).to_local(grad_placements=grad)
             if regather is not None:
-                regather.add(module._parameters[attr], stored, P.replicate_placements())
+                regather.add(module._parameters[attr], stored, whole)
         if regather is not None:
             regather.__enter__()  # left in _leaf_post (always called, also when the forward raises)
             self._regathers[id(module)] = regather
-        # what the module computes follows its inputs: from the network's inputs (DTensors), this rank's share of
-        # the batch; from tensors made inside the network (``arange`` positions, masks), the same on every rank
-        self._leaf_batched.setdefault(id(module), []).append(
-            any(isinstance(t, DTensor) for t in tree_flatten((args,))[0]))
         return tree_map(lambda t: P.to_data_parallel_local(t) if isinstance(t, DTensor) else t, args)
 
     def _leaf_post(self, module, args, output):
@@ -321,22 +323,29 @@ class SemiAutoRuntime:
 
         return storage_placements(tuple(placements), tuple(shape), mesh_shape(), self.zero_shard_size)
 
-    def _shard_leaf_parameters(self, root: torch.nn.Module) -> None:
-        """ZeRO for the parameters of plain torch leaf modules (they run data-parallel on the local batch): store
-        each split over the ranks, put the whole one back into the module around each of its calls
-        (:meth:`_leaf_pre` / :meth:`_leaf_post`). Rank 0's initial values, as any layout."""
+    def _store_leaf_parameters(self, root: torch.nn.Module) -> None:
+        """The parameters of plain torch leaf modules (they run data-parallel on the local batch) become DTensors too:
+        replicated -- or under ZeRO split over the ranks -- and handed to the module as plain tensors for each of its
+        calls (:meth:`_leaf_pre` / :meth:`_leaf_post`). So every parameter of a laid-out network is a DTensor:
+        ``clip_grad_norm_`` and the optimizers see one kind, and forward code may use a parameter directly on
+        DTensor activations. Rank 0's initial values, as any layout."""
+        converted = set(id(v) for v in self.converted.values())
         for module in root.modules():
-            if (id(module) not in self._hooked or is_annotated(module) or id(module) in self._leaf_params):
+            if id(module) not in self._hooked or is_annotated(module) or id(module) in self._leaf_params:
                 continue
             stored = []
             for attr, param in list(module._parameters.items()):
-                if param is None or isinstance(param, DTensor) or not param.requires_grad:
+                if param is None or not param.requires_grad or getattr(param, "layerwise_parallel", False):
+                    continue
+                if isinstance(param, DTensor):
+                    if id(param) in converted:  # shared with a leaf stored before (a tied embedding and head)
+                        stored.append((attr, param))
                     continue
                 name = self.param_names.get(param, attr)
                 placements = self._stored(P.replicate_placements(), tuple(param.shape))
-                if placements == P.replicate_placements():
-                    continue  # nothing to split (a scalar): it stays whole and all-reduced
-                stored.append((attr, self._replace(param, name, placements, default_owner=(module, attr))))
+                new = self._replace(param, name, placements, default_owner=(module, attr))
+                converted.add(id(new))
+                stored.append((attr, new))
                 layout = Layout.replicated(tuple(param.shape), self.device_num)
                 self.param_layout[name] = (f"data-parallel module '{self.names.get(id(module), '?')}'",
                                            layout.placements(), layout)

@@ -126,6 +126,7 @@ class ShardedGrads:
     """The seam's view of ZeRO: FSDP2 reduce-scatters the gradients itself, from its own hooks."""
 
     name = "ZeRO (FSDP2 reduce-scatter)"
+    needs_backward = True  # the shards' gradients come from FSDP2's post-backward hooks, never from autograd.grad
 
     def __init__(self, network: torch.nn.Module):
         from autopar.parallel.grads.engine import claim
@@ -145,8 +146,8 @@ class ShardedGrads:
     def complete_returned(self, params, grads):
         from autopar.errors import TrainingError
 
-        raise TrainingError("gradients returned by torch.autograd.grad are not reduce-scattered by ZeRO: use "
-                            "loss.backward() (or autopar's value_and_grad, which does) with enable_parallel_optimizer")
+        raise TrainingError("torch.autograd.grad cannot differentiate ZeRO's sharded parameters (FSDP2 gathers "
+                            "others for the forward): use loss.backward(), or autopar's value_and_grad, which does")
 
     def close(self) -> None:
         from autopar.parallel.grads.engine import release
@@ -157,9 +158,11 @@ class ShardedGrads:
 def shard_optimizer(network: torch.nn.Module, level: str, gradients_mean: bool, shard_size: int | None = None
                     ) -> None:
     """Shard ``network`` in place: every module owning trainable parameters gets its own FSDP2 group (gathered
-    only while it computes), the network the rest; over all ranks, or hybrid (HSDP) over groups of
-    ``shard_size``. Replaced parameters are recorded, so optimizers made before are moved onto the slices before
-    their next step."""
+    only while it computes), the network the rest -- among them the parameters several modules share (a tied
+    embedding and output head: one parameter is managed by one group); over all ranks, or hybrid (HSDP) over
+    groups of ``shard_size``. Replaced parameters are recorded, so optimizers made before are moved onto the slices
+    before their next step; ``state_dict()`` gives full tensors, as the network's did (autopar's sliced checkpoints
+    read the slices)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     from autopar.comm.topology import world_size
@@ -167,8 +170,13 @@ def shard_optimizer(network: torch.nn.Module, level: str, gradients_mean: bool, 
     before = dict(network.named_parameters())
     mesh = hybrid_mesh(shard_size or world_size())
     reshard = LEVELS[level]
+    holders: dict[int, int] = {}
+    for module in network.modules():
+        for p in module.parameters(recurse=False):
+            holders[id(p)] = holders.get(id(p), 0) + 1
     owners = [m for m in network.modules() if m is not network
-              and any(p.requires_grad for p in m.parameters(recurse=False))]
+              and any(p.requires_grad for p in m.parameters(recurse=False))
+              and all(holders[id(p)] == 1 for p in m.parameters(recurse=False))]
     for module in reversed(owners):  # innermost first, as fully_shard wants
         if not isinstance(module, FSDPModule):
             fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
@@ -182,6 +190,13 @@ def shard_optimizer(network: torch.nn.Module, level: str, gradients_mean: bool, 
     for name, old in before.items():
         if after.get(name) is not None and after[name] is not old:
             _replaced.record(old, after[name])
+    from torch.distributed.tensor import DTensor
+
+    from autopar.parallel.tensor import state_dict as _state_dict
+
+    for module in network.modules():
+        if any(isinstance(p, DTensor) for p in module._parameters.values()):
+            _state_dict.install(module)
     handle = []
 
     def after_first_forward(module, args, output):
