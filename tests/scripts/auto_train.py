@@ -48,7 +48,7 @@ Y = rng.standard_normal((3 * PER_RANK * n, WIDTH)).astype(np.float32)
 net = make()
 data = ds.NumpySlicesDataset({"x": X, "y": Y}, shuffle=False, num_shards=n, shard_id=rank).batch(PER_RANK)
 model = Model(net, torch.nn.MSELoss(), Momentum(net.parameters(), 0.01, 0.9))
-model.train(1, data, dataset_sink_mode=True, sink_size=3)
+model.train(1, data.take(3))
 
 ref = make()
 opt = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)

@@ -47,7 +47,7 @@ data = ds.NumpySlicesDataset({"x": x, "y": y}, shuffle=False, num_shards=autopar
 torch.manual_seed(autopar.get_rank())  # different init per rank: parameter_broadcast must fix it
 net = make_net()
 model = Model(net, torch.nn.CrossEntropyLoss(), Momentum(net.parameters(), 0.1, 0.9), grad_accumulation_steps=accum)
-model.train(1, data, dataset_sink_mode=True, sink_size=3 * accum)
+model.train(1, data.take(3 * accum))
 print(f"RANK {autopar.get_rank()} GROUP_SUMS {calls[0]} SHARED_MEMORY_SUMS {host_calls[0]}", flush=True)
 if autopar.get_rank() == 0:
     torch.save({k: v.detach().clone() for k, v in net.state_dict().items()}, out)

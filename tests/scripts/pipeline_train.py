@@ -156,7 +156,7 @@ key = "functional/1f1b/Momentum"
 try:
     set_pipeline("1f1b")
     net = staged()
-    opt = nn.Momentum(net.trainable_params(), 0.1, 0.9)
+    opt = nn.Momentum(net.parameters(), 0.1, 0.9)
     cell = nn.PipelineCell(nn.WithLossCell(net, torch.nn.CrossEntropyLoss()), 4)
     grad_fn = autopar.value_and_grad(lambda x, y: cell(x, y), None, opt.parameters)
     reducer = nn.PipelineGradReducer(opt.parameters)

@@ -32,7 +32,7 @@ def reference(batch: int, steps: int = 3, scale: float = 1.0, accum: int = 1):
     torch.manual_seed(0)
     net = make_net()
     model = Model(net, ScaledLoss(scale), Momentum(net.parameters(), 0.1, 0.9), grad_accumulation_steps=accum)
-    model.train(1, data, dataset_sink_mode=True, sink_size=steps * accum)
+    model.train(1, data.take(steps * accum))
     return net.state_dict()
 
 

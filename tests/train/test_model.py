@@ -45,12 +45,26 @@ def test_loss_monitor_prints_mindspore_lines(capsys):
     assert float(parsed[-1][3]) < float(parsed[0][3])  # it learns
 
 
-def test_sink_mode_reports_once_per_epoch(capsys):
+def test_sink_mode_on_the_cpu_trains_step_by_step_as_mindspore(capsys):
+    """MindSpore disables sink mode on a CPU ("The CPU cannot support dataset sink mode currently"): every step
+    reports and sink_size has no effect; it sinks on accelerators only (then one report per sink)."""
+    from autopar.train.model import sinks
+
     net, opt = net_and_opt()
-    Model(net, torch.nn.CrossEntropyLoss(), opt).train(3, data(), callbacks=[LossMonitor()], dataset_sink_mode=True,
+    Model(net, torch.nn.CrossEntropyLoss(), opt).train(2, data(), callbacks=[LossMonitor()], dataset_sink_mode=True,
                                                         sink_size=4)
+    out = capsys.readouterr()
+    lines = [l for l in out.out.splitlines() if l.startswith("epoch:")]
+    assert [LINE.match(l).group(1, 2) for l in lines] == [(str(e), str(s)) for e in (1, 2) for s in range(1, 7)]
+    assert "trains step by step on the CPU" in out.err and "sink_size has no effect" in out.err
+    assert sinks(torch.device("cuda", 0)) and not sinks(torch.device("cpu"))
+
+
+def test_take_shortens_an_epoch(capsys):
+    net, opt = net_and_opt()
+    Model(net, torch.nn.CrossEntropyLoss(), opt).train(2, data().take(4), callbacks=[LossMonitor()])
     lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("epoch:")]
-    assert [LINE.match(l).group(1, 2) for l in lines] == [("1", "4"), ("2", "4"), ("3", "4")]
+    assert [LINE.match(l).group(1, 2) for l in lines] == [(str(e), str(s)) for e in (1, 2) for s in range(1, 5)]
 
 
 def test_metrics_csv_and_loss_curve(tmp_path):

@@ -63,6 +63,11 @@ class _Project:
     columns: tuple
 
 
+@dataclass(frozen=True)
+class _Take:
+    count: int
+
+
 def _column_list(value, what: str, where: str) -> list[str]:
     cols = [value] if isinstance(value, str) else list(value)
     if not cols or not all(isinstance(c, str) for c in cols):
@@ -221,6 +226,8 @@ class Dataset:
             elif isinstance(op, _Batch):
                 self._batch = op
                 factory = streams.batch_stage(factory, op.batch_size, op.drop_remainder)
+            elif isinstance(op, _Take):
+                factory = streams.take_stage(factory, op.count, rows=self._batch is None)
         self._factory = factory
 
     # -- pipeline operations ------------------------------------------------------------------------------
@@ -285,6 +292,12 @@ class Dataset:
             return self._derive(_Repeat(None), list(self._columns))
         return self._derive(_Repeat(_positive_int(count, "count (or -1/None)", "repeat")), list(self._columns))
 
+    def take(self, count: int = -1) -> "Dataset":
+        """The first ``count`` items of each epoch (rows, or batches after ``batch``; -1: all), as MindSpore's."""
+        if not isinstance(count, bool) and count == -1:
+            return self
+        return self._derive(_Take(_positive_int(count, "count (or -1)", "take")), list(self._columns))
+
     def project(self, columns) -> "Dataset":
         """Keep only ``columns``, in that order."""
         cols = _column_list(columns, "columns", "project")
@@ -299,6 +312,8 @@ class Dataset:
                 n = math.inf if op.count is None else n * op.count
             elif isinstance(op, _Batch) and n != math.inf:
                 n = n // op.batch_size if op.drop_remainder else -(-n // op.batch_size)
+            elif isinstance(op, _Take):
+                n = min(n, op.count)
         return n
 
     def get_dataset_size(self) -> int:

@@ -108,3 +108,18 @@ def batch_stage(inner: Factory, batch_size: int, drop_remainder: bool) -> Factor
     def stage(path, seed):
         return regroup(inner(path, seed), batch_size, drop_remainder)
     return stage
+
+
+def take_stage(inner: Factory, count: int, rows: bool) -> Factory:
+    """The first ``count`` items of each epoch: rows (before ``batch``) or batches (after)."""
+    def stage(path, seed):
+        if not rows:
+            yield from itertools.islice(inner(path, seed), count)
+            return
+        left = count
+        for chunk in inner(path, seed):
+            if left <= 0:
+                return
+            yield chunk[:left]
+            left -= len(chunk[:left])
+    return stage

@@ -1,10 +1,12 @@
-"""GRAPH_MODE: the training forward (network + loss) compiled with ``torch.compile``, as MindSpore compiles graphs.
+"""GRAPH_MODE: the training forward (network + loss) compiled with ``torch.compile``, as MindSpore compiles graphs --
+where it pays.
 
-The compiled function calls the DDP-wrapped network when data parallel, so TorchDynamo's DDP optimizer splits the
-graph at bucket boundaries and the gradient all-reduce still overlaps the backward. Compilation happens on the
-first step and again when shapes change (e.g. a smaller last batch); both are announced with their duration, since
-on a CPU a ResNet-50 takes about a minute to compile and the user should know why the first step is slow.
-``bench/graph_mode.py`` measures whether it pays: on this 2-core CPU it did not, so PYNATIVE stays the default.
+Compilation happens on the first step and again when shapes change (e.g. a smaller last batch); both are announced
+with their duration. Whether it pays depends on the device (:func:`compiles`): on a GPU fused kernels and fewer
+launches are worth the compile; on this kind of CPU they are not -- the tutorial's ResNet-50 took 169 s to compile
+with a cold cache and the compiled step ran ~5 % *slower* than eager (issue 32's measurement; ``bench/dp_throughput.py
+--graph-mode``). So GRAPH_MODE on a CPU runs eagerly and says so in one line; ``AUTOPAR_COMPILE=1`` compiles anyway,
+``AUTOPAR_COMPILE=0`` never. The gradient engines' hooks stay outside what is compiled: they run as in eager mode.
 """
 from __future__ import annotations
 
@@ -13,6 +15,19 @@ import time
 from typing import Callable
 
 import torch
+
+
+def compiles(device: torch.device) -> bool:
+    """Does GRAPH_MODE compile on ``device``? ``AUTOPAR_COMPILE`` (1/0) decides if set, else: accelerators yes,
+    CPU no."""
+    import os
+
+    choice = os.environ.get("AUTOPAR_COMPILE", "").strip().lower()
+    if choice in ("1", "true", "yes", "on"):
+        return True
+    if choice in ("0", "false", "no", "off"):
+        return False
+    return device.type != "cpu"
 
 
 def compile_forward(forward_loss: Callable[[list], torch.Tensor]) -> Callable[[list], torch.Tensor]:

@@ -55,6 +55,9 @@ def _save_strategy(plan: Plan, network: torch.nn.Module, path: str) -> None:
     from autopar.layout.strategy_file import save_strategy_file
 
     layouts = {name: Layout.replicated(tuple(p.shape), plan.device_num) for name, p in network.named_parameters()}
+    operators = {}
     if not plan.pure_data_parallel:
         layouts.update(plan.layouts())
-    save_strategy_file(os.fspath(path), layouts, list(network.named_parameters()))
+        names = {id(target): node.name for node in plan.graph.nodes for target in (node.target,)}
+        operators = {names[id(target)]: tuple(tuple(s) for s in strategy) for target, strategy in plan.strategies()}
+    save_strategy_file(os.fspath(path), layouts, list(network.named_parameters()), operators)

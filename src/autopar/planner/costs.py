@@ -186,7 +186,7 @@ class NodeCosts:
         node, mesh = self.node, self.mesh
         splits = {label: plan.device_matrix[axis] for label, axis in plan.label_axis}
         parts = math.prod(splits.values()) if splits else 1
-        kind = {"conv": "conv", "softmax": "other"}.get(node.kind, "matmul")
+        kind = {"conv": "conv", "softmax": "other", "elementwise": "other"}.get(node.kind, "matmul")
         grad_comm = act_comm = 0.0
         memory = moved = activations = 0.0
         for i, (_, pname) in enumerate(zip(node.shapes, node.param_names)):

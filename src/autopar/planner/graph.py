@@ -89,6 +89,8 @@ def _flops(kind: str, shapes, out_shape, groups: int = 1) -> float:
         return 2.0 * _numel(out_shape) * (w[1] * w[2] * w[3])
     if kind == "softmax":
         return 5.0 * _numel(out_shape)  # max, subtract, exp, sum, divide
+    if kind == "elementwise":
+        return float(max(_numel(s) for s in (*shapes, out_shape)))
     a = shapes[0]
     return 2.0 * _numel(out_shape) * a[-1] if kind == "matmul" else 0.0
 
@@ -141,8 +143,10 @@ class _Recorder(TorchFunctionMode):
 
 
 class Tracer:
-    def __init__(self, network: torch.nn.Module):
+    def __init__(self, network: torch.nn.Module, every_operator: bool = False):
         self.network = network
+        # sharding propagation: every shardable operator is a node (its strategy is chosen), not just the heavy ones
+        self.every_operator = every_operator
         self.nodes: list[OpNode] = []
         self.edges: list[tuple[int, int, int]] = []
         self.joins: list[tuple[int, int]] = []
@@ -236,9 +240,11 @@ class Tracer:
 
     def primitive(self, op, args, kwargs):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if isinstance(op, (MatMul, BatchMatMul, Softmax)):
+        heavy = isinstance(op, (MatMul, BatchMatMul, Softmax))
+        if heavy or (self.every_operator and isinstance(op, ShardablePrimitive) and not getattr(op, "local", False)
+                     and tensors):
             self.depth += 1
-            kind = "softmax" if isinstance(op, Softmax) else "matmul"
+            kind = "softmax" if isinstance(op, Softmax) else "matmul" if heavy else "elementwise"
             node = self.add_node(self.names.get(id(op), type(op).__name__), kind, op, op.spec(*args), tensors,
                                  op.strategy)
             out = op.compute(*args, **kwargs)
@@ -331,15 +337,18 @@ class Tracer:
                 h.remove()
 
 
-def capture(network: torch.nn.Module, loss_fn: torch.nn.Module | None, inputs: tuple) -> Graph:
-    """Trace ``network`` (and ``loss_fn(network(*inputs[:-1]), inputs[-1])`` when a loss is given)."""
+def capture(network: torch.nn.Module, loss_fn: torch.nn.Module | None, inputs: tuple,
+            every_operator: bool = False) -> Graph:
+    """Trace ``network`` (and ``loss_fn(network(*inputs[:-1]), inputs[-1])`` when a loss is given).
+    ``every_operator``: element-wise and reduction operators become nodes too (sharding propagation gives them
+    strategies; the cost searches leave them data-parallel, as the runtime runs an operator without one)."""
     import time
 
     start = time.perf_counter()
     root = network if loss_fn is None else _Pair(network, loss_fn)
     was_training = root.training
     root.eval()  # no BatchNorm statistics are touched by the trace
-    tracer = Tracer(root)
+    tracer = Tracer(root, every_operator)
     try:
         tracer.run(root, *inputs)
     finally:

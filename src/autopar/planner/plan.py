@@ -194,7 +194,7 @@ def plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, samp
     """Capture, cost, search, compare with data parallelism (with and without ZeRO) and pipelines; the result can
     ``apply()`` and ``explain()``. ``pipeline_note``: why pipelines are not to be weighed (a loop that runs its own
     backward cannot run one)."""
-    graph = capture(network, loss_fn, sample)
+    graph = capture(network, loss_fn, sample, every_operator=search_mode == "sharding_propagation")
     costs = graph_costs(graph, machine, device_num)
     other_params = other_param_bytes(network, graph)
     const_memory = graph.other_activation_bytes / device_num + other_params * 3

@@ -143,7 +143,19 @@ def solve_greedy(p: Problem) -> list[int] | None:
     return choice
 
 
+def _redistributions(p: Problem, n: int, s: int, choice: list[int], nbrs) -> int:
+    """How many edges to already decided neighbours strategy ``s`` of node ``n`` would have to redistribute."""
+    count = 0
+    for m, table, forward in nbrs[n]:
+        if choice[m] is not None:
+            count += (table[s][choice[m]] if forward else table[choice[m]][s]) > 0
+    return count
+
+
 def solve_propagation(p: Problem) -> list[int] | None:
+    """MindSpore's sharding propagation: outward from the operators the user gave strategies, each neighbour takes
+    the strategy that consumes (and produces) the decided layouts as they are -- the fewest redistributions, then the
+    cheapest; operators no strategy reaches stay data-parallel."""
     nbrs = _neighbours(p)
     choice: list = [0 if nc.node.fixed is not None else None for nc in p.costs]
     frontier = [n for n, c in enumerate(choice) if c is not None]
@@ -152,7 +164,8 @@ def solve_propagation(p: Problem) -> list[int] | None:
         for n in frontier:
             for m, _, _ in nbrs[n]:
                 if choice[m] is None:
-                    choice[m] = min(range(len(p.costs[m].choices)), key=lambda s: _local(p, m, s, choice, nbrs))
+                    choice[m] = min(range(len(p.costs[m].choices)),
+                                    key=lambda s: (_redistributions(p, m, s, choice, nbrs), _local(p, m, s, choice, nbrs)))
                     nxt.append(m)
         frontier = nxt
     dp = p.dp_choice()

@@ -50,6 +50,21 @@ def _steps_per_epoch(dataset: Any) -> int:
         raise ConfigError("the training dataset has no length: give get_dataset_size() or __len__") from None
 
 
+def sinks(device: torch.device) -> bool:
+    """Does ``dataset_sink_mode`` sink on this device? MindSpore sinks on accelerators only: on a CPU it trains step
+    by step (every step reported, ``sink_size`` without effect)."""
+    return device.type != "cpu"
+
+
+_noticed: set[str] = set()
+
+
+def _notice_once(key: str, message: str) -> None:
+    if key not in _noticed:
+        _noticed.add(key)
+        print(message, file=sys.stderr, flush=True)
+
+
 def _batch_size(batch: Any) -> int:
     first = batch[0] if isinstance(batch, (tuple, list)) else batch
     return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else 1
@@ -106,7 +121,7 @@ class Model:
                     sample = sample[:-1] + [class_indices(sample[-1])]
             from autopar.train.precision import make_precision
 
-            # before prepare(): O3 casts the parameters, which must happen before DDP builds its buckets on them
+            # before prepare(): O3 casts the parameters, which must happen before the reducer lays out its buckets
             device = _comm.device() if _comm.is_initialized() else torch.device("cpu")
             self._precision = make_precision(self._amp_level, device, self._network)
             self._prepared = prepare(self._network, self._loss_fn, self._optimizer, sample=sample)
@@ -197,11 +212,17 @@ class Model:
         if self._prepared is None and auto:  # AUTO_PARALLEL plans on real shapes: give it the first batch
             self._prepare(next(_epoch_batches(train_dataset, 0)))
         prepared = self._prepare()
+        rank = _comm.get_rank() if _comm.is_initialized() else 0
+        if dataset_sink_mode and not sinks(prepared.device):
+            dataset_sink_mode = False
+            if rank == 0:
+                _notice_once("sink", "autopar: dataset_sink_mode=True trains step by step on the CPU, as MindSpore does "
+                             "(\"The CPU cannot support dataset sink mode currently\"): every step reports, and "
+                             "sink_size has no effect (Dataset.take(n) shortens an epoch)")
         per_epoch = sink_size if dataset_sink_mode and sink_size and sink_size > 0 else dataset_steps
         if per_epoch < 1:
             raise ConfigError("the training dataset is empty (0 batches per epoch)")
         cbs = list(callbacks) if isinstance(callbacks, (list, tuple)) else ([callbacks] if callbacks else [])
-        rank = _comm.get_rank() if _comm.is_initialized() else 0
         start = initial_epoch * per_epoch
         if resume_from is not None:
             from autopar.checkpoint.api import resolve_rank_path, resume_state
@@ -292,6 +313,22 @@ class Model:
 
         return {n: Layout.replicated(tuple(p.shape), prepared.world_size) for n, p in self._network.named_parameters()}
 
+    def infer_predict_layout(self, *predict_data: Any) -> dict:
+        """Every parameter's layout when the network predicts on ``predict_data`` under the current parallel
+        context (MindSpore's distributed inference: the layout ``load_distributed_checkpoint`` reshards the
+        training slices into). Runs the network once, without gradients."""
+        prepared = self._prepare(list(predict_data) if self._loss_fn is None else None)
+        was_training = self._network.training
+        self._network.eval()
+        with torch.no_grad():
+            self._network(*self._to_device(list(predict_data)))
+        self._network.train(was_training)
+        if prepared.runtime is not None:
+            return prepared.runtime.layouts()
+        from autopar.layout.layout import Layout
+
+        return {n: Layout.replicated(tuple(p.shape), prepared.world_size) for n, p in self._network.named_parameters()}
+
     # -- evaluation / prediction -------------------------------------------------------------------------------
     def eval(self, valid_dataset: Iterable, callbacks: Any = None, dataset_sink_mode: bool = False) -> dict[str, float]:
         if not self._metrics:
@@ -299,7 +336,6 @@ class Model:
         network = self._eval_network or self._network
         prepared = self._prepare()
         prepared.sync_parameters()
-        full_batch = prepared.runtime is not None and prepared.runtime.full_batch
         for metric in self._metrics.values():
             metric.clear()
         was_training = network.training
@@ -310,8 +346,6 @@ class Model:
                 with self._precision.autocast():
                     logits = network(*inputs[:-1])
                 inputs[-1] = class_indices(inputs[-1])
-                if full_batch:  # every rank loaded the whole batch; the network returned this rank's share
-                    inputs[-1] = inputs[-1].chunk(prepared.world_size)[_comm.get_rank()]
                 loss = call_loss(self._loss_fn, logits, inputs[-1]) if self._loss_fn is not None else None
                 for metric in self._metrics.values():
                     if isinstance(metric, Loss):

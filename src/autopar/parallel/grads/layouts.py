@@ -36,10 +36,14 @@ from autopar.parallel.grads.engine import accumulates, accumulator, claim, relea
 class LayoutGrads:
     name = "layout redistribution"
 
-    def __init__(self, world: int, gradients_mean: bool, loss_was_global: Callable[[], bool] = lambda: False):
+    def __init__(self, world: int, gradients_mean: bool, loss_was_global: Callable[[], bool] = lambda: False,
+                 whole_outputs: Callable[[], bool] = lambda: False):
         self.world = world
         self.gradients_mean = gradients_mean
         self.loss_was_global = loss_was_global
+        # full_batch: the network handed every rank the whole outputs, so a loss on them is the one process's and the
+        # ranks' contributions add up to its gradient, whatever gradients_mean says (it combines *different* data)
+        self.whole_outputs = whole_outputs
         self._pending: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> completed after accumulation
         # parameter -> its AccumulateGrad node, made at its first backward: a parameter the runtime replaced by its
         # slice before any backward keeps none, and is freed as soon as nothing else holds it
@@ -48,6 +52,8 @@ class LayoutGrads:
         self._sync = True
 
     def scale(self) -> float:
+        if self.whole_outputs():
+            return 1.0
         n = self.world
         return (1.0 / n if self.gradients_mean else 1.0) * (n if self.loss_was_global() else 1.0)
 

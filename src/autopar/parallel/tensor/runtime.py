@@ -39,7 +39,6 @@ from autopar.common import replaced as _replaced
 from autopar.errors import StrategyError
 from autopar.layout.layout import Layout
 from autopar.layout.leaves import LAYOUT_TRANSPARENT, is_annotated
-from autopar.layout.strategy_file import load_strategy_file, save_strategy_file
 from autopar.ops import primitive as _primitive
 from autopar.ops.comm import _CommPrimitive
 from autopar.ops.primitive import Primitive
@@ -51,6 +50,7 @@ from autopar.parallel.tensor.attention import register_attention_rules
 from autopar.parallel.tensor.inputs import dataset_input
 from autopar.parallel.tensor.operators import run_operator
 from autopar.parallel.tensor.regather import Regather
+from autopar.parallel.tensor.strategy_io import LoadedStrategy, write_strategy_file
 
 _local = threading.local()
 
@@ -86,7 +86,7 @@ class SemiAutoRuntime:
         self.dataset_strategy = dataset_strategy if isinstance(dataset_strategy, (tuple, list)) else None
         self.parameter_broadcast = parameter_broadcast
         self.strategy_save_file = strategy_save_file
-        self.loaded_layouts = load_strategy_file(strategy_load_file) if strategy_load_file else {}
+        self.loaded = LoadedStrategy(strategy_load_file, self.device_num)
         self.roots: list[torch.nn.Module] = []
         self.names: dict[int, str] = {}  # id(operator or module) -> qualified name
         self.param_names: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> name (old and converted)
@@ -103,7 +103,9 @@ class SemiAutoRuntime:
         self._strategy_written = False
         self.loss_root: torch.nn.Module | None = None  # network + loss, when Model gave a loss
         self._executing = None
-        self.grads = LayoutGrads(self.device_num, gradients_mean, loss_was_global=lambda: self.loss_was_global)
+        self.outputs_whole = False  # this forward handed whole outputs back (full_batch)
+        self.grads = LayoutGrads(self.device_num, gradients_mean, loss_was_global=lambda: self.loss_was_global,
+                                 whole_outputs=lambda: self.outputs_whole)
 
     # -- installation -------------------------------------------------------------------------------------------
     def add_root(self, root: torch.nn.Module, prefix: str = "") -> None:
@@ -119,6 +121,7 @@ class SemiAutoRuntime:
                 module.register_forward_pre_hook(self._leaf_pre)
                 module.register_forward_hook(self._leaf_post, always_call=True)
                 self._hooked.add(id(module))
+        self.loaded.apply(root, self.names)  # operators without a strategy take the loaded file's
         for module_name, module in root.named_modules(remove_duplicate=False):
             for attr, param in list(module._parameters.items()):
                 if param is None:
@@ -158,7 +161,7 @@ class SemiAutoRuntime:
             if active_runtime() not in (None, self):
                 return False
             _local.runtime = self
-            self.loss_was_global = False
+            self.loss_was_global = self.outputs_whole = False
             self._executing = _primitive.executing(_execute)
             self._executing.__enter__()
             if len(world_mesh().shape) > 1:  # a dimension may be split over two mesh axes
@@ -209,6 +212,9 @@ class SemiAutoRuntime:
     def _output_to_local(self, t):
         if not isinstance(t, DTensor):
             return t
+        if self.full_batch:  # every rank fed the whole batch: it gets the whole output back (one process's)
+            self.outputs_whole = True
+            return t.full_tensor()
         if t.dim() == 0:
             self.loss_was_global = True
         return P.to_data_parallel_local(t)
@@ -276,10 +282,7 @@ class SemiAutoRuntime:
             raise StrategyError(f"parameter '{name}' is layerwise_parallel: that belongs to HYBRID_PARALLEL, where "
                                 f"the network adds its own collectives")
         who = f"{self.name_of(op)} with strategy {plan.strategy}"
-        loaded = self.loaded_layouts.get(name)
-        if loaded is not None and loaded.placements() != layout.placements():
-            raise StrategyError(f"the strategy file gives parameter '{name}' the layout {loaded} but {who} "
-                                f"needs {layout}")
+        self.loaded.check(name, tuple(param.shape), layout, who)
         prev = self.param_layout.get(name)
         if prev is None:
             self.param_layout[name] = (who, layout.placements(), layout)
@@ -399,4 +402,4 @@ class SemiAutoRuntime:
         self._remap_optimizers()
         if self.strategy_save_file and not self._strategy_written:
             self._strategy_written = True
-            save_strategy_file(self.strategy_save_file, self.layouts(), self.parameters())
+            write_strategy_file(self.strategy_save_file, self)

@@ -58,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--grad-accumulation", type=int, default=1)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--steps-per-epoch", type=int, default=-1, help="cut epochs to this many steps (sink_size)")
+    p.add_argument("--steps-per-epoch", type=int, default=-1, help="cut epochs to this many steps (Dataset.take)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--print-every", type=int, default=1)
     p.add_argument("--eval", action="store_true", help="report test accuracy after training")
@@ -83,7 +83,8 @@ def main(argv=None) -> None:
     loss = SoftmaxCrossEntropyExpand(sparse=True)
     opt = Momentum(filter(lambda x: x.requires_grad, net.parameters()), args.lr, args.momentum)
     model = Model(net, loss_fn=loss, optimizer=opt, metrics={"acc"}, grad_accumulation_steps=args.grad_accumulation)
-    sink = args.steps_per_epoch > 0
+    if args.steps_per_epoch > 0:
+        dataset = dataset.take(args.steps_per_epoch)
     callbacks = [LossMonitor(args.print_every), TimeMonitor()]
     resume_from = None
     if args.ckpt_dir:
@@ -91,8 +92,7 @@ def main(argv=None) -> None:
         config = CheckpointConfig(save_checkpoint_steps=args.ckpt_steps, integrated_save=not args.sliced)
         callbacks.append(ModelCheckpoint("resnet50", directory, config))
         resume_from = directory if args.resume else None
-    model.train(args.epochs, dataset, callbacks=callbacks, dataset_sink_mode=sink, sink_size=args.steps_per_epoch,
-                resume_from=resume_from)
+    model.train(args.epochs, dataset, callbacks=callbacks, resume_from=resume_from)
     if args.eval:
         how = "BatchNorm moving statistics"
         if args.bn_images > 0:
