@@ -6,9 +6,11 @@ Interleaved in one run, round by round (medians over rounds), 2 workers x 1 thre
 - ``autopar_plain``   : ``autopar launch -n 2``, the same loop with only the DATA_PARALLEL context and ``init()``;
 - ``autopar_model``   : the same network, optimizer and batches through ``Model.train``;
 - ``autopar_plain_gloo``: ``autopar_plain`` with ``AUTOPAR_SHARED_MEMORY=0`` (the bucketed engine on gloo);
-- ``nocomm``          : the same processes training alone (compute only: the floor).
+- ``nocomm``          : the same processes training alone (compute only: the floor);
+- with ``--before SRC`` (another checkout's ``src``, e.g. a git worktree of an earlier commit): ``before_plain`` and
+  ``before_model``, the same two autopar loops on that code -- "no slower than before", measured in the same run.
 
-    python bench/loops.py [--rounds 3] [--steps 40] [--net torchvision|tutorial] [--out bench/results/loops.json]
+    python bench/loops.py [--rounds 3] [--steps 40] [--net torchvision|tutorial] [--before OLD/src] [--out F.json]
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--net", choices=["torchvision", "tutorial"], default="torchvision")
+    p.add_argument("--before", help="an earlier checkout's src directory: its plain loop and Model.train, interleaved")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args()
     from autopar.dataset.synth import write_synthetic_cifar10
@@ -58,6 +61,12 @@ def main() -> None:
         "autopar_plain_gloo": (launch("{logs}", "--engine", "autopar"), {"AUTOPAR_SHARED_MEMORY": "0"}),
         "nocomm": (torchrun("--engine", "none"), {}),
     }
+    if args.before:
+        import os
+
+        old = {"PYTHONPATH": os.path.abspath(args.before)}
+        configs["before_plain"] = (launch("{logs}", "--engine", "autopar"), old)
+        configs["before_model"] = (launch("{logs}", "--engine", "autopar", "--loop", "model"), old)
     results: dict[str, list] = {name: [] for name in configs}
     engines: dict[str, str] = {}
     for rnd in range(args.rounds):
@@ -81,6 +90,9 @@ def main() -> None:
         "plain_gloo_vs_torch_ddp": round(summary["autopar_plain_gloo"]["images_per_s"] / ddp, 3),
         "target_plain_at_least_1.5x_ddp": plain / ddp >= 1.5,
     }
+    if args.before:
+        summary["ratios"]["plain_vs_before_plain"] = round(plain / summary["before_plain"]["images_per_s"], 3)
+        summary["ratios"]["model_vs_before_model"] = round(model / summary["before_model"]["images_per_s"], 3)
     summary["config"] = {"net": args.net, "image_size": args.image_size, "batch_per_worker": args.batch,
                          "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "workers": 2,
                          "threads_per_worker": 1}

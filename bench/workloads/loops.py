@@ -14,9 +14,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from common import StepClock  # noqa: E402
 from torch_ddp import load_batches  # noqa: E402
+
+from common import StepClock, hand_loop  # noqa: E402
 
 
 def network(kind: str, batch: int) -> torch.nn.Module:
@@ -67,18 +67,15 @@ def main():
 
         Model(net, torch.nn.CrossEntropyLoss(), opt).train(1, batches, callbacks=[Tick()])
     else:
-        for x, y in batches:
-            loss = F.cross_entropy(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            loss.item()
-            clock.tick()
+        hand_loop(model, opt, batches, clock)
     engine = ""
     if args.engine == "autopar":
-        from autopar.parallel.state import state_of
+        try:  # (an earlier autopar, measured with bench/loops.py --before, has no state to describe)
+            from autopar.parallel.state import state_of
 
-        engine = state_of(net).describe()
+            engine = state_of(net).describe()
+        except ImportError:
+            engine = "earlier autopar"
     clock.report(f"{args.engine}_{args.loop}", rank, world, args.batch, torch_threads=torch.get_num_threads(),
                  engine=engine)
 

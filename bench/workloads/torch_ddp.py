@@ -10,9 +10,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from common import StepClock  # noqa: E402
 
 from autopar.models import resnet50  # noqa: E402
+from common import StepClock, hand_loop  # noqa: E402
 
 
 def load_batches(data_dir, rank, world, batch, steps, image_size):
@@ -53,13 +53,7 @@ def main():
         tuning.tune_optimizer(opt)
     batches = load_batches(args.data, rank, world, args.batch, args.steps, args.image_size)
     clock = StepClock(args.warmup)
-    for x, y in batches:
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        loss.item()
-        clock.tick()
+    hand_loop(model, opt, batches, clock)
     name = "torch_single" if world == 1 else "torch_nocomm" if args.no_ddp else "torch_ddp"
     name += "_tuned" if args.autopar_levers else ""
     clock.report(name, rank, world, args.batch,

@@ -93,18 +93,23 @@ def reference(loss_scale: float = 1.0, momentum: float = 0.9) -> dict:
     return params(net)
 
 
-def case_propagation() -> dict:
-    ms.reset_auto_parallel_context()
-    ms.set_auto_parallel_context(parallel_mode="auto_parallel", search_mode="sharding_propagation",
-                                 gradients_mean=True)
-    net = FFN()
-    net.dense1.matmul.shard(((2, 1), (1, n // 2)))
+def train_functionally(net) -> None:
+    """MindSpore 2.x's loop: value_and_grad over the optimizer's parameters, then opt(grads)."""
     opt = nn.Momentum(net.trainable_params(), 0.1, 0.9)
     loss_fn = nn.CrossEntropyLoss()
     grad_fn = ms.value_and_grad(lambda x, y: loss_fn(net(x), y), None, opt.parameters)
     for step in range(STEPS):
         _, grads = grad_fn(*local(step))
         opt(grads)
+
+
+def case_propagation() -> dict:
+    ms.reset_auto_parallel_context()
+    ms.set_auto_parallel_context(parallel_mode="auto_parallel", search_mode="sharding_propagation",
+                                 gradients_mean=True)
+    net = FFN()
+    net.dense1.matmul.shard(((2, 1), (1, n // 2)))
+    train_functionally(net)
     return {"param": worst(params(net), reference()), "matmul2": [list(s) for s in net.dense2.matmul.strategy or ()],
             "add1": [list(s) for s in net.dense1.add.strategy or ()]}
 
@@ -131,20 +136,11 @@ def case_value_and_grad_zero() -> dict:
                                  gradients_mean=True)
     net = FFN()
     net.dense1.matmul.shard(((2, 1), (1, n // 2)))
-    opt = nn.Momentum(net.trainable_params(), 0.1, 0.9)
-    loss_fn = nn.CrossEntropyLoss()
-    grad_fn = ms.value_and_grad(lambda x, y: loss_fn(net(x), y), None, opt.parameters)
-    for step in range(STEPS):
-        _, grads = grad_fn(*local(step))
-        opt(grads)
+    train_functionally(net)
     plain = FFN()  # without strategies: ZeRO on FSDP2, the data-parallel path
     ms.reset_auto_parallel_context()
     ms.set_auto_parallel_context(parallel_mode="data_parallel", enable_parallel_optimizer=True, gradients_mean=True)
-    opt2 = nn.Momentum(plain.trainable_params(), 0.1, 0.9)
-    grad_fn2 = ms.value_and_grad(lambda x, y: loss_fn(plain(x), y), None, opt2.parameters)
-    for step in range(STEPS):
-        _, grads = grad_fn2(*local(step))
-        opt2(grads)
+    train_functionally(plain)
     ref = reference()
     return {"param_layouts": worst(params(net), ref), "param_fsdp": worst(params(plain), ref)}
 

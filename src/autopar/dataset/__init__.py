@@ -6,9 +6,11 @@ transforms run vectorised on whole batches, a background thread prefetches, and 
 by (seed, epoch, shard, step) so any epoch can be replayed from any step (exact resume).
 """
 from autopar.dataset import config, transforms, vision
+from autopar.dataset.arrays import Cifar10Dataset, NumpySlicesDataset
 from autopar.dataset.generator import GeneratorDataset
+from autopar.dataset.iterator import DatasetIterator
 from autopar.dataset.mnist import MnistDataset
-from autopar.dataset.pipeline import Cifar10Dataset, Dataset, DatasetIterator, NumpySlicesDataset
+from autopar.dataset.pipeline import Dataset
 
 __all__ = ["Cifar10Dataset", "Dataset", "DatasetIterator", "GeneratorDataset", "MnistDataset", "NumpySlicesDataset",
            "config", "transforms", "vision"]

@@ -18,155 +18,37 @@ from __future__ import annotations
 import itertools
 import math
 import threading
-from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
-import torch
 
 from autopar.dataset import _random, config, streams
+from autopar.dataset.operations import (
+    _apply_map,
+    _Batch,
+    _check_known,
+    _column_list,
+    _Map,
+    _numpy_to_torch_dtype,
+    _positive_int,
+    _Project,
+    _Repeat,
+    _Shuffle,
+    _Take,
+    _to_output,
+)
 from autopar.dataset.prefetch import Prefetcher
 from autopar.dataset.sampler import ShardSampler
-from autopar.dataset.sources import Cifar10Source, NumpySlicesSource, Source
+from autopar.dataset.sources import Source
 from autopar.dataset.transforms.ops import Compose, Transform
 from autopar.errors import DatasetError
+
+if TYPE_CHECKING:
+    from autopar.dataset.iterator import DatasetIterator
 
 ROW_CHUNK = 256  # rows processed together when the pipeline has no batch op
 
 
-# ----------------------------------------------------------------------------------------------------- operations
-@dataclass(frozen=True)
-class _Map:
-    operations: tuple
-    input_columns: tuple
-    output_columns: tuple
-
-
-@dataclass(frozen=True)
-class _Shuffle:
-    buffer_size: int
-
-
-@dataclass(frozen=True)
-class _Batch:
-    batch_size: int
-    drop_remainder: bool
-
-
-@dataclass(frozen=True)
-class _Repeat:
-    count: int | None  # None: forever
-
-
-@dataclass(frozen=True)
-class _Project:
-    columns: tuple
-
-
-@dataclass(frozen=True)
-class _Take:
-    count: int
-
-
-def _column_list(value, what: str, where: str) -> list[str]:
-    cols = [value] if isinstance(value, str) else list(value)
-    if not cols or not all(isinstance(c, str) for c in cols):
-        raise DatasetError(f"{where}: {what} must be a column name or a non-empty list of names, got {value!r}")
-    if len(set(cols)) != len(cols):
-        raise DatasetError(f"{where}: {what} has duplicates: {cols}")
-    return cols
-
-
-def _check_known(cols: Sequence[str], known: Sequence[str], where: str) -> None:
-    unknown = [c for c in cols if c not in known]
-    if unknown:
-        raise DatasetError(f"{where}: unknown column(s) {unknown}; the dataset has {list(known)}")
-
-
-def _positive_int(value, name: str, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise DatasetError(f"{where}: {name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
-# ---------------------------------------------------------------------------------------------- data execution
-def _stack(items: list):
-    """Stack per-row results into one array; rows of different shapes stay a list (ragged column)."""
-    arrs = [np.asarray(a) for a in items]
-    if all(a.shape == arrs[0].shape for a in arrs):
-        return np.stack(arrs)
-    return arrs
-
-
-def _as_tuple(result) -> tuple:
-    return result if isinstance(result, tuple) else (result,)
-
-
-def _apply_map(op: _Map, cols: dict, rng: np.random.Generator, per_row: bool) -> dict:
-    vals = [cols[c] for c in op.input_columns]
-    for fn in op.operations:
-        name = getattr(fn, "__name__", type(fn).__name__)
-        if isinstance(fn, Transform):
-            if len(vals) != 1:
-                raise DatasetError(f"map: {name} takes one column but receives {len(vals)}")
-            v = vals[0]
-            if isinstance(v, list):  # ragged rows: one call per row
-                vals = [_stack([fn.apply_batch(np.asarray(r)[None], rng)[0] for r in v])]
-            else:
-                vals = [fn.apply_batch(v, rng)]
-        elif per_row:
-            n = len(vals[0])
-            try:
-                outs = [_as_tuple(fn(*[np.asarray(v[i]) for v in vals])) for i in range(n)]
-            except DatasetError:
-                raise
-            except Exception as exc:
-                raise DatasetError(f"map: operation {name} failed on column(s) {list(op.input_columns)}: "
-                                   f"{type(exc).__name__}: {exc}") from exc
-            k = len(outs[0])
-            if any(len(o) != k for o in outs):
-                raise DatasetError(f"map: operation {name} returned different numbers of columns for different rows")
-            vals = [_stack([o[j] for o in outs]) for j in range(k)]
-        else:
-            try:
-                vals = [np.asarray(v) for v in _as_tuple(fn(*vals))]
-            except DatasetError:
-                raise
-            except Exception as exc:
-                raise DatasetError(f"map: operation {name} failed on batched column(s) {list(op.input_columns)}: "
-                                   f"{type(exc).__name__}: {exc}") from exc
-    if len(vals) != len(op.output_columns):
-        raise DatasetError(f"map: the operations produced {len(vals)} column(s) but output_columns names "
-                           f"{len(op.output_columns)}: {list(op.output_columns)}")
-    out = {}
-    for name, v in cols.items():
-        if name == op.input_columns[0]:
-            out.update(zip(op.output_columns, vals))
-        elif name not in op.input_columns:
-            out[name] = v
-    return out
-
-
-def _numpy_to_torch_dtype(dtype: np.dtype):
-    try:
-        return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
-    except TypeError:
-        return dtype
-
-
-def _to_output(value, output_numpy: bool, copy: bool):
-    if isinstance(value, list):  # ragged column of one row can't happen; a batch can't be ragged
-        value = np.asarray(value)
-    if not isinstance(value, np.ndarray):
-        value = np.asarray(value)
-    if output_numpy or value.dtype.kind in "USOV":
-        return value.copy() if copy else value
-    if copy or not value.flags.c_contiguous or not value.flags.writeable:
-        value = value.copy()
-    return torch.from_numpy(value)
-
-
-# ------------------------------------------------------------------------------------------------------- Dataset
 class Dataset:
     """A pipeline over a source. Every operation returns a new ``Dataset``; the receiver is unchanged.
 
@@ -444,95 +326,16 @@ class Dataset:
         if columns is not None:
             names = _column_list(columns, "columns", "create_tuple_iterator")
             _check_known(names, self._columns, "create_tuple_iterator")
+        from autopar.dataset.iterator import DatasetIterator
+
         return DatasetIterator(self, names, num_epochs, output_numpy, do_copy, as_dict=False)
 
     def create_dict_iterator(self, num_epochs: int = -1, output_numpy: bool = False,
                              do_copy: bool = True) -> "DatasetIterator":
         """Like :meth:`create_tuple_iterator` but yields ``{column: value}`` dicts."""
+        from autopar.dataset.iterator import DatasetIterator
+
         return DatasetIterator(self, None, num_epochs, output_numpy, do_copy, as_dict=True)
 
     def __iter__(self):
         return self._epoch_items(self._claim_epoch(), 0, False, None, True)
-
-
-class DatasetIterator:
-    """Multi-epoch iterator: raises StopIteration at the end of each epoch; iterating it again starts the
-    next epoch (a new epoch number of the dataset), up to ``num_epochs`` (-1: unlimited)."""
-
-    def __init__(self, dataset: Dataset, columns, num_epochs, output_numpy, do_copy, as_dict):
-        if isinstance(num_epochs, bool) or not isinstance(num_epochs, (int, np.integer)) or \
-                (num_epochs < 1 and num_epochs != -1):
-            raise DatasetError(f"create_iterator: num_epochs must be -1 or a positive integer, got {num_epochs!r}")
-        self._ds = dataset
-        self._columns = columns if columns is not None else dataset.get_col_names()
-        self._num_epochs = int(num_epochs)
-        self._output_numpy = output_numpy
-        self._do_copy = do_copy
-        self._as_dict = as_dict
-        self._epochs_done = 0
-        self._gen = None
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if self._gen is None:
-            if self._num_epochs != -1 and self._epochs_done >= self._num_epochs:
-                raise StopIteration
-            epoch = self._ds._claim_epoch()
-            self._gen = self._ds._epoch_items(epoch, 0, self._output_numpy, self._columns, self._do_copy)
-        try:
-            item = next(self._gen)
-        except StopIteration:
-            self._gen = None
-            self._epochs_done += 1
-            raise
-        return dict(zip(self._columns, item)) if self._as_dict else item
-
-    def stop(self) -> None:
-        """Stop iterating (releases the prefetch thread)."""
-        if self._gen is not None:
-            self._gen.close()
-            self._gen = None
-
-    def __del__(self):
-        try:
-            self.stop()
-        except Exception:  # noqa: BLE001
-            pass
-
-
-# ------------------------------------------------------------------------------------------------------ sources
-class Cifar10Dataset(Dataset):
-    """CIFAR-10 from the binary files (``cifar-10-batches-bin``, or a directory containing it).
-
-    Columns ``image`` (uint8, 32x32x3 HWC) and ``label`` (uint32 scalar). ``usage``: 'train'
-    (``data_batch_1..5.bin``), 'test' (``test_batch.bin``), or 'all' -- also what None (the default) reads, as in
-    MindSpore: the 50000 training and the 10000 test images. ``shuffle=None`` means True.
-    ``num_shards``/``shard_id``: MindSpore DistributedSampler sharding (equal-size shards); ``num_samples``
-    caps the rows per shard. ``num_parallel_workers`` / ``cache`` are accepted and ignored.
-    """
-
-    def __init__(self, dataset_dir, usage=None, num_samples=None, num_parallel_workers=None, shuffle=None,
-                 sampler=None, num_shards=None, shard_id=None, cache=None):
-        if sampler is not None:
-            raise DatasetError("Cifar10Dataset: custom samplers are not supported; use shuffle, num_shards, "
-                               "shard_id and num_samples")
-        shard_sampler = ShardSampler(shuffle, num_shards, shard_id, num_samples, where="Cifar10Dataset")
-        source = Cifar10Source(dataset_dir, "all" if usage is None else usage)
-        self._init_pipeline(source, shard_sampler.bind(source.num_rows))
-
-
-class NumpySlicesDataset(Dataset):
-    """Rows sliced from in-memory arrays: ``data`` is a dict of arrays (keys are the column names), a tuple of
-    arrays (``column_0``, ``column_1`` ...) or a single array/list/tensor. Same sampling options as
-    :class:`Cifar10Dataset`."""
-
-    def __init__(self, data: Any, column_names=None, num_samples=None, num_parallel_workers=None, shuffle=None,
-                 sampler=None, num_shards=None, shard_id=None):
-        if sampler is not None:
-            raise DatasetError("NumpySlicesDataset: custom samplers are not supported; use shuffle, num_shards, "
-                               "shard_id and num_samples")
-        shard_sampler = ShardSampler(shuffle, num_shards, shard_id, num_samples, where="NumpySlicesDataset")
-        source = NumpySlicesSource(data, column_names)
-        self._init_pipeline(source, shard_sampler.bind(source.num_rows))

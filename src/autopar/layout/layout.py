@@ -40,11 +40,6 @@ class Layout:
     def replicated(cls, full_shape: tuple[int, ...], device_num: int) -> "Layout":
         return cls((device_num,), (-1,) * len(full_shape), tuple(full_shape))
 
-    @classmethod
-    def data_parallel(cls, full_shape: tuple[int, ...], device_num: int) -> "Layout":
-        tmap = (0,) + (-1,) * (len(full_shape) - 1) if full_shape else ()
-        return cls((device_num,), tmap, tuple(full_shape))
-
     # -- what it means --------------------------------------------------------------------------------------------
     @property
     def device_num(self) -> int:

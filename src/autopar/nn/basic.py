@@ -23,18 +23,21 @@ class Flatten(Cell, torch.nn.Flatten):
     forward = construct = torch_forward(torch.nn.Flatten)
 
 
-class ReLU(Cell, torch.nn.ReLU):
+def _activation(torch_cls: type) -> type:
+    """MindSpore's name for a torch activation without arguments: that module, and a Cell."""
     def __init__(self):
-        torch.nn.ReLU.__init__(self)
+        torch_cls.__init__(self)
 
-    forward = construct = torch_forward(torch.nn.ReLU)
+    run = torch_forward(torch_cls)
+    return type(torch_cls.__name__, (Cell, torch_cls), {"__init__": __init__, "forward": run, "construct": run,
+                                                        "__module__": __name__, "__doc__": f"``nn.{torch_cls.__name__}``"})
 
 
-class ReLU6(Cell, torch.nn.ReLU6):
-    def __init__(self):
-        torch.nn.ReLU6.__init__(self)
-
-    forward = construct = torch_forward(torch.nn.ReLU6)
+ReLU = _activation(torch.nn.ReLU)
+ReLU6 = _activation(torch.nn.ReLU6)
+Sigmoid = _activation(torch.nn.Sigmoid)
+Tanh = _activation(torch.nn.Tanh)
+SiLU = _activation(torch.nn.SiLU)
 
 
 class GELU(Cell, torch.nn.GELU):
@@ -42,27 +45,6 @@ class GELU(Cell, torch.nn.GELU):
         torch.nn.GELU.__init__(self, "tanh" if approximate else "none")
 
     forward = construct = torch_forward(torch.nn.GELU)
-
-
-class Sigmoid(Cell, torch.nn.Sigmoid):
-    def __init__(self):
-        torch.nn.Sigmoid.__init__(self)
-
-    forward = construct = torch_forward(torch.nn.Sigmoid)
-
-
-class Tanh(Cell, torch.nn.Tanh):
-    def __init__(self):
-        torch.nn.Tanh.__init__(self)
-
-    forward = construct = torch_forward(torch.nn.Tanh)
-
-
-class SiLU(Cell, torch.nn.SiLU):
-    def __init__(self):
-        torch.nn.SiLU.__init__(self)
-
-    forward = construct = torch_forward(torch.nn.SiLU)
 
 
 class LeakyReLU(Cell, torch.nn.LeakyReLU):

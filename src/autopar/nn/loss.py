@@ -93,30 +93,21 @@ class NLLLoss(Cell, torch.nn.NLLLoss):
     construct = forward
 
 
-class MSELoss(Cell, torch.nn.MSELoss):
-    """``nn.MSELoss(reduction='mean')``."""
-
+def _regression_loss(torch_cls: type, doc: str) -> type:
+    """A torch regression loss under MindSpore's name: labels cast to the logits' dtype (MindSpore's are often
+    float64 numpy arrays), ``reduction`` as MindSpore spells it."""
     def __init__(self, reduction: str = "mean"):
-        torch.nn.MSELoss.__init__(self, reduction=reduction)
+        torch_cls.__init__(self, reduction=reduction)
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return torch.nn.MSELoss.forward(self, logits, labels.to(logits.dtype))
+        return torch_cls.forward(self, logits, labels.to(logits.dtype))
 
-    construct = forward
-
-
-class L1Loss(Cell, torch.nn.L1Loss):
-    """``nn.L1Loss(reduction='mean')``; ``nn.MAELoss`` is the same loss."""
-
-    def __init__(self, reduction: str = "mean"):
-        torch.nn.L1Loss.__init__(self, reduction=reduction)
-
-    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return torch.nn.L1Loss.forward(self, logits, labels.to(logits.dtype))
-
-    construct = forward
+    return type(torch_cls.__name__, (Cell, torch_cls), {"__init__": __init__, "forward": forward, "construct": forward,
+                                                        "__module__": __name__, "__doc__": doc})
 
 
+MSELoss = _regression_loss(torch.nn.MSELoss, "``nn.MSELoss(reduction='mean')``.")
+L1Loss = _regression_loss(torch.nn.L1Loss, "``nn.L1Loss(reduction='mean')``; ``nn.MAELoss`` is the same loss.")
 MAELoss = L1Loss
 
 

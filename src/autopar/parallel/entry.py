@@ -47,10 +47,6 @@ def uninstall() -> None:
     _state.depth = 0
 
 
-def installed() -> bool:
-    return bool(_handles)
-
-
 def suspended():
     """Calls autopar makes itself (a trace, a pipeline schedule) -- or a user's reference computed in one process
     (``autopar.context.managed()``, the same flag): no network parallelizes itself inside."""

@@ -41,10 +41,6 @@ def to_data_parallel_local(t: DTensor) -> torch.Tensor:
     return t.full_tensor()
 
 
-def is_data_parallel(t: DTensor) -> bool:
-    return tuple(t.placements) == data_parallel_placements(t.dim())
-
-
 class _AllReduceExtreme(torch.autograd.Function):
     """max/min over the mesh axes where a reduced dimension was split: the forward reduces the local extremes,
     the backward passes the gradient only where the local extreme is the global one (DTensor's Partial(max)
