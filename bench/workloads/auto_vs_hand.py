@@ -6,13 +6,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
-from common import StepClock  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar.communication import get_group_size, get_rank, init  # noqa: E402
 from autopar.models import TransformerBlock, mlp, resnet50  # noqa: E402
 from autopar.nn import Momentum, SoftmaxCrossEntropyExpand  # noqa: E402
 from autopar.train import Callback, Model  # noqa: E402
+
+from common import StepClock  # noqa: E402
 
 MODELS = {
     "resnet50": lambda: (resnet50(num_classes=10), SoftmaxCrossEntropyExpand(sparse=True), 32,

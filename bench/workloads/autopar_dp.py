@@ -7,7 +7,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
-from common import StepClock  # noqa: E402
 
 import autopar as ap  # noqa: E402
 from autopar.communication import get_group_size, get_rank, init  # noqa: E402
@@ -15,6 +14,8 @@ from autopar.models import resnet50  # noqa: E402
 from autopar.nn import Momentum, SoftmaxCrossEntropyExpand  # noqa: E402
 from autopar.train import Callback, Model  # noqa: E402
 from autopar.train.recipes.resnet_cifar import create_dataset, set_seed  # noqa: E402
+
+from common import StepClock  # noqa: E402
 
 
 class Limited:

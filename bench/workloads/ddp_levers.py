@@ -14,9 +14,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from common import emit, peak_rss_mb  # noqa: E402
 
 from autopar.models import resnet50  # noqa: E402
+
+from common import emit, peak_rss_mb  # noqa: E402
 
 
 def main():

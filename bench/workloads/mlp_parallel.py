@@ -7,7 +7,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import StepClock  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import autopar  # noqa: E402
@@ -15,6 +14,8 @@ import autopar.dataset as ds  # noqa: E402
 from autopar.communication import get_group_size, get_rank, init  # noqa: E402
 from autopar.nn import Momentum  # noqa: E402
 from autopar.train import Callback, Model  # noqa: E402
+
+from common import StepClock  # noqa: E402
 
 
 def main():

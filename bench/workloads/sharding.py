@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import StepClock
 
 import autopar
 from autopar.communication import get_group_size, get_rank, init
+
+from common import StepClock
 
 
 def held_bytes(tensors) -> int:

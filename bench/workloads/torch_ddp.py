@@ -12,6 +12,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from autopar.models import resnet50  # noqa: E402
+
 from common import StepClock, hand_loop  # noqa: E402
 
 
