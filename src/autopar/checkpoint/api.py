@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import contextlib
-
+import functools
 import os
 import sys
 from pathlib import Path
@@ -19,7 +19,16 @@ import torch.distributed as dist
 
 from autopar.checkpoint import store
 from autopar.checkpoint.store import CheckpointMeta
-from autopar.errors import CheckpointError
+from autopar.errors import CheckpointError, install_excepthook
+
+
+def _user_facing(fn):
+    """A function a script calls directly, maybe before anything else of autopar: its errors are one line."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        install_excepthook()
+        return fn(*args, **kwargs)
+    return wrapper
 
 
 def _rank() -> int:
@@ -31,6 +40,7 @@ def _world() -> int:
 
 
 # ------------------------------------------------------------------------------------------------------ saving
+@_user_facing
 def save_checkpoint(save_obj: torch.nn.Module, ckpt_file_name: str | os.PathLike, integrated_save: bool = True,
                     async_save: bool = False, append_dict: dict | None = None, optimizer=None,
                     meta: CheckpointMeta | None = None, **_: Any) -> None:
@@ -73,6 +83,7 @@ def _is_mindspore_file(path: Path) -> bool:
     return head[:4] != b"PK\x03\x04"
 
 
+@_user_facing
 def load_checkpoint(ckpt_file_name: str | os.PathLike, net: torch.nn.Module | None = None,
                     strict_load: bool = False, filter_prefix: Any = None, optimizer=None,
                     **_: Any) -> dict[str, torch.nn.Parameter]:
@@ -122,8 +133,8 @@ def _full_tensors_from_slices(paths: list[Path]) -> dict[str, torch.Tensor]:
                              no_dist=True)
     except CheckpointError:
         raise
-    except Exception as exc:  # noqa: BLE001
-        raise CheckpointError(f"reading {paths[0]}: {str(exc).strip().splitlines()[0]}") from None
+    except store.dcp_errors() as exc:
+        raise CheckpointError(f"reading {paths[0]}: {store.failure_reason(exc)}") from None
     return state
 
 
@@ -138,6 +149,7 @@ def _ms_names_mapped(net: torch.nn.Module, parameter_dict: dict) -> dict:
     return model_state
 
 
+@_user_facing
 def load_param_into_net(net: torch.nn.Module, parameter_dict: dict, strict_load: bool = False) -> list[str]:
     """Copy full tensors into the network's parameters and buffers (each rank keeps only its slice of a
     sharded parameter). Returns the names of the network's parameters that were not in ``parameter_dict``;
@@ -169,6 +181,7 @@ def load_param_into_net(net: torch.nn.Module, parameter_dict: dict, strict_load:
     return [k for k in missing if k in dict(net.named_parameters())]
 
 
+@_user_facing
 def load_distributed_checkpoint(network: torch.nn.Module, checkpoint_filenames: list, predict_strategy: Any = None,
                                 train_strategy_filename: str | None = None, strict_load: bool = False,
                                 optimizer=None, **_: Any) -> None:
@@ -197,7 +210,17 @@ def load_distributed_checkpoint(network: torch.nn.Module, checkpoint_filenames: 
 
 
 def _check_ranks(paths: list[Path]) -> None:
+    """The slices given are those of one save (never rows of one step beside rows of another), each rank once,
+    and none missing where parameters are split."""
     metas = [store.read_meta(p) for p in paths]
+    if len({m.save_id() for m in metas}) > 1:
+        listed = "; ".join(f"{p}: {m.describe()}" for p, m in zip(paths, metas))
+        raise CheckpointError(f"the slices come from different saves ({listed}): give the slices of one save")
+    ranks = [m.rank for m in metas]
+    twice = sorted({r for r in ranks if ranks.count(r) > 1})
+    if twice:
+        raise CheckpointError(f"the slices of rank(s) {twice} are given twice: "
+                              f"{', '.join(str(p) for p, m in zip(paths, metas) if m.rank in twice)}")
     world = metas[0].world_size
     have = {m.rank for m in metas}
     missing = sorted(set(range(world)) - have)
@@ -223,6 +246,7 @@ def _check_names(network: torch.nn.Module, paths: list[Path], strict: bool) -> N
         raise CheckpointError(f"the checkpoint has tensors the network does not: {extra}")
 
 
+@_user_facing
 def merge_sliced_checkpoints(checkpoint_filenames: list, out: str | os.PathLike) -> Path:
     """The ranks' slices -> one integrated checkpoint file (model and optimizer state, full tensors)."""
     paths = [Path(p) for p in checkpoint_filenames]
@@ -240,6 +264,7 @@ def resolve_rank_path(directory: str | os.PathLike) -> Path:
     return Path(str(directory).replace("{rank}", str(_rank())))
 
 
+@_user_facing
 def resume_state(directory: str | os.PathLike, network: torch.nn.Module, optimizer=None,
                  prefix: str | None = None) -> CheckpointMeta | None:
     """Load the newest checkpoint (of ``prefix``, if given) that *every* rank has completed in its ``directory``
@@ -248,11 +273,18 @@ def resume_state(directory: str | os.PathLike, network: torch.nn.Module, optimiz
     directory = resolve_rank_path(directory)
     found = {(f.epoch, f.step): f for f in store.list_checkpoints(directory, prefix)}
     keys = set(found)
+    everyone = [sorted(keys)]
     if _world() > 1:
         everyone = [None] * _world()
         dist.all_gather_object(everyone, sorted(keys))
         keys = set.intersection(*(set(map(tuple, k)) for k in everyone))
     if not keys:
+        if any(everyone):  # starting over would throw away every rank's progress, and its pruning the files
+            held = "; ".join(f"rank {r}: " + (", ".join(f"epoch {e} step {s}" for e, s in k) or "none")
+                             for r, k in enumerate(everyone))
+            raise CheckpointError(f"resume from {directory}: checkpoints were found but none that every rank "
+                                  f"completed ({held}); nothing was loaded or removed -- restore the missing ones, "
+                                  f"or move them all away to start over")
         return None
     chosen = found[max(keys)]
     meta = store.read_meta(chosen.path)
