@@ -32,7 +32,14 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from autopar.cluster.netutil import bind_listener, free_port, interface_towards, local_addresses, port_open
+from autopar.cluster.netutil import (
+    bind_listener,
+    free_port,
+    interface_towards,
+    local_addresses,
+    port_open,
+    port_refused,
+)
 from autopar.cluster.supervisor import (  # noqa: F401 (re-exported)
     JobProbe,
     Streamer,
@@ -180,6 +187,9 @@ class _StoreProbe(JobProbe):
         return self.store
 
     def _ask(self, question) -> bool | None:
+        if self.port and port_refused(self.addr, self.port):  # the scheduler is gone: a call on its broken
+            self.store = None  # connection would print a C++ stack dump on this console
+            return None
         store = self._get()
         if store is None:
             return None

@@ -161,6 +161,7 @@ class Supervisor:
         self.grace = grace
         self.janitor = janitor  # told every child's pid (each leads its session)
         self.probe = probe or JobProbe()
+        self._admitted: set[int] = set()  # ranks the probe saw admitted (asked once each)
         self.procs: list[Proc] = []
         self.failed: list[Proc] = []
         self.interrupted: int | None = None
@@ -264,7 +265,9 @@ class Supervisor:
                 if code is not None:
                     return code
             if all(c == 0 for c in codes.values()):
-                if scheduler is not None and self.probe.anyone() is not False:
+                nobody = scheduler is not None and scheduler.popen.poll() is None and not self._admitted \
+                    and self.probe.anyone() is False  # no worker ever asked to join: nothing to wait for
+                if scheduler is not None and not nobody:
                     try:
                         scheduler.popen.wait(timeout=30)
                     except subprocess.TimeoutExpired:
@@ -289,7 +292,12 @@ class Supervisor:
         the cluster timeout. Returns the exit status that ends the job then, else None (no one joined: a script
         that never calls ``init()``, or a torchrun-style one that forms torch's world by itself)."""
         for p in workers:
-            if codes[p.rank] == 0 and p not in unjoined and self.probe.admitted(p.rank) is False:
+            if codes[p.rank] != 0 or p in unjoined or p.rank in self._admitted:
+                continue
+            admitted = self.probe.admitted(p.rank)
+            if admitted:
+                self._admitted.add(p.rank)
+            elif admitted is False:
                 unjoined.append(p)
         if unjoined and self.probe.anyone():
             for p in unjoined:
