@@ -323,7 +323,10 @@ class Launcher:
         old = {s: signal.signal(s, lambda signum, frame: setattr(sup, "interrupted", signum))
                for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            where = self._start(sup, attempt)
+            try:
+                where = self._start(sup, attempt)
+            except OSError as exc:  # a full disk or a log directory gone: the logs cannot be written
+                raise ClusterError(f"cannot write the job's logs in {self.log_dir}: {exc.strerror}") from None
             print(f"[autopar] launched ranks {_span(self.layout.ranks)} of {self.layout.world} ({where}); "
                   f"logs in {self.log_dir}", flush=True)
             if self.cfg.stream_rank is not None and self.cfg.stream_rank in self.layout.ranks:

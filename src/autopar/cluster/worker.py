@@ -168,6 +168,7 @@ class Watchdog:
         self.cenv = cenv
         self.rank = rank
         self.failure: str | None = None
+        self.exit_status: int | None = None  # the status sys.exit() was given, when not 0
         self.abort_reason: str | None = None
         self._stop = threading.Event()
         self._reported = False
@@ -190,6 +191,7 @@ class Watchdog:
         if status is None or status == 0 or self.failure:
             return
         self.failure = f"exited with status {status}" if isinstance(status, int) else f"exited: {status}"
+        self.exit_status = status if isinstance(status, int) else 1
 
     def _loop(self) -> None:
         last_ok = time.monotonic()
@@ -278,11 +280,14 @@ class Watchdog:
             if self._reported:
                 return
             self._reported = True
+            if not self._io.acquire(timeout=P.STORE_OP_TIMEOUT_S):
+                return  # the watchdog's call hangs (the deadman ends the process): waiting would only hang too
             try:
-                with self._io:
-                    self.store.set(P.done_key(self.rank), P.dumps({"status": status, "detail": detail}))
+                self.store.set(P.done_key(self.rank), P.dumps({"status": status, "detail": detail}))
             except Exception:
                 pass  # the scheduler is gone; nobody is left to tell
+            finally:
+                self._io.release()
 
     def report_exit(self) -> None:
         """atexit: tell the scheduler whether this rank ended cleanly (an unhandled exception counts as failed).
@@ -293,7 +298,14 @@ class Watchdog:
         self._stop.set()
         if self.thread.is_alive() and self.thread is not threading.current_thread():
             self.thread.join(timeout=P.STORE_OP_TIMEOUT_S + 1.0)
+        stuck = self.thread.is_alive() and self.thread is not threading.current_thread()
         if self.failure:
             self._report("failed", self.failure)
         else:
             self._report("ok", None)
+        if stuck:  # still blocked in a store call (a scheduler that stopped answering): finalizing would abort
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(self.exit_status if self.exit_status is not None else (1 if self.failure else 0))
