@@ -1,8 +1,6 @@
 """Command-line inputs that printed tracebacks or were silently taken (issue 33, items 4, 6 and 7): each is one
 line now, or does what was asked."""
 from autopar.cli.main import main
-from autopar.cli.train import synthetic_data
-from autopar.dataset.synth import synthetic_records
 
 
 def one_line_error(capsys, argv, message):
@@ -49,6 +47,9 @@ def test_plan_and_ckpt_paths(capsys, tmp_path):
 
 def test_synthetic_data_is_reused_only_at_the_size_asked(tmp_path, capsys):
     """`autopar train --synthetic-records 48` after a 24-record run trained on the 24 records."""
+    from autopar.cli.train import synthetic_data
+    from autopar.dataset.synth import synthetic_records
+
     out = synthetic_data(str(tmp_path), 24)
     assert synthetic_records(out) == 24
     capsys.readouterr()

@@ -248,12 +248,14 @@ class Launcher:
     def _base_env(self, attempt: int) -> dict[str, str]:
         env = dict(os.environ)
         for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                    "MASTER_PORT", "TORCHELASTIC_RUN_ID", "RANK_TABLE_FILE", "MINDSPORE_HCCL_CONFIG_PATH", "MS_ROLE",
-                    "RANK_ID", "DEVICE_ID", "RANK_SIZE", "OMPI_COMM_WORLD_RANK"):
+                    "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "RANK_TABLE_FILE",
+                    "MINDSPORE_HCCL_CONFIG_PATH", "MS_ROLE", "RANK_ID", "DEVICE_ID", "RANK_SIZE",
+                    "OMPI_COMM_WORLD_RANK"):
             env.pop(var, None)  # the contract of this launch takes over; stale variables would only confuse
         local = len(self.layout.ranks)
         env.update(AUTOPAR_LOG_DIR=str(self.log_dir), PYTHONUNBUFFERED="1", AUTOPAR_RESTART=str(attempt),
-                   AUTOPAR_HOST_ID=self.layout.host_id, AUTOPAR_LAUNCH_ID=self.launch_id)
+                   AUTOPAR_HOST_ID=self.layout.host_id, AUTOPAR_LAUNCH_ID=self.launch_id,
+                   TORCHELASTIC_RESTART_COUNT=str(attempt), TORCHELASTIC_MAX_RESTARTS=str(self.cfg.max_restarts))
         # c10d logs a C++ stack dump with each warning (a store connection that broke when the job ends): only
         # its errors reach the logs, unless the user chose a level
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
