@@ -30,6 +30,24 @@ def test_a_torchrun_script_forms_one_world(procs, tmp_path):
     assert not procs.wait_no_leftovers()
 
 
+def test_a_torchrun_script_across_two_nodes(procs, tmp_path):
+    """Two launchers (--nnodes 2 on loopback): one world of 4, ranks node by node, GROUP_RANK the node."""
+    port, token = free_port(), "0123456789abcdef"
+    common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "--token", token, "-n", "2"]
+    nodes = [procs.start(autopar_cmd("launch", *common, "--node-rank", str(k), "--log-dir", str(tmp_path / f"n{k}"),
+                                     TORCHRUN_STYLE, str(tmp_path)), log=tmp_path / f"launcher{k}.log")
+             for k in range(2)]
+    assert [p.wait(timeout=180) for p in nodes] == [0, 0], [(tmp_path / f"launcher{k}.log").read_text() for k in (0, 1)]
+    got = [torch.load(tmp_path / f"rank_{r}.pt") for r in range(4)]
+    assert {g["world"] for g in got} == {4} and {g["rank_sum"] for g in got} == {6.0}
+    assert [g["local_rank"] for g in got] == [0, 1, 0, 1]
+    for g in got[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got[0]["params"], g["params"]))
+    assert "GROUP_RANK=1\n" in (tmp_path / "n1" / "env_3.log").read_text()
+    assert f"MASTER_PORT={port + 1}\n" in (tmp_path / "n1" / "env_3.log").read_text()
+    assert not procs.wait_no_leftovers()
+
+
 def test_a_torchrun_script_whose_rank_dies(procs, tmp_path):
     res = procs.run(autopar_cmd("launch", "-n", "2", "--log-dir", str(tmp_path / "logs"), TORCHRUN_STYLE,
                                 str(tmp_path)), procs.env(FAIL_RANK="1"), timeout=180)
