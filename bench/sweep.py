@@ -102,7 +102,7 @@ class Ctx:
     def env(self, **extra) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in CONTRACT_VARS}
         env.update(PYTHONPATH=f"{self.src}{os.pathsep}{self.dir}", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-                   AUTOPAR_SWEEP_TAG=self.tag, AUTOPAR_CLUSTER_TIMEOUT="20", AUTOPAR_HEARTBEAT_TIMEOUT="5")
+                   AUTOPAR_SWEEP_TAG=self.tag, AUTOPAR_CLUSTER_TIMEOUT="60", AUTOPAR_HEARTBEAT_TIMEOUT="5")
         env.update({k: str(v) for k, v in extra.items()})
         return env
 
