@@ -45,7 +45,11 @@ from autopar.dtype import (  # noqa: F401
     int64,
     uint8,
 )
-from autopar.errors import AutoparError  # noqa: F401
+from autopar.errors import AutoparError, install_excepthook  # noqa: F401
+
+# An uncaught autopar error (bad input, a failed rank) prints as one line -- from the first call of a script,
+# before init() -- instead of a traceback through autopar's internals; AUTOPAR_TRACEBACK=1 keeps the traceback.
+install_excepthook()
 
 __version__ = "0.1.0"
 

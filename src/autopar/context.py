@@ -143,7 +143,9 @@ def set_context(**kwargs: Any) -> None:
                 raise ConfigError(f"device_target must be 'CPU' or 'GPU', got {value!r}")
             _run.device_target = target
         elif key == "device_id":
-            _run.device_id = None if value is None else int(value)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ConfigError(f"device_id must be a non-negative integer, got {value!r}")
+            _run.device_id = value
         elif key == "max_device_memory":
             _run.max_device_memory = _memory_bytes(value, key)
         elif key in _IGNORED_RUN_KEYS:
@@ -162,6 +164,7 @@ def get_context(key: str) -> Any:
 def set_auto_parallel_context(**kwargs: Any) -> None:
     """Configure parallel training (call before building the network / Model), as in MindSpore."""
     valid = {f.name for f in fields(_AutoParallelContext)}
+    _check_batch_split(kwargs)
     for key, value in kwargs.items():
         if key == "auto_parallel_search_mode":
             key = "search_mode"
@@ -172,9 +175,14 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
         elif key == "search_mode":
             if value not in SEARCH_MODES:
                 raise ConfigError(f"unknown search_mode {value!r}; expected one of: {', '.join(SEARCH_MODES)}")
+        elif key in _BOOL_KEYS:
+            if not isinstance(value, bool):
+                raise ConfigError(f"{key} must be True or False, got {value!r} ({type(value).__name__})")
         elif key in ("device_num", "global_rank") and value is not None:
-            if not isinstance(value, int) or value < (1 if key == "device_num" else 0):
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "device_num" else 0):
                 raise ConfigError(f"{key} must be a {'positive' if key == 'device_num' else 'non-negative'} integer, got {value!r}")
+            if (known := _known_world()) is not None:
+                check_world(*known, **{key: value})
         elif key == "grad_accumulation_step":
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"grad_accumulation_step must be a positive integer, got {value!r}")
@@ -202,6 +210,43 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
     if _auto.parallel_mode is not ParallelMode.STAND_ALONE:
         for listener in list(_mode_listeners):
             listener()
+
+
+_BOOL_KEYS = ("gradients_mean", "parameter_broadcast", "full_batch", "enable_parallel_optimizer",
+              "loss_repeated_mean", "gradient_fp32_sync")
+
+
+def _check_batch_split(kwargs: dict) -> None:
+    """``full_batch=True`` (every rank loads the whole batch) and a ``dataset_strategy`` tuple (each rank loads its
+    slice) contradict each other, in one call or across calls (MindSpore refuses the pair as well)."""
+    full = kwargs.get("full_batch", _auto.full_batch)
+    strategy = kwargs.get("dataset_strategy", _auto.dataset_strategy)
+    if full is True and isinstance(strategy, (tuple, list)):
+        raise ConfigError(f"full_batch=True and dataset_strategy={strategy!r} contradict each other (the whole batch "
+                          f"on every rank, or each rank its slice): set one of them")
+
+
+def _known_world() -> tuple[int, int] | None:
+    """(world size, rank) once the process group exists, else None."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return None
+
+
+def check_world(world_size: int, rank: int, device_num: int | None = None, global_rank: int | None = None) -> None:
+    """``device_num`` / ``global_rank`` set by the script must match the job (called by ``init()`` once the world is
+    known, and at set time after it): a different count would size layouts and averages for devices that do not
+    exist."""
+    device_num = _auto.device_num if device_num is None else device_num
+    global_rank = _auto.global_rank if global_rank is None else global_rank
+    if device_num is not None and device_num != world_size:
+        raise ConfigError(f"device_num={device_num} but this job has {world_size} rank(s): set device_num to "
+                          f"{world_size} or leave it out (it defaults to the job's size)")
+    if global_rank is not None and global_rank != rank:
+        raise ConfigError(f"global_rank={global_rank} but this process is rank {rank} of {world_size}: leave "
+                          f"global_rank out (init() assigns it)")
 
 
 # Keys autopar accepts (tutorial scripts pass them) but does not act on yet. A value that asks for something --
@@ -388,6 +433,8 @@ def set_ps_context(**kwargs: Any) -> None:
         if key not in _KNOWN_PS_KEYS:
             raise ConfigError(f"set_ps_context got an unknown key {key!r}; valid keys: {', '.join(sorted(_KNOWN_PS_KEYS))}")
         if key == "enable_ssl":
+            if not isinstance(value, bool):
+                raise ConfigError(f"enable_ssl must be True or False, got {value!r} ({type(value).__name__})")
             if value and not _ps.enable_ssl:
                 import sys
 

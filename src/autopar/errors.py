@@ -1,9 +1,15 @@
 """Error types shared by every layer.
 
 Every problem a user can cause (bad environment, bad input file, bad strategy) raises a subclass of
-:class:`AutoparError` whose message is one self-contained line. The CLI and the worker exception hook print
-such errors as ``autopar: error: <message>`` without a traceback; anything else is a bug and keeps its traceback.
+:class:`AutoparError` whose message is one self-contained line. The CLI and the exception hook print such errors as
+``autopar: error: <message>`` without a traceback; anything else is a bug and keeps its traceback.
+
+The hook is installed by the first autopar call that can raise a user error -- ``set_context``,
+``set_auto_parallel_context``, ``set_ps_context``, ``init``, the checkpoint callbacks and functions -- never by
+``import autopar`` (no import side effects), so that an error raised before ``init()`` is one line too.
 """
+import os
+import sys
 
 
 class AutoparError(RuntimeError):
@@ -81,3 +87,40 @@ def warn_once(key: str, message: str) -> None:
     import warnings
 
     warnings.warn(f"autopar: {message}", stacklevel=3)
+
+
+_observers: list = []  # called as observer(exc_type, exc) before an uncaught exception is printed
+_prefix: list = [lambda: ""]
+
+
+def on_uncaught(observer) -> None:
+    """Call ``observer(exc_type, exc)`` before any uncaught exception is printed (the cluster layer records the
+    crash for the scheduler, or stops quietly when the exception only echoes another rank's death)."""
+    if observer not in _observers:
+        _observers.append(observer)
+
+
+def set_error_prefix(prefix) -> None:
+    """``prefix()`` is put before the message of a one-line error (e.g. ``[rank 3] `` in a multi-rank job)."""
+    _prefix[0] = prefix
+
+
+def install_excepthook() -> None:
+    """Print an uncaught :class:`AutoparError` as one line (``AUTOPAR_TRACEBACK=1`` keeps the traceback)."""
+    previous = sys.excepthook
+    if getattr(previous, "_autopar", False):
+        return
+
+    def hook(exc_type, exc, tb):
+        for observer in list(_observers):
+            try:
+                observer(exc_type, exc)
+            except Exception:  # noqa: BLE001 - reporting must never hide the error itself
+                pass
+        if issubclass(exc_type, AutoparError) and not os.environ.get("AUTOPAR_TRACEBACK"):
+            print(f"autopar: error: {_prefix[0]()}{exc}", file=sys.stderr, flush=True)
+            return
+        previous(exc_type, exc, tb)
+
+    hook._autopar = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

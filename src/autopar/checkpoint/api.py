@@ -123,8 +123,8 @@ def _full_tensors_from_slices(paths: list[Path]) -> dict[str, torch.Tensor]:
                              no_dist=True)
     except CheckpointError:
         raise
-    except Exception as exc:  # noqa: BLE001
-        raise CheckpointError(f"reading {paths[0]}: {str(exc).strip().splitlines()[0]}") from None
+    except store.dcp_errors() as exc:
+        raise CheckpointError(f"reading {paths[0]}: {store.failure_reason(exc)}") from None
     return state
 
 
@@ -198,7 +198,17 @@ def load_distributed_checkpoint(network: torch.nn.Module, checkpoint_filenames: 
 
 
 def _check_ranks(paths: list[Path]) -> None:
+    """The slices given are those of one save (never rows of one step beside rows of another), each rank once,
+    and none missing where parameters are split."""
     metas = [store.read_meta(p) for p in paths]
+    if len({m.save_id() for m in metas}) > 1:
+        listed = "; ".join(f"{p}: {m.describe()}" for p, m in zip(paths, metas))
+        raise CheckpointError(f"the slices come from different saves ({listed}): give the slices of one save")
+    ranks = [m.rank for m in metas]
+    twice = sorted({r for r in ranks if ranks.count(r) > 1})
+    if twice:
+        raise CheckpointError(f"the slices of rank(s) {twice} are given twice: "
+                              f"{', '.join(str(p) for p, m in zip(paths, metas) if m.rank in twice)}")
     world = metas[0].world_size
     have = {m.rank for m in metas}
     missing = sorted(set(range(world)) - have)
@@ -249,11 +259,18 @@ def resume_state(directory: str | os.PathLike, network: torch.nn.Module, optimiz
     directory = resolve_rank_path(directory)
     found = {(f.epoch, f.step): f for f in store.list_checkpoints(directory, prefix)}
     keys = set(found)
+    everyone = [sorted(keys)]
     if _world() > 1:
         everyone = [None] * _world()
         dist.all_gather_object(everyone, sorted(keys))
         keys = set.intersection(*(set(map(tuple, k)) for k in everyone))
     if not keys:
+        if any(everyone):  # starting over would throw away every rank's progress, and its pruning the files
+            held = "; ".join(f"rank {r}: " + (", ".join(f"epoch {e} step {s}" for e, s in k) or "none")
+                             for r, k in enumerate(everyone))
+            raise CheckpointError(f"resume from {directory}: checkpoints were found but none that every rank "
+                                  f"completed ({held}); nothing was loaded or removed -- restore the missing ones, "
+                                  f"or move them all away to start over")
         return None
     chosen = found[max(keys)]
     meta = store.read_meta(chosen.path)

@@ -49,11 +49,48 @@ class CheckpointMeta:
     layouts: dict = field(default_factory=dict)  # parameter name -> Layout.to_dict() at save time
     loop_state: dict = field(default_factory=dict)  # the training loop's own state, JSON (e.g. "grad_scaler")
     created: float = field(default_factory=time.time)
+    save_index: int = 0  # the how-manyth sliced save of its process: tells apart saves of one step (see save_id)
+
+    def save_id(self) -> tuple:
+        """What the slices of one save have in common (every rank makes the same saves, in the same order): the
+        position in training, the world size, and for saves outside training (step 0) their number."""
+        return (self.epoch, self.step_in_epoch, self.global_step, self.world_size,
+                self.save_index if self.global_step == 0 else 0)
+
+    def describe(self) -> str:
+        where = f"epoch {self.epoch} step {self.step_in_epoch}" if self.global_step else f"save #{self.save_index}"
+        return f"rank {self.rank} of {self.world_size}, {where}"
 
     @classmethod
     def from_dict(cls, d: dict) -> "CheckpointMeta":
         known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         return cls(**known)
+
+
+def failure_reason(exc: BaseException) -> str:
+    """The one line a user needs from a failed read or write: an OS error's reason (``No space left on device``)
+    wherever it is -- also inside torch's ``CheckpointException``, which derives from ``BaseException`` and
+    carries each rank's exception with its traceback -- else the exception's first line."""
+    found: list[BaseException] = [exc]
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        found += [pair[0] if isinstance(pair, tuple) else pair for pair in failures.values()]
+    for e in found:
+        cause = e
+        while cause is not None:
+            if isinstance(cause, OSError) and cause.strerror:
+                return f"{cause.strerror}" + (f" ({cause.filename})" if cause.filename else "")
+            cause = cause.__cause__ or cause.__context__
+    inner = found[-1]
+    text = str(inner).strip().splitlines()
+    return f"{type(inner).__name__}: {text[0]}" if text else type(inner).__name__
+
+
+def dcp_errors():
+    """The exceptions a DCP read or write may end with (``CheckpointException`` is a ``BaseException``)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
 
 
 @contextlib.contextmanager
@@ -142,9 +179,15 @@ def write_integrated(path: str | Path, model: dict, optimizer: dict | None, meta
     meta.kind = "integrated"
     obj = {"format": FORMAT, "kind": "integrated", "model": model, "optimizer": optimizer or None,
            "meta": asdict(meta), "rng": rngs or []}
-    with atomic_file(path) as tmp:
-        torch.save(obj, tmp)
+    try:
+        with atomic_file(path) as tmp, open(tmp, "wb") as fh:
+            torch.save(obj, fh)  # through a Python file: a full disk is an OSError, not "unexpected pos 64 vs 0"
+    except (OSError, RuntimeError) as exc:  # torch's zip writer turns the OSError into a RuntimeError on the way out
+        raise CheckpointError(f"cannot write checkpoint {path}: {failure_reason(exc)}") from None
     return Path(path)
+
+
+_SLICED_SAVES = 0  # sliced saves made by this process (every rank makes the same ones, in the same order)
 
 
 def save_sliced(path: str | Path, network: torch.nn.Module, optimizer, meta: CheckpointMeta) -> None:
@@ -153,15 +196,21 @@ def save_sliced(path: str | Path, network: torch.nn.Module, optimizer, meta: Che
     model_sd, optim_sd = sd.get_state_dict(network, _optimizers(optimizer),
                                            options=sd.StateDictOptions(full_state_dict=False))
     meta.kind = "sliced"
+    global _SLICED_SAVES
+    _SLICED_SAVES += 1
+    meta.save_index = _SLICED_SAVES
     state = {"model": model_sd}
     if optimizer is not None:
         state["optim"] = optim_sd
-    with atomic_dir(path) as tmp, quiet_single_process():
-        import torch.distributed.checkpoint as dcp
+    try:
+        with atomic_dir(path) as tmp, quiet_single_process():
+            import torch.distributed.checkpoint as dcp
 
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
-        torch.save(rng_state(), tmp / RNG_FILE)
-        (tmp / META_FILE).write_text(json.dumps({"format": FORMAT, **asdict(meta)}, indent=1))
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
+            torch.save(rng_state(), tmp / RNG_FILE)
+            (tmp / META_FILE).write_text(json.dumps({"format": FORMAT, **asdict(meta)}, indent=1))
+    except dcp_errors() as exc:
+        raise CheckpointError(f"cannot write checkpoint {path}: {failure_reason(exc)}") from None
 
 
 # --------------------------------------------------------------------------------------------------- reading
@@ -217,18 +266,42 @@ def load_sliced_into(paths: list[Path], network: torch.nn.Module, optimizer=None
             dcp.load(state, storage_reader=MergedReader(paths, require_complete=not own_slices_only), no_dist=True)
     except CheckpointError:
         raise
-    except Exception as exc:  # noqa: BLE001 - DCP reports missing keys and bad files with assorted errors
-        raise CheckpointError(f"loading {', '.join(map(str, paths[:3]))}: {str(exc).strip().splitlines()[0]}") from None
+    except dcp_errors() as exc:  # DCP reports missing keys, other shapes and bad files with assorted errors
+        raise CheckpointError(f"loading {', '.join(map(str, paths[:3]))}: {failure_reason(exc)}") from None
     sd.set_state_dict(network, _optimizers(optimizer) if "optim" in state else [],
                       model_state_dict=state["model"], optim_state_dict=state.get("optim", {}),
                       options=sd.StateDictOptions(full_state_dict=False))
 
 
 def load_integrated_into(obj: dict, network: torch.nn.Module, optimizer=None) -> None:
-    opts = _optimizers(optimizer) if optimizer is not None and obj.get("optimizer") else []
+    saved = obj.get("optimizer") or {}
+    stateless = bool(saved) and not _has_tensors(saved.get("state"))
+    opts = _optimizers(optimizer) if optimizer is not None and saved and not stateless else []
     sd = _state_dict_api()
-    sd.set_state_dict(network, opts, model_state_dict=obj["model"], optim_state_dict=obj.get("optimizer") or {},
+    sd.set_state_dict(network, opts, model_state_dict=obj["model"], optim_state_dict=saved if opts else {},
                       options=sd.StateDictOptions(full_state_dict=True, strict=True))
+    if optimizer is not None and stateless:
+        # an optimizer with no tensor state (SGD without momentum): DCP's full-state loader cannot place it ("Expected
+        # device to be set"); its hyperparameters (a scheduled learning rate) are all there is to restore
+        _load_param_groups(optimizer, saved.get("param_groups") or [])
+
+
+def _has_tensors(tree) -> bool:
+    if isinstance(tree, torch.Tensor):
+        return tree.dim() > 0
+    if isinstance(tree, dict):
+        return any(_has_tensors(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return any(_has_tensors(v) for v in tree)
+    return False
+
+
+def _load_param_groups(optimizer, groups: list) -> None:
+    if len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(f"the checkpoint's optimizer has {len(groups)} parameter groups, this one "
+                              f"{len(optimizer.param_groups)}")
+    for live, kept in zip(optimizer.param_groups, groups):
+        live.update({k: v for k, v in kept.items() if k != "params"})
 
 
 # ---------------------------------------------------------------------------------------------- discovery

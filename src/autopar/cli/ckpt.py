@@ -53,8 +53,13 @@ def _sliced_under(parent: Path) -> list[Path]:
 def merge(args: argparse.Namespace) -> int:
     from autopar.checkpoint.api import merge_sliced_checkpoints
     from autopar.checkpoint.store import is_sliced
+    from autopar.cli.paths import writable_parent
 
+    writable_parent(args.out, "--out")
     paths = [Path(p) for p in args.paths]
+    for p in paths:
+        if not p.exists():
+            raise CheckpointError(f"checkpoint not found: {p}")
     if len(paths) == 1 and paths[0].is_dir() and not is_sliced(paths[0]):
         paths = _sliced_under(paths[0])
     out = merge_sliced_checkpoints(paths, args.out)
@@ -112,6 +117,9 @@ def info(args: argparse.Namespace) -> int:
 
 def convert_mindspore(args: argparse.Namespace) -> int:
     from autopar.checkpoint.mindspore_ckpt import mindspore_named_tensors, read_mindspore_checkpoint
+    from autopar.cli.paths import writable_parent
+
+    writable_parent(args.out, "--out")
     from autopar.checkpoint.store import CheckpointMeta, write_integrated
 
     ms = read_mindspore_checkpoint(args.path)

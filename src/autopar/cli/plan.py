@@ -17,6 +17,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+from autopar.cli.paths import writable_parent
 from autopar.errors import ConfigError
 
 
@@ -69,15 +70,27 @@ def build(args: argparse.Namespace):
         return (TransformerBlock(args.width, 8, 4 * args.width), torch.nn.MSELoss(),
                 (torch.randn(b, args.seq or 128, args.width), torch.randn(b, args.seq or 128, args.width)))
     path, _, func = args.model.partition(":")
-    if not path.endswith(".py") or not Path(path).is_file():
+    if not path.endswith(".py"):
         raise ConfigError(f"unknown model {args.model!r}: use resnet50, mlp, transformer or FILE.py:FUNCTION")
+    if not Path(path).is_file():
+        raise ConfigError(f"model file not found: {path}" + (" (a directory)" if Path(path).is_dir() else ""))
     spec = importlib.util.spec_from_file_location("autopar_plan_model", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    fn = getattr(module, func or "build", None)
-    if fn is None:
-        raise ConfigError(f"{path} has no function {func or 'build'}() returning (network, loss_fn, inputs)")
-    return fn()
+    name = func or "build"
+    try:
+        spec.loader.exec_module(module)
+        fn = getattr(module, name, None)
+        if fn is None:
+            raise ConfigError(f"{path} has no function {name}() returning (network, loss_fn, inputs)")
+        return fn()
+    except ConfigError:
+        raise
+    except Exception as exc:  # the user's file: say where, in one line (AUTOPAR_TRACEBACK=1 shows the traceback)
+        if os.environ.get("AUTOPAR_TRACEBACK"):
+            raise
+        first = str(exc).strip().splitlines()
+        raise ConfigError(f"{path}:{name}() raised {type(exc).__name__}: {first[0] if first else ''} "
+                          f"(AUTOPAR_TRACEBACK=1 shows where)") from None
 
 
 def machine_for(n: int, recalibrate: bool):
@@ -106,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.nproc < 1:
         raise ConfigError(f"-n must be positive, got {args.nproc}")
+    if args.out:
+        writable_parent(args.out, "--out")
     if args.model == "gpt":
         return run_gpt(args)
     network, loss_fn, sample = build(args)

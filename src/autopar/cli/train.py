@@ -37,22 +37,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def synthetic_data(log_dir: str, records: int) -> Path:
+    """LOG_DIR/synthetic-cifar10 with ``records`` records per file: the one written by an earlier run is reused
+    only when it has that size (else a run asking for 48 would silently train on an earlier 24)."""
+    from autopar.dataset.synth import synthetic_records, write_synthetic_cifar10
+
+    out = Path(log_dir) / "synthetic-cifar10"
+    have = synthetic_records(out)
+    if have != records:
+        instead = f", replacing the {have}-record one" if have else ""
+        print(f"[autopar] writing a synthetic CIFAR-10 ({records} records per file) to {out}{instead}", flush=True)
+        write_synthetic_cifar10(out, records_per_file=records)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     from autopar.cluster.launcher import LaunchConfig, launch
     from autopar.train.recipes import resnet_cifar
 
     if args.nproc < 1:
         raise ConfigError(f"-n must be positive, got {args.nproc}")
-    data = args.data
-    if args.synthetic:
-        from autopar.dataset.synth import write_synthetic_cifar10
-
-        out = Path(args.log_dir) / "synthetic-cifar10"
-        if not (out / "cifar-10-batches-bin" / "test_batch.bin").exists():
-            print(f"[autopar] writing a synthetic CIFAR-10 ({args.synthetic_records} records per file) to {out}",
-                  flush=True)
-            write_synthetic_cifar10(out, records_per_file=args.synthetic_records)
-        data = str(out)
+    data = str(synthetic_data(args.log_dir, args.synthetic_records)) if args.synthetic else args.data
     script_args = ["--data", data, "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
                    "--image-size", str(args.image_size), "--mode", args.mode,
                    "--grad-accumulation", str(args.grad_accumulation), "--lr", str(args.lr),

@@ -40,6 +40,28 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def port_open(host: str, port: int, timeout: float = 1.0) -> bool:
+    """Does something accept TCP connections on ``host:port``? A plain socket, so that waiting for a scheduler
+    that is not (or no longer) there costs no c10d connection attempt -- each of which logs a C++ stack dump."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def port_refused(host: str, port: int, timeout: float = 1.0) -> bool:
+    """True only when ``host`` answers that nothing listens on ``port`` (a refused connection): the process that
+    listened there is gone. A timeout proves nothing (a slow or silent network) and gives False."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+
+
 def local_addresses() -> dict[str, str]:
     """This host's IP addresses (any interface, loopback included), each with its interface's name."""
     import psutil

@@ -7,6 +7,8 @@ Everything is a key in the scheduler's ``TCPStore`` (no home-made transport):
 - ``req/<n>``          worker -> scheduler: who it is (host, pid, MS_NODE_ID, rank hint, MS_WORKER_NUM, auth)
 - ``resp/<n>``         scheduler -> worker: ``{"rank": r}`` or ``{"error": "..."}``
 - ``joined``           number of workers admitted so far (for "only k of N joined" messages)
+- ``admitted/<r>``     written when rank r is admitted (the launcher tells a worker that never joined from one that
+                       finished)
 - ``ready``            written once all N are admitted: ``{"hosts": [host id of rank 0, 1, ...]}``
 - ``hb/<r>``           heartbeat counter of rank r (the scheduler declares silence a death)
 - ``done/<r>``         ``{"status": "ok" | "failed" | "aborted", "detail": ...}`` written as rank r exits
@@ -43,6 +45,10 @@ def req_key(n: int) -> str:
 
 def resp_key(n: int) -> str:
     return f"{PREFIX}resp/{n}"
+
+
+def admitted_key(rank: int) -> str:
+    return f"{PREFIX}admitted/{rank}"
 
 
 def hb_key(rank: int) -> str:

@@ -94,8 +94,13 @@ class _Admission:
 class Scheduler:
     """Runs the whole life of the job from the scheduler's side; :meth:`run` returns the exit code."""
 
-    def __init__(self, cenv: ClusterEnv, listen_fd: int | None = None, token: str | None = None):
+    def __init__(self, cenv: ClusterEnv, listen_fd: int | None = None, token: str | None = None,
+                 supervised: bool = False):
+        """``supervised``: started by ``autopar launch``, which watches the workers' processes itself. Then the
+        join timeout starts with the first registration: a script that never calls ``init()`` (or a torchrun-style
+        one that forms torch's world by itself) is not a job that failed to form."""
         self.cenv = cenv
+        self.supervised = supervised
         self.world_size = cenv.world_size
         self._sock: socket.socket | None = None
         if listen_fd is None:
@@ -136,6 +141,8 @@ class Scheduler:
             answers = [(n, answer)] if answer is not None else []
             answers += self.admission.settle_pending()
             for m, ans in answers:
+                if "rank" in ans:
+                    self.store.set(P.admitted_key(ans["rank"]), "1")
                 self.store.set(P.resp_key(m), P.dumps(ans))
                 if "rank" in ans:
                     _log(f"worker admitted as rank {ans['rank']}")
@@ -144,10 +151,12 @@ class Scheduler:
             self.store.set(P.JOINED, str(len(self.admission.owners) + len(self.admission.pending)))
 
     def _admit_all(self) -> bool:
-        deadline = time.monotonic() + self.join_timeout
+        deadline = None if self.supervised else time.monotonic() + self.join_timeout
         while not self.admission.complete:
             self._serve_requests()
-            if time.monotonic() > deadline:
+            if deadline is None and self.next_req > 1:
+                deadline = time.monotonic() + self.join_timeout  # the first worker asked: the clock runs
+            if deadline is not None and time.monotonic() > deadline:
                 joined = len(self.admission.owners) + len(self.admission.pending)
                 reason = (
                     f"only {joined} of {self.world_size} workers joined within {self.join_timeout:.0f} s "

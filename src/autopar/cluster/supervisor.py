@@ -2,9 +2,11 @@
 
 Every child gets its own session (so a signal to the launcher's terminal never reaches it directly and its whole
 process group can be killed) and ``PR_SET_PDEATHSIG`` (so it dies with the launcher even if the launcher is killed
-with SIGKILL). The first failure stops everything: SIGTERM, a grace period, SIGKILL. The report names the failed
-rank, how it ended and the tail of its log; ranks that only stopped because another failed (``EXIT_ABORTED``) are
-not mistaken for the cause.
+with SIGKILL); what the children start themselves is the janitor's (:mod:`autopar.cluster.janitor`). The first
+failure stops everything: SIGTERM (and SIGCONT, so that a stopped process can act on it), a grace period, SIGKILL.
+The report names the failed rank, how it ended and the tail of its log; ranks that only stopped because another
+failed (``EXIT_ABORTED``) are not mistaken for the cause, a stopped (SIGSTOP) rank is named at once, and a rank that
+exits 0 without joining a job the others joined is a failure, not a success.
 """
 from __future__ import annotations
 
@@ -120,6 +122,26 @@ class Proc:
     rank: int | None  # None for the scheduler
     popen: subprocess.Popen | ForkedChild
     log: Path
+    detail: str | None = None  # how it failed, when its exit status does not say it
+
+
+def _stopped(pid: int) -> bool:
+    """Is the process stopped (SIGSTOP / SIGTSTP), so that it neither works nor exits?"""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+class JobProbe:
+    """What the scheduler knows, for the launcher: has rank r joined the job, has anyone? (None: cannot tell.)"""
+
+    def admitted(self, rank: int) -> bool | None:  # pragma: no cover - interface
+        return None
+
+    def anyone(self) -> bool | None:  # pragma: no cover - interface
+        return None
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -132,13 +154,23 @@ def _signal_group(pid: int, sig: int) -> None:
 class Supervisor:
     """The processes of one attempt of the job on this host."""
 
-    def __init__(self, command: list[str], log_dir: Path, grace: float = 10.0):
+    def __init__(self, command: list[str], log_dir: Path, grace: float = 10.0, janitor=None,
+                 probe: JobProbe | None = None):
         self.command = command
         self.log_dir = log_dir
         self.grace = grace
+        self.janitor = janitor  # told every child's pid (each leads its session)
+        self.probe = probe or JobProbe()
+        self._admitted: set[int] = set()  # ranks the probe saw admitted (asked once each)
         self.procs: list[Proc] = []
         self.failed: list[Proc] = []
         self.interrupted: int | None = None
+
+    def _track(self, proc: Proc) -> Proc:
+        self.procs.append(proc)
+        if self.janitor is not None:
+            self.janitor.track(proc.popen.pid)
+        return proc
 
     def spawn(self, name: str, rank: int | None, env: dict[str, str]) -> Proc:
         log = self.log_dir / f"{name}.log"
@@ -146,9 +178,7 @@ class Supervisor:
             popen = subprocess.Popen(self.command, env=env, stdout=fh, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True,
                                      preexec_fn=_die_with_parent)
-        proc = Proc(name, rank, popen, log)
-        self.procs.append(proc)
-        return proc
+        return self._track(Proc(name, rank, popen, log))
 
     def fork(self, name: str, rank: int | None, target: Callable[[], int]) -> Proc:
         """Run ``target`` in a child forked from this process (already past its imports, so it is ready at once)
@@ -162,6 +192,8 @@ class Supervisor:
             try:
                 os.setsid()
                 _die_with_parent()
+                if self.janitor is not None:
+                    os.close(self.janitor.fd)  # only the launcher may hold the janitor's pipe open
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     signal.signal(sig, signal.SIG_DFL)
                 fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -179,15 +211,14 @@ class Supervisor:
                     sys.stderr.flush()
                 finally:
                     os._exit(code)
-        proc = Proc(name, rank, ForkedChild(pid), log)
-        self.procs.append(proc)
-        return proc
+        return self._track(Proc(name, rank, ForkedChild(pid), log))
 
     def stop_all(self) -> None:
         """SIGTERM every live process group, then SIGKILL whatever is left after the grace period."""
         live = [p for p in self.procs if p.popen.poll() is None]
         for p in live:
             _signal_group(p.popen.pid, signal.SIGTERM)
+            _signal_group(p.popen.pid, signal.SIGCONT)  # a stopped process acts on SIGTERM only once continued
         deadline = time.monotonic() + self.grace
         while time.monotonic() < deadline and any(p.popen.poll() is None for p in live):
             time.sleep(POLL)
@@ -201,29 +232,49 @@ class Supervisor:
         workers = [p for p in self.procs if p.rank is not None]
         scheduler = next((p for p in self.procs if p.rank is None), None)
         first_abort: float | None = None
+        seen: dict[int, float] = {}  # rank -> when its failure was first seen
+        unjoined: list[Proc] = []  # exited 0 without ever joining the job
+        next_probe = 0.0
         while True:
             if self.interrupted is not None:
                 print(f"[autopar] {signal.Signals(self.interrupted).name} received: stopping the job", file=sys.stderr)
                 return 130 if self.interrupted == signal.SIGINT else 143
             codes = {p.rank: p.popen.poll() for p in workers}
             failed = [p for p in workers if codes[p.rank] not in (None, 0)]
+            now = time.monotonic()
+            for p in failed:
+                seen.setdefault(p.rank, now)
             if failed:
-                root = [p for p in failed if codes[p.rank] != EXIT_ABORTED]
+                # first seen first; among those seen together, a signal (a kill) before an exit code (its echo)
+                root = sorted((p for p in failed if codes[p.rank] != EXIT_ABORTED),
+                              key=lambda p: (seen[p.rank], codes[p.rank] >= 0))
+                stopped = [p for p in workers if codes[p.rank] is None and _stopped(p.popen.pid)]
+                for p in stopped:
+                    p.detail = "stopped (SIGSTOP): it neither worked nor exited"
                 if not root and first_abort is None:
-                    first_abort = time.monotonic()
+                    first_abort = now
                 # a rank that stopped only because another failed: give the cause a moment to show its exit code
-                if root or time.monotonic() - first_abort > 5.0:
-                    self.failed = root or failed + ([scheduler] if scheduler else [])
-                    return exit_status(codes[(root or failed)[0].rank])
+                if root or stopped or now - first_abort > 5.0:
+                    self.failed = root or stopped or failed + ([scheduler] if scheduler else [])
+                    if root:
+                        return exit_status(codes[root[0].rank])
+                    return 128 + signal.SIGSTOP if stopped else exit_status(codes[failed[0].rank])
+            if scheduler is not None and now >= next_probe and any(c == 0 for c in codes.values()):
+                next_probe = now + 0.5
+                code = self._unjoined_exit(workers, codes, unjoined)
+                if code is not None:
+                    return code
             if all(c == 0 for c in codes.values()):
-                if scheduler is not None:
+                nobody = scheduler is not None and scheduler.popen.poll() is None and not self._admitted \
+                    and self.probe.anyone() is False  # no worker ever asked to join: nothing to wait for
+                if scheduler is not None and not nobody:
                     try:
                         scheduler.popen.wait(timeout=30)
                     except subprocess.TimeoutExpired:
                         pass
                     if scheduler.popen.returncode not in (0, None):
                         self.failed = [scheduler]
-                        return scheduler.popen.returncode
+                        return exit_status(scheduler.popen.returncode)
                 return 0
             if scheduler is not None and scheduler.popen.poll() not in (None, 0):
                 # the scheduler gives up when a worker failed: name that worker if it ends within the grace
@@ -233,13 +284,34 @@ class Supervisor:
                 codes = {p.rank: p.popen.poll() for p in workers}
                 root = [p for p in workers if codes[p.rank] not in (None, 0, EXIT_ABORTED)]
                 self.failed = root or [scheduler]
-                return exit_status(codes[root[0].rank]) if root else (scheduler.popen.returncode or 1)
+                return exit_status(codes[root[0].rank]) if root else exit_status(scheduler.popen.returncode or 1)
             time.sleep(POLL)
+
+    def _unjoined_exit(self, workers: list[Proc], codes: dict, unjoined: list[Proc]) -> int | None:
+        """A worker that exited 0 without joining the job while others joined: the others would wait for it until
+        the cluster timeout. Returns the exit status that ends the job then, else None (no one joined: a script
+        that never calls ``init()``, or a torchrun-style one that forms torch's world by itself)."""
+        for p in workers:
+            if codes[p.rank] != 0 or p in unjoined or p.rank in self._admitted:
+                continue
+            admitted = self.probe.admitted(p.rank)
+            if admitted:
+                self._admitted.add(p.rank)
+            elif admitted is False:
+                unjoined.append(p)
+        if unjoined and self.probe.anyone():
+            for p in unjoined:
+                p.detail = ("exited with code 0 before joining the job (it never called init()), while the other "
+                            "ranks wait for it")
+            self.failed = list(unjoined)
+            return 1
+        return None
 
     def report(self) -> None:
         for p in self.failed:
             who = f"rank {p.rank}" if p.rank is not None else "the scheduler"
-            print(f"autopar: error: {who} failed: {describe_exit(p.popen.returncode)}", file=sys.stderr)
+            how = p.detail or describe_exit(p.popen.returncode)
+            print(f"autopar: error: {who} failed: {how}", file=sys.stderr)
             lines = tail(p.log)
             if lines:
                 print(f"----- last {len(lines)} lines of {p.log} -----", file=sys.stderr)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from autopar.cluster import protocol as P
 from autopar.cluster.env import ClusterEnv, cluster_timeout, heartbeat_timeout
-from autopar.cluster.netutil import interface_towards
+from autopar.cluster.netutil import interface_towards, port_open, port_refused
 from autopar.errors import ClusterError
 
 
@@ -33,26 +33,31 @@ def host_id(master_addr: str = "127.0.0.1") -> str:
 def connect(cenv: ClusterEnv, timeout: float) -> dist.TCPStore:
     """Connect to the scheduler's store, waiting up to ``timeout`` for it to come up.
 
-    Workers may legitimately start before the scheduler, so this waits; but it tries in short slices and says
-    once on stderr that it is waiting, so that a mistyped port is visible long before the timeout.
+    Workers may legitimately start before the scheduler, so this waits; but it says once on stderr that it is
+    waiting, so that a mistyped port is visible long before the timeout. It probes the port with a plain socket
+    and opens the store only once something listens there: c10d's own retries would print a C++ stack dump every
+    few seconds.
     """
     deadline = time.monotonic() + timeout
     announced = False
     while True:
         left = deadline - time.monotonic()
-        try:
-            return dist.TCPStore(cenv.master_addr, cenv.master_port, None, False,
-                                 timeout=P.seconds(max(1.0, min(left, P.STORE_OP_TIMEOUT_S))))
-        except Exception:
-            if time.monotonic() >= deadline:
-                raise ClusterError(
-                    f"cannot reach the scheduler at {cenv.master_addr}:{cenv.master_port} within {timeout:.0f} s "
-                    f"(is it started, and are MS_SCHED_HOST/MS_SCHED_PORT right?)"
-                ) from None
-            if not announced:
-                announced = True
-                print(f"autopar: waiting for the scheduler at {cenv.master_addr}:{cenv.master_port} "
-                      f"(up to {timeout:.0f} s, AUTOPAR_CLUSTER_TIMEOUT)", file=sys.stderr, flush=True)
+        if port_open(cenv.master_addr, cenv.master_port, timeout=max(0.2, min(left, 2.0))):
+            try:
+                return dist.TCPStore(cenv.master_addr, cenv.master_port, None, False,
+                                     timeout=P.seconds(max(1.0, min(left, P.STORE_OP_TIMEOUT_S))))
+            except Exception:
+                pass
+        if time.monotonic() >= deadline:
+            raise ClusterError(
+                f"cannot reach the scheduler at {cenv.master_addr}:{cenv.master_port} within {timeout:.0f} s "
+                f"(is it started, and are MS_SCHED_HOST/MS_SCHED_PORT right?)"
+            ) from None
+        if not announced:
+            announced = True
+            print(f"autopar: waiting for the scheduler at {cenv.master_addr}:{cenv.master_port} "
+                  f"(up to {timeout:.0f} s, AUTOPAR_CLUSTER_TIMEOUT)", file=sys.stderr, flush=True)
+        time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
 
 def _optional_int(name: str) -> int | None:
@@ -163,6 +168,7 @@ class Watchdog:
         self.cenv = cenv
         self.rank = rank
         self.failure: str | None = None
+        self.exit_status: int | None = None  # the status sys.exit() was given, when not 0
         self.abort_reason: str | None = None
         self._stop = threading.Event()
         self._reported = False
@@ -185,6 +191,7 @@ class Watchdog:
         if status is None or status == 0 or self.failure:
             return
         self.failure = f"exited with status {status}" if isinstance(status, int) else f"exited: {status}"
+        self.exit_status = status if isinstance(status, int) else 1
 
     def _loop(self) -> None:
         last_ok = time.monotonic()
@@ -201,13 +208,28 @@ class Watchdog:
                         self._call_since = None
                 last_ok = time.monotonic()
             except Exception:
-                if time.monotonic() - last_ok > min(limit, 5.0) and not self._stop.is_set():
+                if self._stop.is_set():
+                    continue
+                if port_refused(self.cenv.master_addr, self.cenv.master_port):
+                    self._die(self._lost_scheduler())  # nothing listens any more: the scheduler is gone
+                if time.monotonic() - last_ok > min(limit, 5.0):
                     self._die(self._lost_scheduler())
+                self._reconnect()  # it still listens: a connection that broke, not the scheduler
                 continue
             if reason is not None and not self._stop.is_set():
                 self.abort_reason = reason
                 self._report("aborted", f"aborted: {reason}")
                 self._die(f"job aborted ({reason}); rank {self.rank} stops")
+
+    def _reconnect(self) -> None:
+        """A fresh store connection (each call on a broken one would fail again, with a C++ dump each time)."""
+        try:
+            store = dist.TCPStore(self.cenv.master_addr, self.cenv.master_port, None, False,
+                                  timeout=P.seconds(P.STORE_OP_TIMEOUT_S))
+        except Exception:
+            return
+        with self._io:
+            self.store = store
 
     def _deadman(self) -> None:
         """Stop the process when a store call of the watchdog hangs: across hosts a pulled cable or a powered-off
@@ -258,11 +280,14 @@ class Watchdog:
             if self._reported:
                 return
             self._reported = True
+            if not self._io.acquire(timeout=P.STORE_OP_TIMEOUT_S):
+                return  # the watchdog's call hangs (the deadman ends the process): waiting would only hang too
             try:
-                with self._io:
-                    self.store.set(P.done_key(self.rank), P.dumps({"status": status, "detail": detail}))
+                self.store.set(P.done_key(self.rank), P.dumps({"status": status, "detail": detail}))
             except Exception:
                 pass  # the scheduler is gone; nobody is left to tell
+            finally:
+                self._io.release()
 
     def report_exit(self) -> None:
         """atexit: tell the scheduler whether this rank ended cleanly (an unhandled exception counts as failed).
@@ -273,7 +298,14 @@ class Watchdog:
         self._stop.set()
         if self.thread.is_alive() and self.thread is not threading.current_thread():
             self.thread.join(timeout=P.STORE_OP_TIMEOUT_S + 1.0)
+        stuck = self.thread.is_alive() and self.thread is not threading.current_thread()
         if self.failure:
             self._report("failed", self.failure)
         else:
             self._report("ok", None)
+        if stuck:  # still blocked in a store call (a scheduler that stopped answering): finalizing would abort
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(self.exit_status if self.exit_status is not None else (1 if self.failure else 0))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +17,7 @@ import torch.distributed as dist
 from autopar import context as _context
 from autopar.cluster.env import comm_timeout, detect_cluster_env
 from autopar.cluster.protocol import seconds
-from autopar.errors import AutoparError, ClusterError, CommError
+from autopar.errors import ClusterError, CommError
 
 
 class GlobalComm:
@@ -49,32 +48,44 @@ class _State:
 _state = _State()
 
 
-def _install_excepthook() -> None:
-    """One-line errors for autopar's own exceptions; and record any crash for the scheduler's report."""
-    previous = sys.excepthook
-    if getattr(previous, "_autopar", False):
+# What a collective that lost its peer raises: autopar's CommError, or torch's own (gloo through torch.distributed,
+# DDP): a DistError, or a RuntimeError naming the broken connection.
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Read error", "Write error",
+              "gloo/transport")
+
+
+def _echoes_a_peer(exc_type, exc) -> bool:
+    """Did this exception probably come from another rank's death (not this rank's own fault)?"""
+    if issubclass(exc_type, CommError):
+        return "timed out" not in str(exc).lower()  # a timeout is this rank's own verdict
+    return issubclass(exc_type, RuntimeError) and (
+        issubclass(exc_type, dist.DistError) or any(mark in str(exc) for mark in _PEER_LOST))
+
+
+def _on_uncaught(exc_type, exc) -> None:
+    """Before an uncaught exception is printed: a failure that only echoes another rank's death waits for the
+    scheduler's verdict and stops quietly as "aborted" (one line, EXIT_ABORTED) instead of a gloo traceback; any
+    other crash is recorded for the scheduler's report."""
+    watchdog = _state.watchdog
+    if watchdog is None:
         return
+    if _echoes_a_peer(exc_type, exc):
+        from autopar.cluster.env import heartbeat_timeout
 
-    def hook(exc_type, exc, tb):
-        watchdog = _state.watchdog
-        if watchdog is not None and issubclass(exc_type, CommError) and "timed out" not in str(exc).lower():
-            # A collective losing its connection is usually the echo of another rank's death: let the scheduler
-            # tell (a timeout, on the other hand, is this rank's own verdict).
-            from autopar.cluster.env import heartbeat_timeout
+        reason = watchdog.wait_for_abort(heartbeat_timeout() + 2.0)
+        if reason is not None:
+            watchdog.stop_as_secondary(reason)
+    watchdog.failure = f"{exc_type.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
-            reason = watchdog.wait_for_abort(heartbeat_timeout() + 2.0)
-            if reason is not None:
-                watchdog.stop_as_secondary(reason)
-        if watchdog is not None:
-            watchdog.failure = f"{exc_type.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        if issubclass(exc_type, AutoparError) and not os.environ.get("AUTOPAR_TRACEBACK"):
-            prefix = f"autopar: error: [rank {_state.rank}] " if _state.world_size > 1 else "autopar: error: "
-            print(prefix + str(exc), file=sys.stderr, flush=True)
-            return
-        previous(exc_type, exc, tb)
 
-    hook._autopar = True  # type: ignore[attr-defined]
-    sys.excepthook = hook
+def _install_excepthook() -> None:
+    """One-line errors for autopar's own exceptions (:func:`autopar.errors.install_excepthook`), with this rank
+    in front of them, and every crash recorded for the scheduler's report."""
+    from autopar import errors
+
+    errors.on_uncaught(_on_uncaught)
+    errors.set_error_prefix(lambda: f"[rank {_state.rank}] " if _state.world_size > 1 else "")
+    errors.install_excepthook()
 
 
 def _choose_backend(name: str | None) -> tuple[str, bool]:
@@ -104,6 +115,9 @@ def init(backend_name: str | None = None) -> None:
     if _state.initialized:
         return
     _install_excepthook()
+    if dist.is_initialized():  # the script built torch's world itself (torchrun style): join it, form no second
+        _adopt_torch_world()
+        return
     cenv = detect_cluster_env()
     if cenv.role == "scheduler":
         from autopar.cluster.scheduler import run_scheduler
@@ -146,6 +160,26 @@ def init(backend_name: str | None = None) -> None:
     _state.groups = {}
     GlobalComm.INITED = True
     GlobalComm.BACKEND = _state.backend
+    _context.check_world(member.world_size, member.rank)
+
+
+def _adopt_torch_world() -> None:
+    """``init()`` after ``torch.distributed.init_process_group``: take that world as it is (rank, size, backend;
+    the local rank from torchrun's ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    backend = str(dist.get_backend()).lower()
+    cuda = "nccl" in backend
+    _state.initialized = True
+    _state.contract = "torch"
+    _state.rank, _state.world_size = rank, world
+    _state.local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    _state.local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    _state.backend = "nccl" if cuda else "gloo"
+    _state.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    _state.groups = {}
+    GlobalComm.INITED = True
+    GlobalComm.BACKEND = _state.backend
+    _context.check_world(world, rank)
 
 
 def _destroy_at_exit() -> None:

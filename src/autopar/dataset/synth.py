@@ -86,6 +86,21 @@ def _write_atomic(path: Path, data: bytes | np.ndarray) -> None:
     os.replace(tmp, path)
 
 
+def synthetic_records(out_dir) -> int | None:
+    """Records per file of the synthetic CIFAR-10 already in ``out_dir`` (every file complete and of one size),
+    or None when there is none, or a damaged one -- so that a caller asking for another size rewrites it instead
+    of silently training on the old one."""
+    target = Path(out_dir).expanduser() / CIFAR10_DIRNAME
+    sizes = set()
+    for name in CIFAR10_TRAIN_FILES + CIFAR10_TEST_FILES:
+        try:
+            sizes.add((target / name).stat().st_size)
+        except OSError:
+            return None
+    size = sizes.pop() if len(sizes) == 1 else 0
+    return size // CIFAR10_RECORD if size and size % CIFAR10_RECORD == 0 else None
+
+
 def write_synthetic_cifar10(out_dir, records_per_file: int = 10000, seed: int = 0) -> Path:
     """Write ``out_dir/cifar-10-batches-bin/`` (``data_batch_1..5.bin``, ``test_batch.bin``,
     ``batches.meta.txt``) with ``records_per_file`` records per file; returns that directory."""

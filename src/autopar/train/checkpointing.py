@@ -3,7 +3,9 @@
 Each rank saves into its own ``directory`` (as the tutorial's ``"./ckpt_" + str(get_rank())``); when ranks share
 one directory, an integrated checkpoint is written once (by rank 0) and sliced ones go to ``rank_<r>/``
 sub-directories, so ranks never overwrite each other. At most ``keep_checkpoint_max`` checkpoints of the prefix
-are kept. A checkpoint holds parameters, optimizer state, epoch/step, RNG state, the dynamic loss scale (if any) and
+are kept -- but pruning never removes the newest checkpoint that every rank has completed: a rank prunes only once
+all ranks finished the save just made (a tiny all-reduce after it), so a rank killed while writing leaves every
+other rank holding the previous common checkpoint, and a resume continues from it. A checkpoint holds parameters, optimizer state, epoch/step, RNG state, the dynamic loss scale (if any) and
 every parameter's layout.
 With gradient accumulation, a save that falls due inside an accumulation is taken at its last micro-batch, so that
 resuming from any checkpoint continues exactly like the uninterrupted run.
@@ -111,16 +113,28 @@ class ModelCheckpoint(Callback):
             store.save_sliced(path, network, optimizer, meta)
         self._last_step = cb.cur_step_num
         self._last_time = time.monotonic()
+        _all_ranks_done()  # from here on, this save is complete on every rank: older ones may go
         if self._write:
             self.saved.append(path)
-            self._prune()
+            self._prune(path)
         return path
 
-    def _prune(self) -> None:
-        existing = store.list_checkpoints(self.directory, self.prefix)
+    def _prune(self, newest: Path) -> None:
+        """Keep ``keep_checkpoint_max`` checkpoints: ``newest`` (the save every rank just completed) and the newest
+        others before it. Files of a later step than it were left by an attempt that died (the resume went back
+        to an older common step and abandoned them): they go first."""
         import shutil
 
-        for old in existing[: max(0, len(existing) - self.config.keep_checkpoint_max)]:
+        existing = store.list_checkpoints(self.directory, self.prefix)  # oldest first
+        mine = next((f for f in existing if f.path == newest), None)
+        if mine is None:
+            doomed = existing[: max(0, len(existing) - self.config.keep_checkpoint_max)]
+        else:
+            others = [f for f in existing if f is not mine]
+            abandoned = [f for f in others if (f.epoch, f.step) > (mine.epoch, mine.step)]
+            older = [f for f in others if f not in abandoned]
+            doomed = abandoned + older[: max(0, len(older) - (self.config.keep_checkpoint_max - 1))]
+        for old in doomed:
             if old.path.is_dir():
                 shutil.rmtree(old.path, ignore_errors=True)
             else:
@@ -138,6 +152,15 @@ def _loop_state(cb) -> dict:
     scaler = cb.get("grad_scaler")
     state = scaler.state_dict() if scaler is not None else {}
     return {"grad_scaler": state} if state else {}
+
+
+def _all_ranks_done() -> None:
+    """Returns once every rank got here (a barrier as a one-element all-reduce: it fails, rather than waits, when a
+    rank died -- the job is then stopped by the cluster layer)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        import torch
+
+        dist.all_reduce(torch.zeros(1))
 
 
 def _any_rank(flag: bool) -> bool:
