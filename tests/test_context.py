@@ -9,7 +9,7 @@ import autopar
 @pytest.fixture(autouse=True)
 def fresh_context():
     autopar.reset_auto_parallel_context()
-    autopar.context._warned.clear()
+    autopar.context_values.warned.clear()
     yield
     autopar.reset_auto_parallel_context()
 

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 import autopar
-from autopar import context
+from autopar import context, context_values
 from autopar.errors import ConfigError, UnsupportedError
 
 
 @pytest.fixture(autouse=True)
 def fresh_context():
     autopar.reset_auto_parallel_context()
-    context._warned.clear()
+    context_values.warned.clear()
     yield
     autopar.reset_auto_parallel_context()
 

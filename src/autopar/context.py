@@ -10,11 +10,11 @@ import contextlib
 import copy
 import os
 import threading
-import warnings
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
 
+from autopar.context_values import check_comm_fusion, memory_bytes, warn_not_applied, warned  # noqa: F401
 from autopar.errors import ConfigError
 
 GRAPH_MODE = 0
@@ -107,26 +107,6 @@ _IGNORED_AUTO_KEYS = {"strategy_ckpt_config", "enable_alltoall", "auto_pipeline"
 _KNOWN_PS_KEYS = {"enable_ssl", "client_password", "server_password", "config_file_path"}
 
 
-def _memory_bytes(value: Any, key: str) -> float | None:
-    """Accept 8e9, "8GB", "512MB", "1.5GiB" (MindSpore writes "1024GB")."""
-    if value is None:
-        return None
-    if isinstance(value, (int, float)):
-        if value <= 0:
-            raise ConfigError(f"{key} must be positive, got {value}")
-        return float(value)
-    text = str(value).strip().upper().replace(" ", "")
-    units = {"TIB": 2**40, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "TB": 2**40, "GB": 2**30, "MB": 2**20,
-             "KB": 2**10, "B": 1}
-    for unit, scale in units.items():
-        if text.endswith(unit):
-            try:
-                return _memory_bytes(float(text[: -len(unit)]) * scale, key)
-            except ValueError:
-                break
-    raise ConfigError(f"{key}={value!r} is not a memory size (e.g. 8e9, '8GB', '512MB')")
-
-
 def set_context(**kwargs: Any) -> None:
     """``mode`` (GRAPH_MODE compiles the network with torch.compile; PYNATIVE_MODE runs eagerly),
     ``device_target`` ("CPU" or "GPU"), ``device_id``, ``max_device_memory``."""
@@ -147,7 +127,7 @@ def set_context(**kwargs: Any) -> None:
                 raise ConfigError(f"device_id must be a non-negative integer, got {value!r}")
             _run.device_id = value
         elif key == "max_device_memory":
-            _run.max_device_memory = _memory_bytes(value, key)
+            _run.max_device_memory = memory_bytes(value, key)
         elif key in _IGNORED_RUN_KEYS:
             continue
         else:
@@ -187,21 +167,21 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"grad_accumulation_step must be a positive integer, got {value!r}")
         elif key == "max_device_memory":
-            value = _memory_bytes(value, key)
+            value = memory_bytes(value, key)
         elif key == "dataset_strategy":
             if not (value in ("data_parallel", "full_batch") or isinstance(value, (tuple, list))):
                 raise ConfigError(f"dataset_strategy must be 'data_parallel', 'full_batch' or a tuple of splits, got {value!r}")
             if value == "full_batch":
                 _auto.full_batch = True
         elif key in _IGNORED_AUTO_KEYS:
-            _warn_not_applied(key, value)
+            warn_not_applied(key, value)
             continue
         elif key == "pipeline_stages" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"pipeline_stages must be a positive integer, got {value!r}")
         elif key in ("parallel_optimizer_config", "pipeline_config") and not isinstance(value, dict):
             raise ConfigError(f"{key} must be a dict, got {value!r}")
         elif key == "comm_fusion":
-            value = _check_comm_fusion(value)
+            value = check_comm_fusion(value)
         elif key not in valid:
             raise ConfigError(
                 f"set_auto_parallel_context got an unknown key {key!r}; valid keys: {', '.join(sorted(valid))}"
@@ -247,67 +227,6 @@ def check_world(world_size: int, rank: int, device_num: int | None = None, globa
     if global_rank is not None and global_rank != rank:
         raise ConfigError(f"global_rank={global_rank} but this process is rank {rank} of {world_size}: leave "
                           f"global_rank out (init() assigns it)")
-
-
-# Keys autopar accepts (tutorial scripts pass them) but does not act on yet. A value that asks for something --
-# not the default -- is warned about once: no option is silently ignored.
-_NEUTRAL = {"strategy_ckpt_config": (None, {}),
-            "enable_alltoall": (None, False), "auto_pipeline": (None, False), "pipeline_result_broadcast": (None, False)}
-_warned: set[str] = set()
-
-
-def _warn_not_applied(key: str, value: Any, why: str = "training runs as if it were not given") -> None:
-    if key in _warned or value in _NEUTRAL.get(key, (None,)):
-        return
-    _warned.add(key)
-    name = key.split(".")[0]
-    warnings.warn(f"autopar: set_auto_parallel_context({name}={value if isinstance(value, str) else repr(value)}) "
-                  f"is accepted but not applied yet: {why}", stacklevel=3)
-
-
-_FUSION_OPS = ("allreduce", "allgather", "reducescatter")
-_FUSION_MODES = ("auto", "size", "index")
-
-
-def _check_comm_fusion(value: Any) -> dict:
-    """MindSpore's ``comm_fusion``: ``{"openstate": bool, "allreduce" | "allgather" | "reducescatter": {"mode":
-    "auto" | "size" | "index", "config": None | MB | [indices]}}``. What acts: see :func:`allreduce_bucket_mb`;
-    everything else is warned about once."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ConfigError(f"comm_fusion must be a dict such as {{'allreduce': {{'mode': 'size', 'config': 32}}}}, "
-                          f"got {value!r}")
-    unknown = [k for k in value if k not in _FUSION_OPS + ("openstate",)]
-    if unknown:
-        raise ConfigError(f"comm_fusion: unknown key(s) {unknown}; expected 'openstate', {', '.join(_FUSION_OPS)}")
-    if not isinstance(value.get("openstate", True), bool):
-        raise ConfigError(f"comm_fusion: openstate must be True or False, got {value['openstate']!r}")
-    for op in _FUSION_OPS:
-        if op not in value:
-            continue
-        entry = value[op]
-        if not isinstance(entry, dict) or entry.get("mode", "auto") not in _FUSION_MODES:
-            raise ConfigError(f"comm_fusion[{op!r}] must be {{'mode': 'auto' | 'size' | 'index', 'config': ...}}, "
-                              f"got {entry!r}")
-        mode, config = entry.get("mode", "auto"), entry.get("config")
-        if mode == "auto" and config is not None:
-            raise ConfigError(f"comm_fusion[{op!r}]: mode 'auto' takes config None, got {config!r}")
-        if mode == "size" and (isinstance(config, bool) or not isinstance(config, (int, float)) or config <= 0):
-            raise ConfigError(f"comm_fusion[{op!r}]: mode 'size' takes config = the fusion size in MB (a positive "
-                              f"number), got {config!r}")
-        if mode == "index":
-            if op != "allreduce":
-                raise ConfigError(f"comm_fusion[{op!r}]: mode 'index' exists for 'allreduce' only (MindSpore)")
-            if not isinstance(config, (list, tuple)) or not all(isinstance(i, int) for i in config):
-                raise ConfigError(f"comm_fusion['allreduce']: mode 'index' takes config = a list of parameter "
-                                  f"indices, got {config!r}")
-            _warn_not_applied("comm_fusion.index", "{'allreduce': {'mode': 'index', ...}}",
-                              "gradients are fused by size; use {'allreduce': {'mode': 'size', 'config': MB}}")
-        if op != "allreduce" and mode != "auto":
-            _warn_not_applied(f"comm_fusion.{op}", f"{{{op!r}: ...}}",
-                              "optimizer sharding's all-gathers and reduce-scatters are bucketed by FSDP2, per module")
-    return dict(value)
 
 
 def allreduce_bucket_mb() -> float | None:

@@ -8,6 +8,7 @@ The hook is installed by the first autopar call that can raise a user error -- `
 ``set_auto_parallel_context``, ``set_ps_context``, ``init``, the checkpoint callbacks and functions -- never by
 ``import autopar`` (no import side effects), so that an error raised before ``init()`` is one line too.
 """
+import contextlib
 import os
 import sys
 
@@ -109,14 +110,18 @@ def install_excepthook() -> None:
     """Print an uncaught :class:`AutoparError` as one line (``AUTOPAR_TRACEBACK=1`` keeps the traceback)."""
     previous = sys.excepthook
     if getattr(previous, "_autopar", False):
-        return
+        return  # ours is the outermost hook already (torch's init_process_group wraps the hook it finds: call again
+        # after it, so that an autopar error is not printed as "[rank0]: autopar: error: ...")
 
     def hook(exc_type, exc, tb):
-        for observer in list(_observers):
-            try:
-                observer(exc_type, exc)
-            except Exception:  # noqa: BLE001 - reporting must never hide the error itself
-                pass
+        if not getattr(exc, "_autopar_observed", False):  # an inner hook of ours (under torch's) does not observe again
+            for observer in list(_observers):
+                try:
+                    observer(exc_type, exc)
+                except Exception:  # noqa: BLE001 - reporting must never hide the error itself
+                    pass
+            with contextlib.suppress(Exception):
+                exc._autopar_observed = True
         if issubclass(exc_type, AutoparError) and not os.environ.get("AUTOPAR_TRACEBACK"):
             print(f"autopar: error: {_prefix[0]()}{exc}", file=sys.stderr, flush=True)
             return

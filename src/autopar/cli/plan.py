@@ -113,7 +113,7 @@ def machine_for(n: int, recalibrate: bool):
 
 
 def run(args: argparse.Namespace) -> int:
-    from autopar.context import _memory_bytes
+    from autopar.context_values import memory_bytes
     from autopar.planner.machine import MachineModel
     from autopar.planner.plan import plan_network
 
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         return run_gpt(args)
     network, loss_fn, sample = build(args)
     machine = MachineModel(device_num=args.nproc) if args.no_calibrate else machine_for(args.nproc, args.recalibrate)
-    limit = _memory_bytes(args.memory_limit, "--memory-limit") if args.memory_limit else None
+    limit = memory_bytes(args.memory_limit, "--memory-limit") if args.memory_limit else None
     plan = plan_network(network, loss_fn, tuple(sample), args.nproc, machine, args.search_mode, limit)
     print(plan.explain())
     if args.out:
@@ -157,7 +157,7 @@ def gpt_config(args: argparse.Namespace):
 def run_gpt(args: argparse.Namespace) -> int:
     import sys
 
-    from autopar.context import _memory_bytes
+    from autopar.context_values import memory_bytes
     from autopar.planner.hardware import ClusterSpec, load_cluster
     from autopar.planner.mesh_search import plan_gpt
 
@@ -172,7 +172,7 @@ def run_gpt(args: argparse.Namespace) -> int:
         model.memory_per_device = available_memory() / args.nproc
         spec = ClusterSpec.from_machine_model(model, args.nproc)
         dtype = args.dtype or "fp32"
-    limit = _memory_bytes(args.memory_limit, "--memory-limit") if args.memory_limit else None
+    limit = memory_bytes(args.memory_limit, "--memory-limit") if args.memory_limit else None
     fixed = {"tp": args.tp, "pp": args.pp, "micro_batch": args.micro_batch, "zero": args.zero,
              "recompute": None if args.recompute is None else args.recompute == "on"}
     print(f"[autopar] planning {config.describe()} on {args.nproc} x {spec.device_name} ({spec.name})...",

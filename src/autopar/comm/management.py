@@ -148,6 +148,7 @@ def init(backend_name: str | None = None) -> None:
         from autopar.cluster.protocol import first_line
 
         raise ClusterError(f"building the process group failed ({backend}): {first_line(exc)}") from None
+    _install_excepthook()  # outside torch's "[rankN]: " wrapper, which init_process_group just put around it
     atexit.register(_destroy_at_exit)
     _state.initialized = True
     _state.contract = member.contract
