@@ -3,13 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from autopar.checkpoint.mindspore_ckpt import (
-    _checkpoint_class,
-    mindspore_to_torch_state,
-    read_mindspore_checkpoint,
-    torch_to_mindspore_names,
-    write_mindspore_checkpoint,
-)
+from autopar.checkpoint.mindspore_ckpt import _checkpoint_class, read_mindspore_checkpoint, write_mindspore_checkpoint
+from autopar.checkpoint.mindspore_names import mindspore_to_torch_state, torch_to_mindspore_names
 from autopar.errors import CheckpointError
 from autopar.models import resnet50
 

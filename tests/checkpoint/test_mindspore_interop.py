@@ -4,7 +4,8 @@ the Momentum state carried over; any other network's .ckpt converts generically,
 import torch
 
 from autopar import load_checkpoint, load_param_into_net
-from autopar.checkpoint.mindspore_ckpt import torch_to_mindspore_names, write_mindspore_checkpoint
+from autopar.checkpoint.mindspore_ckpt import write_mindspore_checkpoint
+from autopar.checkpoint.mindspore_names import torch_to_mindspore_names
 from autopar.checkpoint.store import read_integrated
 from autopar.cli.main import main as cli
 from autopar.models import resnet50

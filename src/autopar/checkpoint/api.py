@@ -132,7 +132,7 @@ def _ms_names_mapped(net: torch.nn.Module, parameter_dict: dict) -> dict:
     """MindSpore-named entries (gamma, moving_mean ...) under the module's own names."""
     if not any(k.endswith((".gamma", ".beta", ".moving_mean", ".moving_variance")) for k in parameter_dict):
         return parameter_dict
-    from autopar.checkpoint.mindspore_ckpt import mindspore_to_torch_state
+    from autopar.checkpoint.mindspore_names import mindspore_to_torch_state
 
     arrays = {k: v.detach().cpu().numpy() for k, v in parameter_dict.items()}
     model_state, _, _ = mindspore_to_torch_state(arrays, net, strict=False)

@@ -116,7 +116,8 @@ def info(args: argparse.Namespace) -> int:
 
 
 def convert_mindspore(args: argparse.Namespace) -> int:
-    from autopar.checkpoint.mindspore_ckpt import mindspore_named_tensors, read_mindspore_checkpoint
+    from autopar.checkpoint.mindspore_ckpt import read_mindspore_checkpoint
+    from autopar.checkpoint.mindspore_names import mindspore_named_tensors
     from autopar.cli.paths import writable_parent
 
     writable_parent(args.out, "--out")
@@ -136,7 +137,7 @@ def convert_mindspore(args: argparse.Namespace) -> int:
 def _convert_resnet50(args: argparse.Namespace, ms: dict) -> int:
     import torch
 
-    from autopar.checkpoint.mindspore_ckpt import mindspore_to_torch_state
+    from autopar.checkpoint.mindspore_names import mindspore_to_torch_state
     from autopar.checkpoint.store import CheckpointMeta, save_integrated
     from autopar.models import resnet50
 

@@ -7,7 +7,7 @@ they are what makes a MindSpore checkpoint load here and give the same outputs:
 
 * **Names.** Modules carry MindSpore's attribute names (``conv1``, ``bn1``, ``layer1.a.conv_down_sample``,
   ``layer3.f.bn3``, ``fc`` ...), so a checkpoint maps by simple renames (BN ``gamma/beta/moving_mean/
-  moving_variance`` -> ``weight/bias/running_mean/running_var``; see :mod:`autopar.checkpoint.mindspore_ckpt`).
+  moving_variance`` -> ``weight/bias/running_mean/running_var``; see :mod:`autopar.checkpoint.mindspore_names`).
 * **Geometry.** The stride of a stage sits on the first 1x1 conv of its first block (and on its down-sample
   1x1 conv), not on the 3x3 conv as in torchvision; every conv and the max-pool use MindSpore's
   ``pad_mode="same"`` (TensorFlow SAME padding, extra row/column at the bottom/right when the total is odd).
