@@ -32,15 +32,21 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    return guarded("autopar", lambda: args.func(args))
+
+
+def guarded(prog: str, run) -> int:
+    """``run()``'s exit code; an autopar error is one line and exit 2 (``AUTOPAR_TRACEBACK=1`` re-raises it),
+    Ctrl-C exit 130 -- the same for ``autopar`` and ``msrun``."""
     try:
-        return int(args.func(args) or 0)
+        return int(run() or 0)
     except AutoparError as exc:
         if os.environ.get("AUTOPAR_TRACEBACK"):
             raise
-        print(f"autopar: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("autopar: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
 
 

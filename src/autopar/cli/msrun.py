@@ -21,6 +21,7 @@ import os
 import secrets
 import sys
 
+from autopar.cli.main import guarded
 from autopar.errors import AutoparError, ConfigError
 
 FOREVER = 10**8  # seconds: "wait infinitely" (a negative --cluster_time_out) in a form every timeout accepts
@@ -140,19 +141,14 @@ def _in_background(launcher) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
+
+    def run() -> int:
         from autopar.cluster.launcher import Launcher
 
         launcher = Launcher(to_config(args))
         return launcher.run() if args.join else _in_background(launcher)
-    except AutoparError as exc:
-        if os.environ.get("AUTOPAR_TRACEBACK"):
-            raise
-        print(f"msrun: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("msrun: interrupted", file=sys.stderr)
-        return 130
+
+    return guarded("msrun", run)
 
 
 if __name__ == "__main__":  # pragma: no cover
