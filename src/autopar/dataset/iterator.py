@@ -1,21 +1,16 @@
 """``create_tuple_iterator`` / ``create_dict_iterator``: MindSpore's multi-epoch iterator over a dataset."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from autopar.errors import DatasetError
-
-if TYPE_CHECKING:
-    from autopar.dataset.pipeline import Dataset
 
 
 class DatasetIterator:
     """Multi-epoch iterator: raises StopIteration at the end of each epoch; iterating it again starts the
     next epoch (a new epoch number of the dataset), up to ``num_epochs`` (-1: unlimited)."""
 
-    def __init__(self, dataset: Dataset, columns, num_epochs, output_numpy, do_copy, as_dict):
+    def __init__(self, dataset, columns, num_epochs, output_numpy, do_copy, as_dict):
         if isinstance(num_epochs, bool) or not isinstance(num_epochs, (int, np.integer)) or \
                 (num_epochs < 1 and num_epochs != -1):
             raise DatasetError(f"create_iterator: num_epochs must be -1 or a positive integer, got {num_epochs!r}")

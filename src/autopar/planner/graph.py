@@ -240,6 +240,8 @@ class Tracer:
 
     def primitive(self, op, args, kwargs):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if any(getattr(node.target, "_autopar_op", None) is op for node in self._open.values()):
+            return op.compute(*args, **kwargs)  # a sharded Linear/Conv2d's own operator: the module is the node
         heavy = isinstance(op, (MatMul, BatchMatMul, Softmax))
         if heavy or (self.every_operator and isinstance(op, ShardablePrimitive) and not getattr(op, "local", False)
                      and tensors):
