@@ -39,6 +39,10 @@ NPROC = {"operator parallel": 8, "sharding propagation": 8, "parallel quick star
          "r1.x operator parallel (rank table)": 8, "2.6 operator parallel (AutoParallel)": 8,
          "distributed inference": 8}
 RANK_TABLE = {"r1.x operator parallel (rank table)", "distributed inference"}
+# Samples whose run script starts rank i in its own folder device{i} (MindSpore's run.sh: ``mkdir device$i; cd
+# device$i``) and whose later step reads ``../device{i}/...``: all ranks here share one folder, device0, and
+# device1..N-1 are links to it.
+DEVICE_FOLDERS = {"distributed inference"}
 # the file to run (its neighbours are copied beside it); inference first trains, then predicts
 ENTRY = {"CPU ResNet-50 tutorial (with its resnet.py)": ["resnet50_distributed_training.py"],
          "distributed inference": ["distributed_training.py", "distributed_inference.py"]}
@@ -119,8 +123,15 @@ def run_sample(root: Path, label: str, files: list[str], timeout: float) -> dict
                 cmd = [sys.executable, "-m", "autopar.cli.main", "launch", "--rank-table",
                        str(rank_table(work / "rank_table_8pcs.json", n)), "--server-id", "127.0.0.1",
                        "--log-dir", str(logs)]
+            cwd = work
+            if label in DEVICE_FOLDERS:
+                cwd = work / "device0"
+                cwd.mkdir(exist_ok=True)
+                for i in range(1, n):
+                    if not (work / f"device{i}").exists():
+                        (work / f"device{i}").symlink_to(cwd, target_is_directory=True)
             try:
-                proc = subprocess.run(cmd + [str(script)], cwd=work, env=env, capture_output=True, text=True,
+                proc = subprocess.run(cmd + [str(script)], cwd=cwd, env=env, capture_output=True, text=True,
                                       timeout=timeout, start_new_session=True)
                 rc, out = proc.returncode, proc.stdout + proc.stderr
             except subprocess.TimeoutExpired as exc:

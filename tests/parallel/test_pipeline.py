@@ -37,6 +37,7 @@ def _check(results, n):
             assert case["loss_diff"] <= 1e-5 and case["param_diff"] <= 1e-5, (rank, key, case)
             assert case["stage"] == rank // (n // 2), (rank, key, case)
             assert case.get("pieces", 1) == (2 if key.startswith("interleaved") else 1), (rank, key, case)
+            assert case.get("print_warned", True), (rank, key, "ops.Print in the pipelined network was not warned about")
         if reload is not None:
             assert reload["files"] == 2 and reload["diff"] == 0.0, reload
 

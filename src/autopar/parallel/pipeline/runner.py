@@ -134,6 +134,7 @@ class PipelineParallel:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ConfigError(f"pipeline: the network could not be split at {self.split_points} ({first}); what "
                               "crosses a stage boundary must be tensors") from None
+        _warn_prints(self.network)
         pieces = self.num_stages * self.virtual_stages
         if pipe.num_stages != pieces:
             raise ConfigError(f"pipeline: splitting at {self.split_points} gave {pipe.num_stages} stages, not "
@@ -310,3 +311,16 @@ def pipeline_of(network: torch.nn.Module) -> PipelineParallel | None:
 
     state = state_within(network)
     return state.pipeline if state is not None else None
+
+
+def _warn_prints(network: torch.nn.Module) -> None:
+    """``ops.Print`` inside a network split into stages: the traced stages hold tensor operations only, so it prints
+    nothing there -- said once instead of silently."""
+    from autopar.errors import warn_once
+    from autopar.ops.array import Print
+
+    names = [name for name, m in network.named_modules() if isinstance(m, Print)]
+    if names:
+        warn_once("pipeline-print", f"ops.Print in a pipelined network prints nothing ({', '.join(names[:3])}): "
+                                    "the stages are traced and keep tensor operations only; print outside the network")
+
