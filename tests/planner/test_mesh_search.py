@@ -75,6 +75,7 @@ def test_machine_file_errors_are_one_line_on_the_command_line(tmp_path, capsys):
     assert "unknown machine 'a100-nvl'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_user_machine_file_is_used(tmp_path, capsys):
     data = machine_dict()
     data["name"], data["nodes"] = "my-cluster", 2
@@ -151,6 +152,7 @@ def plan_175b():
     return plan, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
 
 
+@pytest.mark.slow
 def test_planning_175b_allocates_nothing_of_its_size(plan_175b):
     plan, grown_mib = plan_175b
     assert grown_mib < 500, f"planning grew the process by {grown_mib:.0f} MiB"
@@ -159,6 +161,7 @@ def test_planning_175b_allocates_nothing_of_its_size(plan_175b):
 
 
 # ------------------------------------------------------------------------------------------------ the search
+@pytest.mark.slow
 def test_175b_on_1024_gpus_keeps_tensor_parallel_in_a_node_and_explains_itself(plan_175b):
     start = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "autopar.cli.main", "plan", "gpt", "--layers", "96", "--hidden",
