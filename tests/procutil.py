@@ -112,3 +112,29 @@ class Procs:
 
 def autopar_cmd(*args: str) -> list[str]:
     return [PYTHON, "-m", "autopar.cli.main", *args]
+
+
+def wait_for(path: Path, text: str, timeout: float = 90) -> None:
+    """Until ``text`` appears in the file at ``path`` (a worker's log saying it got somewhere)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} never appeared in {path}")
+
+
+def find_worker(procs: "Procs", rank: int, role: str = "MS_WORKER", timeout: float = 90) -> psutil.Process:
+    """The live process of ``rank`` in a job ``procs`` started (found by its MindSpore role and autopar rank)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for proc in procs.leftovers():
+            try:
+                env = proc.environ()
+            except psutil.Error:
+                continue
+            if env.get("MS_ROLE") == role and env.get("AUTOPAR_RANK") == str(rank):
+                return proc
+        time.sleep(0.2)
+    raise AssertionError(f"rank {rank} not found")
+

@@ -7,33 +7,14 @@ import time
 import psutil
 
 from autopar.cluster.netutil import free_port
-from procutil import PYTHON, SCRIPTS, autopar_cmd
+from procutil import PYTHON, SCRIPTS, autopar_cmd, find_worker, wait_for
 
 JOB = str(SCRIPTS / "job.py")
 DUMPS = ("frame #", "Exception raised from", "Traceback (most recent call last)", "terminate called")
 
 
-def wait_for(path, text, timeout=90):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and text in path.read_text(errors="replace"):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{text!r} never appeared in {path}")
 
 
-def worker(procs, rank, role="MS_WORKER"):
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        for proc in procs.leftovers():
-            try:
-                env = proc.environ()
-            except psutil.Error:
-                continue
-            if env.get("MS_ROLE") == role and env.get("AUTOPAR_RANK") == str(rank):
-                return proc
-        time.sleep(0.2)
-    raise AssertionError(f"rank {rank} not found")
 
 
 def no_dumps(*texts):
@@ -100,7 +81,7 @@ def test_stopped_worker_and_killed_scheduler(procs, tmp_path):
     launcher = procs.start(autopar_cmd("launch", "-n", "2", "--log-dir", str(tmp_path / "a"), JOB),
                            procs.env(JOB_STEPS="100000", AUTOPAR_HEARTBEAT_TIMEOUT="3"))
     wait_for(tmp_path / "a" / "worker_1.log", "RANK 1 OF 2")
-    worker(procs, 1).suspend()
+    find_worker(procs, 1).suspend()
     t0 = time.monotonic()
     out, err = (x.decode() for x in launcher.communicate(timeout=120))
     assert time.monotonic() - t0 < 3 + 8, time.monotonic() - t0

@@ -11,18 +11,11 @@ import pytest
 import torch
 
 from autopar.cluster.netutil import free_port
-from procutil import PYTHON, ROOT, SCRIPTS, autopar_cmd
+from procutil import PYTHON, ROOT, SCRIPTS, autopar_cmd, wait_for
 
 JOB = str(SCRIPTS / "job.py")
 
 
-def wait_for(path, text, timeout=60):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and text in path.read_text():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"{text!r} never appeared in {path}")
 
 
 def test_two_hosts_on_loopback_share_one_scheduler(procs, tmp_path):

@@ -4,10 +4,8 @@ import re
 import signal
 import time
 
-import psutil
-
 from autopar.cluster.netutil import bind_listener, free_port
-from procutil import PYTHON, SCRIPTS, autopar_cmd
+from procutil import PYTHON, SCRIPTS, autopar_cmd, find_worker, wait_for
 
 JOB = str(SCRIPTS / "job.py")
 
@@ -16,27 +14,8 @@ def launch(procs, tmp_path, n, env=None, timeout=120, extra=()):
     return procs.run(autopar_cmd("launch", "-n", str(n), "--log-dir", str(tmp_path), *extra, JOB), env, timeout=timeout)
 
 
-def find_worker(procs, rank, timeout=60):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for proc in procs.leftovers():
-            try:
-                env = proc.environ()
-            except psutil.Error:
-                continue
-            if env.get("MS_ROLE") == "MS_WORKER" and env.get("AUTOPAR_RANK") == str(rank):
-                return proc
-        time.sleep(0.2)
-    raise AssertionError(f"worker {rank} not found")
 
 
-def wait_for(path, text, timeout=60):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and text in path.read_text():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{text!r} never appeared in {path}")
 
 
 def test_success_logs_and_streaming(procs, tmp_path):
