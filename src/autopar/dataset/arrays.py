@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from autopar.dataset.pipeline import Dataset
-from autopar.dataset.sampler import ShardSampler
+from autopar.dataset.sampler import ShardSampler, no_custom_sampler
 from autopar.dataset.sources import Cifar10Source, NumpySlicesSource
-from autopar.errors import DatasetError
 
 
 class Cifar10Dataset(Dataset):
@@ -22,9 +21,7 @@ class Cifar10Dataset(Dataset):
 
     def __init__(self, dataset_dir, usage=None, num_samples=None, num_parallel_workers=None, shuffle=None,
                  sampler=None, num_shards=None, shard_id=None, cache=None):
-        if sampler is not None:
-            raise DatasetError("Cifar10Dataset: custom samplers are not supported; use shuffle, num_shards, "
-                               "shard_id and num_samples")
+        no_custom_sampler(sampler, "Cifar10Dataset")
         shard_sampler = ShardSampler(shuffle, num_shards, shard_id, num_samples, where="Cifar10Dataset")
         source = Cifar10Source(dataset_dir, "all" if usage is None else usage)
         self._init_pipeline(source, shard_sampler.bind(source.num_rows))
@@ -37,9 +34,7 @@ class NumpySlicesDataset(Dataset):
 
     def __init__(self, data: Any, column_names=None, num_samples=None, num_parallel_workers=None, shuffle=None,
                  sampler=None, num_shards=None, shard_id=None):
-        if sampler is not None:
-            raise DatasetError("NumpySlicesDataset: custom samplers are not supported; use shuffle, num_shards, "
-                               "shard_id and num_samples")
+        no_custom_sampler(sampler, "NumpySlicesDataset")
         shard_sampler = ShardSampler(shuffle, num_shards, shard_id, num_samples, where="NumpySlicesDataset")
         source = NumpySlicesSource(data, column_names)
         self._init_pipeline(source, shard_sampler.bind(source.num_rows))

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from autopar.dataset.pipeline import Dataset
-from autopar.dataset.sampler import ShardSampler
+from autopar.dataset.sampler import ShardSampler, no_custom_sampler
 from autopar.dataset.sources import Source
 from autopar.errors import DatasetError
 
@@ -93,9 +93,7 @@ class GeneratorDataset(Dataset):
     def __init__(self, source, column_names=None, column_types=None, schema=None, num_samples=None,
                  num_parallel_workers=1, shuffle=None, sampler=None, num_shards=None, shard_id=None,
                  python_multiprocessing=True, max_rowsize=None, **kwargs):
-        if sampler is not None:
-            raise DatasetError(f"{WHERE}: custom samplers are not supported; use shuffle, num_shards, shard_id and "
-                               f"num_samples")
+        no_custom_sampler(sampler, WHERE)
         if schema is not None:
             raise DatasetError(f"{WHERE}: schema is not supported; give column_names (and column_types)")
         if shuffle and not random_access(source):

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from autopar.dataset.pipeline import Dataset
-from autopar.dataset.sampler import ShardSampler
+from autopar.dataset.sampler import ShardSampler, no_custom_sampler
 from autopar.dataset.sources import Source
 from autopar.errors import DatasetError
 
@@ -98,9 +98,7 @@ class MnistDataset(Dataset):
 
     def __init__(self, dataset_dir, usage=None, num_samples=None, num_parallel_workers=None, shuffle=None,
                  sampler=None, num_shards=None, shard_id=None, cache=None):
-        if sampler is not None:
-            raise DatasetError("MnistDataset: custom samplers are not supported; use shuffle, num_shards, shard_id "
-                               "and num_samples")
+        no_custom_sampler(sampler, "MnistDataset")
         shard_sampler = ShardSampler(shuffle, num_shards, shard_id, num_samples, where="MnistDataset")
         source = MnistSource(dataset_dir, usage)
         self._init_pipeline(source, shard_sampler.bind(source.num_rows))

@@ -22,6 +22,13 @@ def _opt_int(value, name: str, where: str):
     return int(value)
 
 
+def no_custom_sampler(sampler, where: str) -> None:
+    """MindSpore's ``sampler=`` objects are not supported: every dataset shards by the arguments below instead."""
+    if sampler is not None:
+        raise DatasetError(f"{where}: custom samplers are not supported; use shuffle, num_shards, shard_id and "
+                           f"num_samples")
+
+
 class ShardSampler:
     """Row order of one shard of a source of ``num_rows`` rows; see the module docstring."""
 
