@@ -1,5 +1,5 @@
-"""Benchmark workload: one model under one strategy (auto | dp | megatron | sharded | mixed), timed; rank 0 prints the
-measured steady step time and the cost model's prediction for the same assignment (one JSON line)."""
+"""Benchmark workload: one model under one strategy (auto | dp | zero1 | zero3 | megatron | sharded | mixed), timed;
+rank 0 prints the measured steady step time and the cost model's prediction for the same assignment (one JSON line)."""
 import argparse
 import os
 import sys
@@ -9,7 +9,7 @@ import torch  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar.communication import get_group_size, get_rank, init  # noqa: E402
-from autopar.models import TransformerBlock, mlp, resnet50  # noqa: E402
+from autopar.models import LlamaBlock, TransformerBlock, mlp, resnet50  # noqa: E402
 from autopar.nn import Momentum, SoftmaxCrossEntropyExpand  # noqa: E402
 from autopar.train import Callback, Model  # noqa: E402
 
@@ -21,7 +21,13 @@ MODELS = {
     "mlp": lambda: (mlp(4096, 4), torch.nn.MSELoss(), 8, lambda b: (torch.randn(b, 4096), torch.randn(b, 4096))),
     "transformer": lambda: (TransformerBlock(512, 8, 2048), torch.nn.MSELoss(), 4,
                             lambda b: (torch.randn(b, 128, 512), torch.randn(b, 128, 512))),
+    "llama": lambda: (LlamaBlock(512, 8, 2, 1408, 128), torch.nn.MSELoss(), 4,
+                      lambda b: (torch.randn(b, 128, 512), torch.randn(b, 128, 512))),
 }
+# Megatron's pairs: column-split modules feed row-split ones
+COLUMNS = {"transformer": ("q", "k", "v", "ff1"), "llama": ("q", "k", "v", "gate", "up")}
+ROWS = {"transformer": ("proj", "ff2"), "llama": ("o", "down")}
+ZERO = {"zero1": "level1", "zero3": "level3"}
 
 
 HAND = ("megatron", "sharded", "mixed")
@@ -38,23 +44,23 @@ def _mixed(name: str, net: torch.nn.Module, n: int) -> None:
                 if isinstance(layer, torch.nn.Linear):
                     autopar.shard(layer, col if i % 4 == 0 else row)
         else:
-            for mod in (net.q, net.k, net.v, net.ff1):
-                autopar.shard(mod, c3)
-            for mod in (net.proj, net.ff2):
-                autopar.shard(mod, r3)
+            for mod in COLUMNS[name]:
+                autopar.shard(getattr(net, mod), c3)
+            for mod in ROWS[name]:
+                autopar.shard(getattr(net, mod), r3)
         return
     col, row, dp = ((1, 1), (n, 1)), ((1, n), (1, n)), ((n, 1), (1, 1))
     if name == "mlp":
         linears = [m for m in net if isinstance(m, torch.nn.Linear)]
         for i, layer in enumerate(linears):
             autopar.shard(layer, (col if i == 0 else row) if i < 2 else dp)
-    else:
+    else:  # attention tensor parallel, the MLP data parallel
         c3, r3, dp3 = ((1, 1, 1), (n, 1)), ((1, 1, n), (1, n)), ((n, 1, 1), (1, 1))
-        for mod in (net.q, net.k, net.v):
-            autopar.shard(mod, c3)
-        autopar.shard(net.proj, r3)
-        for mod in (net.ff1, net.ff2):
-            autopar.shard(mod, dp3)
+        for mod in ("q", "k", "v"):
+            autopar.shard(getattr(net, mod), c3)
+        autopar.shard(getattr(net, ROWS[name][0]), r3)
+        for mod in COLUMNS[name][3:] + ROWS[name][1:]:
+            autopar.shard(getattr(net, mod), dp3)
 
 
 def hand_annotate(name: str, net: torch.nn.Module, strategy: str, n: int) -> None:
@@ -65,12 +71,12 @@ def hand_annotate(name: str, net: torch.nn.Module, strategy: str, n: int) -> Non
         for i, layer in enumerate(net):
             if isinstance(layer, torch.nn.Linear):
                 autopar.shard(layer, col if strategy == "sharded" or i % 4 == 0 else row)
-    elif name == "transformer":
+    elif name in COLUMNS:
         c3, r3 = ((1, 1, 1), (n, 1)), ((1, 1, n), (1, n))
-        for mod in (net.q, net.k, net.v, net.ff1):
-            autopar.shard(mod, c3)
-        for mod in (net.proj, net.ff2):
-            autopar.shard(mod, c3 if strategy == "sharded" else r3)
+        for mod in COLUMNS[name]:
+            autopar.shard(getattr(net, mod), c3)
+        for mod in ROWS[name]:
+            autopar.shard(getattr(net, mod), c3 if strategy == "sharded" else r3)
     else:  # resnet50: split every convolution's output channels (model parallel)
         for mod in net.modules():
             if isinstance(mod, torch.nn.Conv2d):
@@ -87,20 +93,27 @@ def predicted(name, strategy, n):
     if strategy in HAND:
         hand_annotate(name, net, strategy, n)
     mode = "sharding_propagation" if strategy in HAND else "dynamic_programming"
-    plan = plan_network(net, loss, make(per_device * n), n, load_or_calibrate(), mode)
+    with autopar.context.managed():  # the trace calls the network: it must not parallelize itself meanwhile
+        plan = plan_network(net, loss, make(per_device * n), n, load_or_calibrate(), mode)
     if strategy == "dp":
         return plan.dp_totals.step
+    if strategy in ZERO:
+        return plan.zero[ZERO[strategy]].step
     return plan.totals.step
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", choices=sorted(MODELS), required=True)
-    p.add_argument("--strategy", choices=("auto", "dp") + HAND, required=True)
+    p.add_argument("--strategy", choices=("auto", "dp") + tuple(ZERO) + HAND, required=True)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args()
     mode = {"auto": "auto_parallel", "dp": "data_parallel"}.get(args.strategy, "semi_auto_parallel")
+    if args.strategy in ZERO:
+        mode = "data_parallel"
+        autopar.set_auto_parallel_context(enable_parallel_optimizer=True,
+                                          parallel_optimizer_config={"optimizer_level": ZERO[args.strategy]})
     autopar.set_auto_parallel_context(parallel_mode=mode, gradients_mean=True)
     init()
     n, rank = get_group_size(), get_rank()
@@ -117,7 +130,13 @@ def main():
 
     Model(net, loss, Momentum(net.parameters(), 1e-4, 0.9)).train(1, batches, callbacks=[Tick()])
     pred = predicted(args.model, args.strategy, n)
-    clock.report(f"{args.model}/{args.strategy}", rank, n, per_device, predicted_step_s=pred)
+    extra = {}
+    if args.strategy == "auto" and rank == 0:  # what the measured round found (plan, predicted s, measured s)
+        from autopar.parallel.state import state_of
+
+        plan = getattr(state_of(net), "plan", None)
+        extra = {"auto_trials": getattr(plan, "trials", []), "auto_reason": getattr(plan, "reason", "")}
+    clock.report(f"{args.model}/{args.strategy}", rank, n, per_device, predicted_step_s=pred, **extra)
 
 
 if __name__ == "__main__":

@@ -186,3 +186,24 @@ def test_auto_parallel_job_that_only_fits_as_a_pipeline_trains_like_one_process(
     for rank in range(4):
         r = json.load(open(tmp_path / f"out.{rank}"))
         assert r["diff"] <= 1e-5 and r["eval_diff"] <= 1e-5, r
+
+
+def test_measured_round_keeps_the_fastest_plan_leaves_training_exact_and_is_not_repeated(procs, tmp_path):
+    """A plain loop in AUTO_PARALLEL: the runners-up (data parallel and the next-best layouts) run a few steps each
+    on copies; the table lists each plan's predicted and measured step and the one kept; training equals one
+    process. A restart with the same cache reads the decision instead of measuring."""
+    env = procs.env(AUTOPAR_CACHE_DIR=str(tmp_path / "cache"), AUTOPAR_AUTO_TRIAL_STEPS="1")
+    for run in ("first", "again"):
+        logs = tmp_path / run
+        res = procs.run(autopar_cmd("launch", "-n", "2", "--log-dir", str(logs), str(SCRIPTS / "auto_trials.py"),
+                                    str(tmp_path / run)), env, timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr + (logs / "worker_0.log").read_text()
+        table = (logs / "auto_parallel_plan.txt").read_text()
+        assert "measured round" in table and "data parallel" in table, table
+        rows = [line for line in table.splitlines() if "predicted" in line and "measured" in line and "ms" in line]
+        assert len(rows) >= 2, table
+        for rank in range(2):
+            r = json.load(open(tmp_path / f"{run}.{rank}"))
+            assert r["diff"] <= 1e-5, r
+    assert "decision read from" in table and "measured round" not in (tmp_path / "again" / "worker_0.log").read_text()
+    assert len(list((tmp_path / "cache").glob("plan-gloo-n2-*.json"))) == 1

@@ -92,10 +92,11 @@ def runtime_of(module: torch.nn.Module):
 
 # -- the dispatch ---------------------------------------------------------------------------------------------------
 def attach(network: torch.nn.Module, loss_fn: Any = None, optimizer: torch.optim.Optimizer | None = None,
-           sample: list | None = None, ctx=None) -> ParallelState:
+           sample: list | None = None, ctx=None, plan=None) -> ParallelState:
     """Parallelize ``network`` under ``ctx`` (the current context by default), once: later calls return its state.
 
-    ``sample``: one batch of the network's inputs (and the label, with ``loss_fn``), which AUTO_PARALLEL plans on."""
+    ``sample``: one batch of the network's inputs (and the label, with ``loss_fn``), which AUTO_PARALLEL plans on.
+    ``plan``: AUTO_PARALLEL's decision, already made (the measured round applies each candidate to a copy)."""
     state = state_of(network)
     if state is not None:
         if state.runtime is not None:
@@ -121,7 +122,7 @@ def attach(network: torch.nn.Module, loss_fn: Any = None, optimizer: torch.optim
     tuning.tune_allocator(network)  # every mode: it changes no result, only how often freed memory is faulted in
     state = bind(ParallelState(mode, world), network)
     try:
-        _dispatch(state, network, loss_fn, optimizer, sample, ctx)
+        _dispatch(state, network, loss_fn, optimizer, sample, ctx, plan)
     except BaseException:
         state.close()
         raise
@@ -131,7 +132,7 @@ def attach(network: torch.nn.Module, loss_fn: Any = None, optimizer: torch.optim
     return state
 
 
-def _dispatch(state: ParallelState, network, loss_fn, optimizer, sample, ctx) -> None:
+def _dispatch(state: ParallelState, network, loss_fn, optimizer, sample, ctx, plan=None) -> None:
     mode = state.mode
     if ctx.pipeline_stages > 1:
         if mode is not ParallelMode.STAND_ALONE:
@@ -152,7 +153,7 @@ def _dispatch(state: ParallelState, network, loss_fn, optimizer, sample, ctx) ->
         if sample is None:
             raise ConfigError("AUTO_PARALLEL plans on real shapes: give Model.train a dataset, or call the network "
                               "(or parallelize(network, sample=[inputs...]))")
-        state.plan = _plan(network, loss_fn, sample)
+        state.plan = plan if plan is not None else _plan(network, loss_fn, optimizer, sample, ctx)
         if state.plan.pipeline is not None:
             from autopar.parallel.pipeline.cell import attach_planned_pipeline
 
@@ -229,20 +230,25 @@ def _attach_data_parallel(state, network, ctx, layerwise: set[str]) -> None:
         state.engines.append(LocalGrads(local, state.world, ctx.gradients_mean))
 
 
-def _plan(network, loss_fn, sample):
-    """AUTO_PARALLEL: the planner's choice for this network (rank 0 plans, every rank runs it)."""
-    from autopar.planner.api import make_plan
+def _plan(network, loss_fn, optimizer, sample, ctx):
+    """AUTO_PARALLEL: the planner's choice for this network (rank 0 plans, every rank runs it), checked by the
+    measured round (:mod:`autopar.parallel.trials`)."""
+    from autopar.parallel.trials import measured_round
+    from autopar.planner.api import finish, make_plan
 
     sample = [t.to(_device()) if isinstance(t, torch.Tensor) else t for t in sample]
     with _context.managed():  # the planner's trace calls the network: it must not parallelize itself meanwhile
-        return make_plan(network, loss_fn, sample)
+        plan = make_plan(network, loss_fn, sample)
+    plan = measured_round(network, loss_fn, optimizer, sample, plan, ctx)
+    finish(plan, network)
+    return plan
 
 
 # -- Model's view ---------------------------------------------------------------------------------------------------
 def prepare(network: torch.nn.Module, loss_fn: Any = None, optimizer: torch.optim.Optimizer | None = None,
-            sample: list | None = None) -> Prepared:
+            sample: list | None = None, plan=None) -> Prepared:
     """``attach`` plus how ``Model`` computes the loss of a batch (inputs..., label)."""
-    state = attach(network, loss_fn, optimizer, sample)
+    state = attach(network, loss_fn, optimizer, sample, plan=plan)
     device = _device()
     if state.pipeline is not None:
         runner = state.pipeline

@@ -35,11 +35,16 @@ def make_plan(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sample:
         box = [plan.choice if dist.get_rank() == 0 else None, plan.pure_data_parallel, plan.zero_level, plan.pipeline]
         dist.broadcast_object_list(box, src=0)
         plan.choice, plan.pure_data_parallel, plan.zero_level, plan.pipeline = box
+    return plan
+
+
+def finish(plan: Plan, network: torch.nn.Module) -> None:
+    """The decision made: rank 0 writes the table and says what was chosen; the strategy file is saved."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         _report(plan)
-    if ctx.strategy_ckpt_save_file:
-        _save_strategy(plan, network, ctx.strategy_ckpt_save_file)
-    return plan
+    path = _context.auto_parallel_context().strategy_ckpt_save_file
+    if path:
+        _save_strategy(plan, network, path)
 
 
 def _report(plan: Plan) -> None:
@@ -47,7 +52,47 @@ def _report(plan: Plan) -> None:
     path = Path(_context.log_dir()) / "auto_parallel_plan.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text + "\n")
-    print(f"[autopar] AUTO_PARALLEL: {plan.reason}; table in {path}", flush=True)
+    timing = f"capture {plan.graph.seconds:.2f} s, search {plan.search_seconds:.2f} s"
+    if plan.cached:
+        timing += ", the decision of an earlier run of this job re-used"
+    elif plan.trials:
+        timing += f", measured round {getattr(plan, 'trial_seconds', 0.0):.1f} s over {len(plan.trials)} plans"
+    print(f"[autopar] AUTO_PARALLEL: {plan.reason} ({timing}); table in {path}", flush=True)
+
+
+# -- a decision made once per (network, world, backend) ---------------------------------------------------------
+def decision_path(plan: Plan) -> Path:
+    """Where the measured decision for this graph on this world and backend is kept (``AUTOPAR_CACHE_DIR``)."""
+    import hashlib
+    import json
+
+    from autopar.comm import management
+    from autopar.planner.machine import cache_path
+
+    backend = management.backend() if management.is_initialized() else "gloo"
+    key = json.dumps([[node.name, node.kind, [list(s) for s in node.shapes], str(node.fixed)]
+                      for node in plan.graph.nodes] + [plan.device_num, backend, plan.search_mode, plan.graph.batch],
+                     default=str)  # not the memory limit: the free memory it defaults to moves; fits() is checked
+    digest = hashlib.sha1(key.encode()).hexdigest()[:16]
+    return cache_path(backend, plan.device_num).parent / f"plan-{backend}-n{plan.device_num}-{digest}.json"
+
+
+def load_decision(plan: Plan) -> dict | None:
+    import json
+
+    path = decision_path(plan)
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def save_decision(plan: Plan, box: tuple) -> None:
+    import json
+
+    from autopar.planner.machine import write_atomic
+
+    write_atomic(decision_path(plan), json.dumps({"choice": list(box), "trials": plan.trials}))
 
 
 def _save_strategy(plan: Plan, network: torch.nn.Module, path: str) -> None:

@@ -206,14 +206,19 @@ def load_or_calibrate(force: bool = False) -> MachineModel:
     elif dist.is_initialized():
         model = calibrate()
         if dist.get_rank() == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-            tmp.write_text(model.to_json())
-            os.replace(tmp, path)
+            write_atomic(path, model.to_json())
     else:
         model = MachineModel(device_num=1)
     model.memory_per_device = available_memory()
     return model
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file: a reader never sees half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def available_memory() -> float:

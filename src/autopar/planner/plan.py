@@ -50,6 +50,8 @@ class Plan:
     pipelines: list = field(default_factory=list)  # PipelineOption per stage count
     pipeline_note: str | None = None  # why no pipeline was weighed
     pipeline: PipelineOption | None = None  # chosen: the network cut into stages (Model.train runs it)
+    trials: list = field(default_factory=list)  # the measured round: (plan name, predicted s, measured s), chosen first
+    cached: str | None = None  # the plan file this decision was read from (a restart plans no more)
 
     def chosen(self, n: int):
         return self.costs[n].choices[self.choice[n]]
@@ -112,6 +114,16 @@ class Plan:
             lines.append(option.describe() + ("" if fits(option, self.problem.memory_limit) else " (does not fit)"))
         if self.pipeline_note:
             lines.append(f"pipeline: not weighed -- {self.pipeline_note}")
+        if self.trials:
+            lines.append("measured round (each plan a few steps on this job's devices, the slowest rank's median "
+                         "step; the fastest is kept):")
+            width = max(len(name) for name, _, _ in self.trials)
+            for name, predicted, measured in self.trials:
+                error = f"{100 * (predicted - measured) / measured:+.0f}%" if measured < float("inf") else ""
+                shown = f"{measured * 1e3:9.1f} ms" if measured < float("inf") else "   failed"
+                lines.append(f"  {name:<{width}}  predicted {predicted * 1e3:9.1f} ms  measured {shown}  {error}")
+        if self.cached:
+            lines.append(f"(decision read from {self.cached}: the same network, world and backend were planned before)")
         lines.append(f"chosen: {self.reason}")
         return "\n".join(lines)
 
@@ -121,7 +133,12 @@ def other_param_bytes(network: torch.nn.Module, graph: Graph) -> float:
     return float(sum(p.numel() * p.element_size() for n, p in network.named_parameters() if n not in covered))
 
 
-def _totals(p: Problem, choice: list[int], other_compute: float) -> Totals:
+def other_compute_of(plan: "Plan") -> float:
+    """The compute of everything outside the graph's nodes (data-parallel), per device."""
+    return plan.problem.machine.compute("other", 3.0 * plan.graph.other_flops / plan.device_num)
+
+
+def totals_of(p: Problem, choice: list[int], other_compute: float) -> Totals:
     compute = other_compute + sum(p.costs[n].choices[s].compute for n, s in enumerate(choice))
     return Totals(compute, p.total(choice) - (compute - other_compute), p.used_memory(choice))
 
@@ -233,7 +250,7 @@ def plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, samp
         return Plan(graph, costs, free, dp, device_num, search_mode, 0.0, zero[level], dp_totals, True,
                     f"data parallel + ZeRO {level} ({zero[level].step * 1e3:.1f} ms per step): no layout of the "
                     f"operators fits the memory limit ({exc})", zero, level, pipelines, pipeline_note)
-    searched = _totals(problem, choice, other_compute)
+    searched = totals_of(problem, choice, other_compute)
     dp_totals = _dp_totals(problem, dp, other_compute, other_params) if dp is not None else None
     zero = _zero_totals(problem, dp, dp_totals, other_params) if dp is not None and not user_given else {}
     totals, pure = searched, dp is not None and choice == dp

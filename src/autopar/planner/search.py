@@ -68,7 +68,10 @@ class Problem:
 
 
 # ---------------------------------------------------------------------------------------------------- exact
-def solve_ilp(p: Problem, minimize_memory: bool = False) -> list[int] | None:
+def solve_ilp(p: Problem, minimize_memory: bool = False,
+              exclude: list[dict[int, int]] = ()) -> list[int] | None:
+    """``exclude``: assignments ({node: strategy}) the answer must differ from in at least one of their nodes --
+    the next-best plans for the measured round (:mod:`autopar.planner.alternatives`)."""
     import highspy
 
     h = highspy.Highs()
@@ -90,6 +93,8 @@ def solve_ilp(p: Problem, minimize_memory: bool = False) -> list[int] | None:
         if p.memory_limit is not None:
             h.addConstr(sum(p.memory[n][s] * x[n][s] for n in range(len(x)) for s in range(len(x[n])))
                         <= p.memory_limit - p.const_memory)
+    for assignment in exclude:
+        h.addConstr(sum(x[n][s] for n, s in assignment.items()) <= len(assignment) - 1)
     h.setMinimize()
     h.run()
     if h.modelStatusToString(h.getModelStatus()) != "Optimal":

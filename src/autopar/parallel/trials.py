@@ -1,0 +1,177 @@
+"""AUTO_PARALLEL's measured round: the few best predicted plans run a few steps each, and the fastest is kept.
+
+Why: the cost model orders plans well when they are far apart, but near-ties swap when measured, and on a CPU its
+step predictions are off by 10-60 % (skinny matmuls, DTensor dispatch, allocator effects it does not see). A few
+steps of each runner-up (:func:`autopar.planner.alternatives.alternatives`) cost seconds once per job -- and the
+decision is kept per (network, world, backend) in ``AUTOPAR_CACHE_DIR``, so a restart neither searches for it nor
+measures again.
+
+How: each candidate is applied, exactly as the real run applies a plan (:func:`autopar.parallel.api.prepare`), to a
+deep copy of the network, its loss and its optimizer (one ``deepcopy`` with a shared memo, so the copied optimizer
+holds the copied parameters and the plan's operators map onto the copy's); one warm-up step and a few timed steps
+(forward, backward, optimizer step) run on this rank's first batch; every rank times its own, and the slowest rank's
+median step is the plan's time (a step ends when its last rank does). The original network, its optimizer and the
+random number generators are left exactly as they were: training afterwards is the same as without the round.
+
+``AUTOPAR_AUTO_TRIALS=0`` turns the round off (the prediction alone decides); ``AUTOPAR_AUTO_TRIAL_STEPS`` sets the
+timed steps (default 3).
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten
+
+from autopar.planner.alternatives import alternatives, as_choice, describe, from_choice
+
+
+def enabled(world: int) -> bool:
+    return world > 1 and os.environ.get("AUTOPAR_AUTO_TRIALS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _steps() -> int:
+    try:
+        return max(1, int(os.environ.get("AUTOPAR_AUTO_TRIAL_STEPS", "3")))
+    except ValueError:
+        return 3
+
+
+def measured_round(network: torch.nn.Module, loss_fn: Any, optimizer: Any, sample: list, plan, ctx):
+    """``plan`` or the runner-up that measured faster (every rank returns the same one)."""
+    from autopar.planner.api import load_decision, save_decision
+
+    world = plan.device_num
+    if not enabled(world) or plan.pipeline is not None:
+        return plan
+    cached = load_decision(plan)
+    if cached and not _still_fits(plan, cached):
+        cached = None
+    have = torch.tensor([1 if cached else 0])
+    dist.all_reduce(have, op=dist.ReduceOp.MIN)  # every rank read one (a shared cache) or none re-uses it
+    if have.item():
+        box = [cached["choice"] if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        chosen = from_choice(plan, tuple(box[0]))
+        chosen.trials = [tuple(t) for t in cached.get("trials", [])]
+        from autopar.planner.api import decision_path
+
+        chosen.cached = str(decision_path(plan))
+        return chosen
+    box = [[as_choice(c) for c in alternatives(plan)] if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    candidates = [from_choice(plan, b) for b in box[0]]
+    if len(candidates) == 1:
+        return plan
+    start = time.perf_counter()
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    measured = []
+    try:
+        for candidate in candidates:
+            measured.append(_time(network, loss_fn, optimizer, sample, candidate, ctx))
+    finally:
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+    best = min(range(len(candidates)), key=lambda i: (measured[i], i))
+    chosen = candidates[best]
+    chosen.trials = [(describe(c), c.totals.step, m) for c, m in zip(candidates, measured)]
+    chosen.trials.insert(0, chosen.trials.pop(best))
+    chosen.trial_seconds = time.perf_counter() - start
+    if best != 0:
+        chosen.reason = (f"{describe(chosen)}, measured fastest ({measured[best] * 1e3:.1f} ms per step; the "
+                         f"prediction's first choice measured {measured[0] * 1e3:.1f} ms): {plan.reason}")
+    else:
+        chosen.reason = f"{plan.reason}; measured fastest of {len(candidates)} ({measured[0] * 1e3:.1f} ms per step)"
+    if dist.get_rank() == 0 and all(m < float("inf") for m in measured):
+        try:
+            save_decision(chosen, as_choice(chosen))
+        except OSError:  # a read-only cache: the next run measures again
+            pass
+    return chosen
+
+
+def _still_fits(plan, cached: dict) -> bool:
+    try:
+        candidate = from_choice(plan, tuple(cached["choice"]))
+    except (KeyError, TypeError, ValueError):
+        return False
+    limit = plan.problem.memory_limit
+    return len(candidate.choice) == len(plan.choice) and (limit is None or candidate.totals.memory <= limit)
+
+
+def _time(network, loss_fn, optimizer, sample, candidate, ctx) -> float:
+    """The slowest rank's median step of ``candidate`` on a copy of the network (inf where it failed anywhere)."""
+    from autopar.parallel.api import prepare
+
+    memo: dict = {}
+    net, loss, opt = copy.deepcopy((network, loss_fn, optimizer), memo)
+    strategies = [(memo.get(id(target)), strategy) for target, strategy in candidate.strategies()]
+    seconds = float("inf")
+    state = None
+    try:
+        if any(target is None for target, _ in strategies):
+            raise LookupError("an operator of the plan is not part of the network's copy")
+        if opt is None:  # a loop that makes its optimizer later: momentum SGD stands in for its step
+            opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.0, momentum=0.9)
+        prepared = prepare(net, loss, opt, list(sample), plan=dataclasses_copy(candidate, strategies))
+        state = prepared.state
+        times = []
+        for step in range(_steps() + 1):  # (under enable_grad: the first call may have been an evaluation)
+            _sync(prepared.device)
+            t0 = time.perf_counter()
+            with torch.enable_grad():
+                out = prepared.forward_loss(list(sample))
+                if not prepared.runs_backward:
+                    _scalar(out).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            _sync(prepared.device)
+            if step:  # the first step warms the allocator and the engines up
+                times.append(time.perf_counter() - t0)
+        seconds = statistics.median(times)
+    except Exception as exc:  # noqa: BLE001 - a plan that cannot run is not chosen; say why once
+        if dist.get_rank() == 0:
+            print(f"[autopar] AUTO_PARALLEL measured round: {describe(candidate)} could not run "
+                  f"({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''})", flush=True)
+    finally:
+        if state is not None:
+            state.close()
+        del net, loss, opt, memo
+        gc.collect()
+    worst = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return float(worst.item())
+
+
+def dataclasses_copy(candidate, strategies):
+    """``candidate`` whose strategies name the copy's operators."""
+    import dataclasses
+
+    copied = dataclasses.replace(candidate)
+    copied.strategies = lambda: strategies
+    return copied
+
+
+def _scalar(out: Any) -> torch.Tensor:
+    """What to differentiate for timing: the loss, or (a loop's network without its loss) the mean of every
+    floating output."""
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        return out
+    leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()
+              and t.requires_grad]
+    if not leaves:
+        raise ValueError("the network's outputs do not depend on its parameters")
+    return sum(t.float().mean() for t in leaves)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

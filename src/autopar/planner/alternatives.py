@@ -1,0 +1,81 @@
+"""The runners-up: the few plans closest to the chosen one, for AUTO_PARALLEL's measured round.
+
+The cost model ranks plans; on a loaded CPU its step predictions are 10-60 % off and plans it sees as near-ties
+swap places when measured (``bench/auto_vs_hand.py``: the "row-first twin" of Megatron predicted equal, measured
+10-25 % slower). So the job does not bet on one prediction: :func:`alternatives` lists the chosen plan, data
+parallel, the ZeRO levels that fit, and the next-best operator layouts (each differing from the ones before in the
+layout of at least one parameter: the exact search again, with the earlier answers cut off), and
+:mod:`autopar.parallel.trials` runs them for a few steps each and keeps the fastest.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from autopar.planner.plan import Plan, Totals, other_compute_of, totals_of
+from autopar.planner.search import solve_ilp
+
+# how far behind the chosen plan's prediction a runner-up may be and still be measured: the model's worst errors
+# here are ~3x (skinny weight-gradient products), so a plan predicted 3x slower can still win
+WITHIN = 3.0
+
+
+def describe(plan: Plan) -> str:
+    """A short name for a plan: what a user would have written by hand."""
+    if plan.pipeline is not None:
+        return f"pipeline {plan.pipeline.stages} stages"
+    if plan.pure_data_parallel:
+        return f"data parallel + ZeRO {plan.zero_level}" if plan.zero_level else "data parallel"
+    labels = [f"{node.name} {plan.chosen(n).label}" for n, node in enumerate(plan.graph.nodes)
+              if any(node.param_names) and plan.chosen(n).label != "data parallel"]
+    text = ", ".join(labels) or "data parallel"
+    return "layouts: " + (text if len(text) <= 70 else text[:67] + "...")
+
+
+def _param_assignment(plan: Plan, choice: list[int]) -> dict[int, int]:
+    return {n: choice[n] for n, node in enumerate(plan.graph.nodes) if any(node.param_names) and node.fixed is None}
+
+
+def alternatives(plan: Plan, layouts: int = 3, within: float = WITHIN) -> list[Plan]:
+    """The chosen plan first, then the runners-up by predicted step (at most ``layouts`` operator layouts besides
+    the chosen one). A pipeline is chosen only where nothing else fits or where it is far ahead: it is kept alone."""
+    if plan.pipeline is not None:
+        return [plan]
+    p = plan.problem
+    out = [plan]
+    dp = p.dp_choice()
+    if dp is not None and plan.dp_totals is not None:
+        if p.fits(dp) and not (plan.pure_data_parallel and plan.zero_level is None):
+            out.append(dataclasses.replace(plan, choice=dp, totals=plan.dp_totals, pure_data_parallel=True,
+                                           zero_level=None, reason="data parallel"))
+        for level, z in (plan.zero or {}).items():
+            if level != plan.zero_level and (p.memory_limit is None or z.memory <= p.memory_limit) and not p.fits(dp):
+                out.append(dataclasses.replace(plan, choice=dp, totals=z, pure_data_parallel=True, zero_level=level,
+                                               reason=f"data parallel + ZeRO {level}"))
+    other = other_compute_of(plan)
+    seen = [_param_assignment(plan, c) for c in ([plan.choice] + ([dp] if dp is not None else []))]
+    seen = [a for a in seen if a]
+    found = 0
+    while found < layouts and seen:
+        choice = solve_ilp(p, exclude=seen)
+        if choice is None:
+            break
+        seen.append(_param_assignment(plan, choice))
+        found += 1
+        out.append(dataclasses.replace(plan, choice=choice, totals=totals_of(p, choice, other), pure_data_parallel=False,
+                                       zero_level=None, reason="a runner-up of the searched plan"))
+    best = min(c.totals.step for c in out)
+    first, rest = out[0], sorted(out[1:], key=lambda c: c.totals.step)
+    # data parallel is always measured: the baseline a plan must beat
+    return [first] + [c for c in rest if c.totals.step <= within * best or describe(c) == "data parallel"]
+
+
+def as_choice(plan: Plan) -> tuple:
+    """What every rank needs to rebuild ``plan`` from its own copy of the problem (broadcast from rank 0)."""
+    return (list(plan.choice), plan.pure_data_parallel, plan.zero_level, plan.totals.compute, plan.totals.comm,
+            plan.totals.memory, plan.reason)
+
+
+def from_choice(plan: Plan, box: tuple) -> Plan:
+    choice, pure, level, compute, comm, memory, reason = box
+    return dataclasses.replace(plan, choice=choice, pure_data_parallel=pure, zero_level=level,
+                               totals=Totals(compute, comm, memory), reason=reason)
