@@ -12,7 +12,7 @@ import torch
 
 from autopar.cli.main import main as cli
 from autopar.errors import ConfigError
-from autopar.planner.gpt import GPT, PRESETS, GPTConfig, GPTLayer
+from autopar.planner.gpt import GPT, PRESETS, GPTConfig, GPTLayer, LlamaLayer
 from autopar.planner.graph import capture
 from autopar.planner.hardware import load_cluster, parse_cluster, presets
 from autopar.planner.mesh_search import plan_gpt
@@ -113,7 +113,7 @@ def test_collectives_across_nodes_are_bound_by_the_network_and_pick_tree_or_ring
 
 # ----------------------------------------------------------------------------------------------- GPT on meta
 def test_gpt_parameter_count_matches_megatron_formula():
-    for cfg in PRESETS.values():
+    for cfg in (c for c in PRESETS.values() if not c.llama):
         l, h, v, s = cfg.layers, cfg.hidden, cfg.vocab, cfg.seq
         # the formula leaves out the final layer norm (2h)
         assert cfg.parameters - 2 * h == pytest.approx(12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h)))
@@ -143,6 +143,46 @@ def test_attention_matmuls_and_softmax_are_graph_nodes_with_head_splits_followed
     # qkv [b, s, 3h] -> [b, s, heads, 3d] -> q [b, heads, s, d]: the heads continue qkv's output dimension
     assert graph.edge_dims[(0, 1, 0)] == (0, 2, 1, None)
     assert graph.edge_dims[(3, 4, 0)] == (0, 2, 1)  # context [b, heads, s, d] -> [b, s, h]
+
+
+def test_llama_shape_counts_flops_and_attends_by_key_value_group():
+    """Llama 3 8B's published parameter count, the GPT FLOPs formula unchanged, and grouped-query attention as graph
+    nodes whose split of the projections continues into the key/value groups (so tensor parallelism <= kv heads)."""
+    assert PRESETS["llama3-8b"].parameters == 8_030_261_248  # Meta's model card: 8.03B
+    with torch.device("meta"):
+        model = GPT(PRESETS["llama3-8b"])
+    assert sum(p.numel() for p in model.parameters()) == 8_030_261_248
+    gpt = PRESETS["1.3b"]
+    b, s, l, h, v = 8, gpt.seq, gpt.layers, gpt.hidden, gpt.vocab
+    assert gpt.model_flops(b) == pytest.approx(72.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h)))
+    assert gpt.model_flops(b, True) == pytest.approx(96.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h)))
+    with torch.device("meta"):
+        graph = capture(LlamaLayer(256, 8, 2, 512), None, (torch.empty(2, 16, 256),))
+    assert [(n.name, n.kind) for n in graph.nodes] == [
+        ("q", "linear"), ("kv", "linear"), ("scores", "matmul"), ("softmax", "softmax"), ("context", "matmul"),
+        ("o", "linear"), ("gate", "linear"), ("up", "linear"), ("down", "linear")]
+    assert graph.nodes[2].shapes[0] == (2, 2, 4 * 16, 32)  # queries [b, kv groups, group x s, d]
+    assert graph.edge_dims[(0, 2, 0)][1] == 2  # the groups continue q's output dimension
+    torch.manual_seed(0)
+    tiny = GPT(GPTConfig(2, 32, 4, seq=8, vocab=50, ffn=48, kv_heads=2, family="llama"))
+    tokens = torch.randint(0, 50, (2, 8))
+    out = tiny(tokens)
+    changed = tokens.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % 50
+    assert torch.allclose(tiny(changed)[:, :-1], out[:, :-1], atol=1e-6)  # causal across the query groups too
+    with pytest.raises(ConfigError, match="kv_heads must be a positive divisor of the 32 heads, got 5"):
+        GPTConfig(2, 4096, 32, kv_heads=5, family="llama")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", [64, 1024])
+def test_llama3_8b_plans_on_a_2d_mesh_with_tensor_parallel_inside_the_key_value_groups(devices):
+    plan = plan_gpt(PRESETS["llama3-8b"], load_cluster("h100-ib"), devices, 1024)
+    assert plan.best.memory <= plan.memory_limit and plan.considered > 100
+    assert {k.t for k in plan.ranked} <= {1, 2, 4, 8}  # a tensor degree must divide the 8 key/value heads
+    text = plan.explain()
+    assert "Llama 8.0B: 32 layers, hidden 4096, 32 heads (8 key/value)" in text and f"in {plan.seconds:.1f} s" in text
+    assert "tied embedding" not in text
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from autopar.errors import ConfigError
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="show the AUTO_PARALLEL plan of a network on N devices",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", help="resnet50 | mlp | transformer | FILE.py:FUNCTION")
+    p.add_argument("model", help="resnet50 | mlp | transformer | gpt | llama | FILE.py:FUNCTION")
     p.add_argument("-n", "--nproc", type=int, required=True, help="number of devices (processes)")
     p.add_argument("--batch", type=int, default=32, help="batch size per device (global = batch x N)")
     p.add_argument("--image-size", type=int, default=32)
@@ -32,10 +32,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", type=int, default=None, help="mlp / gpt layers (mlp: 4)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (transformer: 128, gpt: 2048)")
     g = p.add_argument_group("gpt on a cluster")
-    g.add_argument("--size", default=None, help="a GPT-3 shape: 1.3b, 13b or 175b")
+    g.add_argument("--size", default=None, help="a preset: 1.3b, 13b, 175b (GPT-3), llama3-8b, llama3-70b")
     g.add_argument("--hidden", type=int, default=None, help="gpt hidden size")
     g.add_argument("--heads", type=int, default=None, help="gpt attention heads (default hidden / 128)")
-    g.add_argument("--vocab", type=int, default=51200)
+    g.add_argument("--vocab", type=int, default=None, help="vocabulary (gpt: 51200, llama: 128256)")
+    g.add_argument("--kv-heads", type=int, default=None, help="key/value heads (grouped-query attention)")
+    g.add_argument("--ffn", type=int, default=None, help="feed-forward size (gpt: 4 x hidden)")
     g.add_argument("--global-batch", type=int, default=512, help="sequences per step")
     g.add_argument("--machine", default=None, help="preset name or cluster JSON file (default: this host)")
     g.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default bf16, fp32 on this host)")
@@ -121,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"-n must be positive, got {args.nproc}")
     if args.out:
         writable_parent(args.out, "--out")
-    if args.model == "gpt":
+    if args.model in ("gpt", "llama"):
         return run_gpt(args)
     network, loss_fn, sample = build(args)
     machine = MachineModel(device_num=args.nproc) if args.no_calibrate else machine_for(args.nproc, args.recalibrate)
@@ -147,11 +149,14 @@ def gpt_config(args: argparse.Namespace):
             raise ConfigError(f"unknown --size {args.size!r}; expected one of {', '.join(PRESETS)}")
         base = PRESETS[args.size.lower()]
         return GPTConfig(args.layers or base.layers, args.hidden or base.hidden, args.heads or base.heads,
-                         args.seq or base.seq, args.vocab)
+                         args.seq or base.seq, args.vocab or base.vocab, args.ffn or base.ffn,
+                         base.kv_heads if args.kv_heads is None else args.kv_heads, base.family)
     if not args.layers or not args.hidden:
-        raise ConfigError("autopar plan gpt needs --size 1.3b|13b|175b or --layers and --hidden")
+        raise ConfigError(f"autopar plan {args.model} needs --size ({', '.join(PRESETS)}) or --layers and --hidden")
     heads = args.heads or max(1, args.hidden // 128)
-    return GPTConfig(args.layers, args.hidden, heads, args.seq or 2048, args.vocab)
+    llama = args.model == "llama"
+    return GPTConfig(args.layers, args.hidden, heads, args.seq or 2048, args.vocab or (128256 if llama else 51200),
+                     args.ffn or 0, args.kv_heads or 0, "llama" if llama else "gpt")
 
 
 def run_gpt(args: argparse.Namespace) -> int:

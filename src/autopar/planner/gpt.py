@@ -9,6 +9,12 @@ gradient is one all-reduce, not three.
 ``GPTConfig`` also carries the model-level arithmetic the planner reports: the parameter count and the FLOPs per
 step of Narayanan et al. 2021 (arXiv 2104.04473, section 5.1), so a plan's model FLOPs utilisation is comparable with
 published ones.
+
+``family="llama"`` is the Llama shape (Llama 2/3, Mistral): RMSNorm, rotary positions (no position embedding),
+grouped-query attention (``kv_heads`` key/value heads, each shared by ``heads / kv_heads`` query heads), a SwiGLU MLP
+(gate and up projections of ``ffn``, then down) and an untied output head. Its attention is laid out by key/value
+group -- queries ``[b, kv, group x s, d]`` against keys ``[b, kv, s, d]`` -- so a split of the projections is a split
+of the groups all the way through, and tensor parallelism is bounded by ``kv_heads``, as in Megatron.
 """
 from __future__ import annotations
 
@@ -30,6 +36,8 @@ class GPTConfig:
     seq: int = 2048
     vocab: int = 51200
     ffn: int = 0  # 0: 4 x hidden
+    kv_heads: int = 0  # 0: as many as heads (multi-head attention); fewer: grouped-query attention
+    family: str = "gpt"  # gpt | llama
 
     def __post_init__(self):
         for name in ("layers", "hidden", "heads", "seq", "vocab"):
@@ -38,27 +46,49 @@ class GPTConfig:
                 raise ConfigError(f"GPT {name} must be a positive integer, got {value!r}")
         if self.hidden % self.heads:
             raise ConfigError(f"GPT hidden size {self.hidden} is not divisible by {self.heads} heads")
+        if self.family not in ("gpt", "llama"):
+            raise ConfigError(f"model family must be gpt or llama, got {self.family!r}")
+        if isinstance(self.kv_heads, bool) or not isinstance(self.kv_heads, int) or self.kv_heads < 0 \
+                or self.heads % self.kv_groups:
+            raise ConfigError(f"kv_heads must be a positive divisor of the {self.heads} heads, got {self.kv_heads!r}")
+
+    @property
+    def kv_groups(self) -> int:
+        return self.kv_heads or self.heads
 
     @property
     def ffn_size(self) -> int:
         return self.ffn or 4 * self.hidden
 
     @property
+    def llama(self) -> bool:
+        return self.family == "llama"
+
+    @property
     def parameters(self) -> int:
-        """Exact count of this module's parameters (embeddings tied with the output head)."""
-        h, f = self.hidden, self.ffn_size
+        """Exact count of this module's parameters (GPT: embeddings tied with the output head)."""
+        h, f, kv = self.hidden, self.ffn_size, self.kv_groups * (self.hidden // self.heads)
+        if self.llama:  # no biases; q, k, v, o; gate, up, down; two RMSNorms; untied head, final norm
+            layer = h * h + 2 * h * kv + h * h + 3 * h * f + 2 * h
+            return self.layers * layer + 2 * self.vocab * h + h
         layer = 3 * h * h + 3 * h + (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
         return self.layers * layer + self.vocab * h + self.seq * h + 2 * h
 
     def model_flops(self, global_batch: int, recompute: bool = False) -> float:
-        """FLOPs of one training step: 72 B s l h^2 (1 + s/6h + V/12lh), 96 ... (V/16lh) with full recompute."""
-        b, s, l, h, v = global_batch, self.seq, self.layers, self.hidden, self.vocab
-        if recompute:
-            return 96.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
-        return 72.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+        """FLOPs of one training step, the matmuls only (Narayanan et al.): per token and layer 2 x (the projections'
+        weights) + 4 s h for the attention, x3 for forward and backward (x4 with full recompute), plus the output
+        head's 6 h V. For the GPT shape this is 72 B s l h^2 (1 + s/6h + V/12lh), 96 ... (V/16lh) with recompute."""
+        b, s, l, h, v, f = global_batch, self.seq, self.layers, self.hidden, self.vocab, self.ffn_size
+        kv = self.kv_groups * (h // self.heads)
+        weights = 2 * h * h + 2 * h * kv + (3 if self.llama else 2) * h * f
+        per_token_layer = 2.0 * weights + 4.0 * s * h
+        passes = 4.0 if recompute else 3.0
+        return b * s * (passes * l * per_token_layer + 6.0 * h * v)
 
     def describe(self) -> str:
-        return (f"GPT {self.parameters / 1e9:.1f}B: {self.layers} layers, hidden {self.hidden}, {self.heads} heads, "
+        name = "Llama" if self.llama else "GPT"
+        heads = f"{self.heads} heads" + (f" ({self.kv_groups} key/value)" if self.kv_groups != self.heads else "")
+        return (f"{name} {self.parameters / 1e9:.1f}B: {self.layers} layers, hidden {self.hidden}, {heads}, "
                 f"sequence {self.seq}, vocabulary {self.vocab}")
 
 
@@ -66,6 +96,9 @@ PRESETS = {  # GPT-3's shapes (Brown et al. 2020, table 2.1) with Megatron's voc
     "1.3b": GPTConfig(24, 2048, 16),
     "13b": GPTConfig(40, 5120, 40),
     "175b": GPTConfig(96, 12288, 96),
+    # Llama 3 (Meta 2024, table 3): 8B and 70B, sequence 8192, vocabulary 128256, GQA with 8 key/value heads
+    "llama3-8b": GPTConfig(32, 4096, 32, seq=8192, vocab=128256, ffn=14336, kv_heads=8, family="llama"),
+    "llama3-70b": GPTConfig(80, 8192, 64, seq=8192, vocab=128256, ffn=28672, kv_heads=8, family="llama"),
 }
 
 
@@ -99,12 +132,54 @@ class GPTLayer(nn.Module):
         return x + self.fc2(self.act(self.fc1(self.ln2(x))))
 
 
-class GPTHead(nn.Module):
-    """Final layer norm and the vocabulary projection (tied with the token embedding in :class:`GPT`)."""
+class LlamaLayer(nn.Module):
+    """Pre-norm Llama decoder layer: RMSNorm, grouped-query causal attention (rotary positions are element-wise on
+    q and k: costed with the element-wise work), a SwiGLU MLP."""
 
-    def __init__(self, hidden: int, vocab: int):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, ffn: int):
         super().__init__()
-        self.ln_f = nn.LayerNorm(hidden)
+        self.heads, self.kv_heads = heads, kv_heads
+        d = hidden // heads
+        self.norm1 = nn.RMSNorm(hidden)
+        self.q = nn.Linear(hidden, hidden, bias=False)  # laid out [kv group, queries of the group, d]
+        self.kv = nn.Linear(hidden, 2 * kv_heads * d, bias=False)  # [kv group, k and v, d]
+        self.scores = BatchMatMul(transpose_b=True)
+        self.softmax = Softmax(-1)
+        self.context = BatchMatMul()
+        self.o = nn.Linear(hidden, hidden, bias=False)
+        self.norm2 = nn.RMSNorm(hidden)
+        self.gate = nn.Linear(hidden, ffn, bias=False)
+        self.up = nn.Linear(hidden, ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        kv, d = self.kv_heads, h // self.heads
+        g = self.heads // kv
+        y = self.norm1(x)
+        q = self.q(y).reshape(b, s, kv, g, d).permute(0, 2, 3, 1, 4).reshape(b, kv, g * s, d)
+        k, v = (t.transpose(1, 2) for t in self.kv(y).reshape(b, s, kv, 2 * d).split(d, dim=-1))
+        scores = self.scores(q, k) / math.sqrt(d)
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1).repeat(g, 1)
+        att = self.softmax(scores.masked_fill(mask, float("-inf")))
+        ctx = self.context(att, v).reshape(b, kv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, h)
+        x = x + self.o(ctx)
+        y = self.norm2(x)
+        return x + self.down(nn.functional.silu(self.gate(y)) * self.up(y))
+
+
+def make_layer(config: GPTConfig) -> nn.Module:
+    c = config
+    return LlamaLayer(c.hidden, c.heads, c.kv_groups, c.ffn_size) if c.llama else GPTLayer(c.hidden, c.heads,
+                                                                                          c.ffn_size)
+
+
+class GPTHead(nn.Module):
+    """Final norm and the vocabulary projection (tied with the token embedding in :class:`GPT`)."""
+
+    def __init__(self, hidden: int, vocab: int, rms: bool = False):
+        super().__init__()
+        self.ln_f = nn.RMSNorm(hidden) if rms else nn.LayerNorm(hidden)
         self.out = nn.Linear(hidden, vocab, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,14 +192,16 @@ class GPT(nn.Module):
         c = config
         self.config = c
         self.wte = nn.Embedding(c.vocab, c.hidden)
-        self.wpe = nn.Embedding(c.seq, c.hidden)
-        self.layers = nn.ModuleList(GPTLayer(c.hidden, c.heads, c.ffn_size) for _ in range(c.layers))
-        self.head = GPTHead(c.hidden, c.vocab)
-        self.head.out.weight = self.wte.weight
+        self.wpe = None if c.llama else nn.Embedding(c.seq, c.hidden)
+        self.layers = nn.ModuleList(make_layer(c) for _ in range(c.layers))
+        self.head = GPTHead(c.hidden, c.vocab, rms=c.llama)
+        if not c.llama:
+            self.head.out.weight = self.wte.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.wte(tokens) + self.wpe(pos)
+        x = self.wte(tokens)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
         for layer in self.layers:
             x = layer(x)
         return self.head(x)

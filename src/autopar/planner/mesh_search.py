@@ -30,7 +30,7 @@ import torch
 
 from autopar.errors import ConfigError, StrategyError
 from autopar.planner.costs import NodeCosts, graph_costs
-from autopar.planner.gpt import GPTConfig, GPTHead, GPTLayer, TokenLoss
+from autopar.planner.gpt import GPTConfig, GPTHead, TokenLoss, make_layer
 from autopar.planner.graph import Graph, capture
 from autopar.planner.hardware import ClusterSpec
 from autopar.planner.plan import other_param_bytes
@@ -69,8 +69,9 @@ class LayerPlan:
 
 
 def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: tuple, t: int, spec: ClusterSpec,
-                dtype: str) -> LayerPlan:
-    graph = capture(module, loss, inputs)
+                dtype: str, graph: Graph | None = None) -> LayerPlan:
+    """``graph``: the module's capture at these inputs, if made already (it does not depend on ``t``)."""
+    graph = graph or capture(module, loss, inputs)
     machine = spec.group_machine(t, 1, dtype)
     costs = graph_costs(graph, machine, t)
     problem = Problem(graph, costs, machine, 0.0, None)
@@ -202,14 +203,21 @@ class _Planner:
         self._heads: dict = {}
         c = config
         with torch.device("meta"):
-            self.layer_module = GPTLayer(c.hidden, c.heads, c.ffn_size).to(self.torch_dtype)
-            self.head_module = GPTHead(c.hidden, c.vocab).to(self.torch_dtype)
+            self.layer_module = make_layer(c).to(self.torch_dtype)
+            self.head_module = GPTHead(c.hidden, c.vocab, rms=c.llama).to(self.torch_dtype)
+        self._graphs: dict = {}  # (layer | head, micro-batch) -> its capture: the same for every tensor degree
+
+    def _graph(self, which: str, b: int, module, loss, inputs) -> Graph:
+        if (which, b) not in self._graphs:
+            self._graphs[(which, b)] = capture(module, loss, inputs)
+        return self._graphs[(which, b)]
 
     def layer(self, t: int, b: int) -> LayerPlan:
         if (t, b) not in self._layers:
             c = self.config
             x = torch.empty(b, c.seq, c.hidden, dtype=self.torch_dtype, device="meta")
-            self._layers[(t, b)] = plan_module(self.layer_module, None, (x,), t, self.spec, self.dtype)
+            graph = self._graph("layer", b, self.layer_module, None, (x,))
+            self._layers[(t, b)] = plan_module(self.layer_module, None, (x,), t, self.spec, self.dtype, graph)
         return self._layers[(t, b)]
 
     def head(self, t: int, b: int) -> LayerPlan:
@@ -217,7 +225,8 @@ class _Planner:
             c = self.config
             x = torch.empty(b, c.seq, c.hidden, dtype=self.torch_dtype, device="meta")
             y = torch.empty(b, c.seq, dtype=torch.long, device="meta")
-            self._heads[(t, b)] = plan_module(self.head_module, TokenLoss(), (x, y), t, self.spec, self.dtype)
+            graph = self._graph("head", b, self.head_module, TokenLoss(), (x, y))
+            self._heads[(t, b)] = plan_module(self.head_module, TokenLoss(), (x, y), t, self.spec, self.dtype, graph)
         return self._heads[(t, b)]
 
     def evaluate(self, k: Candidate) -> None:
@@ -226,7 +235,7 @@ class _Planner:
         per_stage = math.ceil(cfg.layers / k.p)
         boundary = k.b * cfg.seq * cfg.hidden * itemsize
         # the token embedding is vocabulary-parallel over the tensor group (an all-reduce of its output), a lookup
-        embed_params = cfg.vocab * cfg.hidden / k.t + cfg.seq * cfg.hidden
+        embed_params = cfg.vocab * cfg.hidden / k.t + (0 if cfg.llama else cfg.seq * cfg.hidden)
         embed_time = 3 * boundary / spec.memory_bandwidth + 2 * spec.collective("all_reduce", boundary, k.t)[0]
         layer_time = layer.time * (1 + layer.forward / layer.time if k.recompute else 1)
         first = per_stage * layer_time + embed_time + (head.time if k.p == 1 else 0.0)
@@ -251,7 +260,7 @@ class _Planner:
         else:  # weights gathered for forward and backward, gradients scattered, every micro-batch (prefetched)
             dp = k.m * max(0.0, 2 * ar("all_gather", grads) + ar("reduce_scatter", grads) - micro)
         tied = spec.collective("all_reduce", cfg.vocab * cfg.hidden / k.t * itemsize, 2, k.t * k.d * (k.p - 1))[0] \
-            if k.p > 1 else 0.0
+            if k.p > 1 and not cfg.llama else 0.0  # Llama's head is not tied to the embedding
         opt_params = stage_params / (k.d if k.zero >= 1 else 1)
         optimizer = opt_params * ADAM_TRAFFIC / spec.memory_bandwidth
         k.parts = {"pipeline": pipeline, "data-parallel sync": dp, "optimizer": optimizer}
@@ -315,7 +324,7 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
     # every divisor of a node, and one step across nodes (two nodes' worth), for the cost model to reject
     tp_options = [t for t in list(range(1, spec.devices_per_node + 1)) + [2 * spec.devices_per_node]
                   if (t > spec.devices_per_node or spec.devices_per_node % t == 0) and devices % t == 0
-                  and config.heads % t == 0 and keep("tp", t)]
+                  and config.kv_groups % t == 0 and keep("tp", t)]
     for t in tp_options:
         for p in range(1, min(config.layers, devices // t) + 1):
             if (devices // t) % p or not keep("pp", p):
@@ -343,7 +352,7 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
     if smallest is None:
         pinned = "".join(f", {k} {v}" for k, v in fixed.items() if v is not None)
         raise ConfigError(f"no plan of {devices} devices for global batch {global_batch}{pinned}: the data-parallel "
-                          f"degree must divide the batch, tensor parallelism the heads ({config.heads}) and one "
+                          f"degree must divide the batch, tensor parallelism the key/value heads ({config.kv_groups}) and one "
                           f"node ({spec.devices_per_node}), the stages the layers ({config.layers})")
     if not fitting:
         raise ConfigError(
