@@ -11,9 +11,11 @@ For a node under a strategy (all seconds per training step, on one device):
   (all-gather <-> reduce-scatter, Replicate -> Shard costs an all-gather in backward, all-to-all both ways);
 - **memory**: the parameter slice times (1 + gradient + optimizer slots) plus the activations kept for backward.
 
-Compute is a roofline: the slower of the arithmetic (FLOPs / calibrated rate) and streaming the operands through
-memory (a small-batch layer is bound by reading its weights), plus the optimizer step at its calibrated rate (the
-per-parameter loop on DTensors for layouts, the fused kernel for pure data parallel).
+Compute is measured where the machine model carries an operator timer (inside a job: the operator at this rank's
+slice shapes, timed on this device, :mod:`autopar.planner.op_timer`); otherwise a roofline: the slower of the
+arithmetic (FLOPs / calibrated rate) and streaming the operands through memory (a small-batch layer is bound by
+reading its weights). Plus the optimizer step at its calibrated rate (the per-parameter loop on DTensors for layouts,
+the fused kernel for pure data parallel).
 """
 from __future__ import annotations
 
@@ -206,8 +208,13 @@ class NodeCosts:
         memory += nbytes(node.out_shape, node.itemsize) / out_split
         activations += nbytes(node.out_shape, node.itemsize) / out_split
         moved += nbytes(node.out_shape, node.itemsize) / out_split
-        compute = machine.compute(kind, 3.0 * node.flops / parts, 3.0 * moved)  # forward + 2x backward
-        backward = compute * 2.0 / 3.0
+        timer = getattr(machine, "op_timer", None)
+        measured = timer.node(node, [plan.inputs[i].slice_shape for i in range(len(node.shapes))]) if timer else None
+        if measured is not None:  # this operator at this rank's shapes, timed on this job's device
+            compute, backward = measured[1], measured[1] - measured[0]
+        else:
+            compute = machine.compute(kind, 3.0 * node.flops / parts, 3.0 * moved)  # forward + 2x backward
+            backward = compute * 2.0 / 3.0
         # the optimizer step over this device's slice, at the calibrated rate of the layout modes (DTensor
         # parameters: no fused kernel); pure data parallel's fused rate replaces it in its totals (plan.py)
         params = sum(nbytes(plan.inputs[i].slice_shape, node.itemsize) for i, n in enumerate(node.param_names) if n)

@@ -210,6 +210,10 @@ def load_or_calibrate(force: bool = False) -> MachineModel:
     else:
         model = MachineModel(device_num=1)
     model.memory_per_device = available_memory()
+    from autopar.planner import op_timer
+
+    if dist.is_initialized() and op_timer.enabled():  # in a job: operators timed on its own device
+        model.op_timer = op_timer.OpTimer.for_this_host(management.device(), n)
     return model
 
 

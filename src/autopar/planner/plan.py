@@ -213,6 +213,9 @@ def plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, samp
     backward cannot run one)."""
     graph = capture(network, loss_fn, sample, every_operator=search_mode == "sharding_propagation")
     costs = graph_costs(graph, machine, device_num)
+    timer = getattr(machine, "op_timer", None)
+    if timer is not None:
+        timer.save()
     other_params = other_param_bytes(network, graph)
     const_memory = graph.other_activation_bytes / device_num + other_params * 3
     problem = Problem(graph, costs, machine, const_memory, memory_limit)

@@ -1,0 +1,140 @@
+"""Operator costs measured on the job's own device, at the very shapes a strategy gives each rank.
+
+Why: the roofline (FLOPs / one calibrated rate, or bytes / bandwidth) is right for large square products and wrong
+by 2-3x for what small jobs are made of -- a weight gradient with 8-16 rows, a column slice of 512, a convolution
+on a 4x4 map (``bench/auto_vs_hand.py``: the MLP's plans predicted 60 % fast). Measuring is cheap next to being
+wrong: each distinct (operator, local shapes, dtype) runs its forward once to warm up, then forward and
+forward + backward a few times (medians), and the result is kept per host and thread count in
+``AUTOPAR_CACHE_DIR``, so a shape is measured once per machine, not once per job.
+
+Used inside a job (:func:`autopar.planner.api.make_plan` gives the machine model a timer); ``autopar plan`` for a
+cluster you do not have keeps the roofline of the machine file. ``AUTOPAR_MEASURE_OPS=0`` turns it off.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPEATS = 3
+
+
+def enabled() -> bool:
+    return os.environ.get("AUTOPAR_MEASURE_OPS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class OpTimer:
+    """Forward and forward+backward seconds of single operators on ``device``, measured once per shape."""
+
+    def __init__(self, device: torch.device, path: Path | None = None):
+        self.device = device
+        self.path = path
+        self.table: dict[str, tuple[float, float]] = {}
+        self.measured = 0  # shapes measured by this process (the rest came from the cache)
+        if path is not None:
+            try:
+                self.table = {k: tuple(v) for k, v in json.loads(path.read_text()).items()}
+            except (OSError, ValueError):
+                self.table = {}
+
+    @classmethod
+    def for_this_host(cls, device: torch.device, world: int) -> "OpTimer":
+        """Kept per host, thread count and world size: on a CPU the ranks share the cores, so an operator's time
+        depends on how many run beside it (every rank measures at once, as they will compute at once)."""
+        from autopar.planner.machine import cache_path
+
+        base = cache_path("ops", 1).parent
+        name = (f"ops-{device.type}-{socket.gethostname()}-c{os.cpu_count()}-t{torch.get_num_threads()}"
+                f"-n{world}.json")
+        return cls(device, base / name)
+
+    def save(self) -> None:
+        if self.path is None or not self.measured:
+            return
+        from autopar.planner.machine import write_atomic
+
+        try:
+            old = json.loads(self.path.read_text()) if self.path.exists() else {}
+        except (OSError, ValueError):
+            old = {}
+        old.update({k: list(v) for k, v in self.table.items()})
+        try:
+            write_atomic(self.path, json.dumps(old))
+        except OSError:  # a read-only cache: measured again next time
+            pass
+
+    # -- the operators ------------------------------------------------------------------------------------------
+    def node(self, node, local_shapes: list[tuple]) -> tuple[float, float] | None:
+        """(forward s, forward+backward s) of ``node`` (an :class:`~autopar.planner.graph.OpNode`) at ``local_shapes``
+        (one per tensor input, this rank's slices); None for an operator it does not know."""
+        dtype = _DTYPES.get(node.itemsize, torch.float32)
+        target = node.target
+        local_shapes = [tuple(int(v) for v in s) for s in local_shapes]
+        if node.kind == "linear":
+            key = ("linear", local_shapes[:3])
+            return self._time(key, dtype, lambda t: F.linear(*t), local_shapes[:3], grads=(True, True, True))
+        if node.kind == "conv":
+            stride, padding = getattr(target, "stride", 1), getattr(target, "padding", 0)
+            dilation, groups = getattr(target, "dilation", 1), getattr(target, "groups", 1)
+            if not isinstance(padding, (int, tuple)):  # "same" / "valid": the module computes it
+                return None
+            # a split of the output channels splits the groups too (depth-wise convolutions)
+            groups = max(1, groups * local_shapes[1][0] // max(1, node.shapes[1][0]))
+            key = ("conv", local_shapes[:3], stride, padding, dilation, groups)
+            return self._time(key, dtype, lambda t: F.conv2d(*t, stride=stride, padding=padding, dilation=dilation,
+                                                             groups=groups), local_shapes[:3], grads=(True,) * 3)
+        if node.kind == "matmul":
+            ta, tb = getattr(target, "transpose_a", False), getattr(target, "transpose_b", False)
+            key = ("matmul", local_shapes[:2], ta, tb)
+
+            def mm(t):
+                a, b = t
+                return (a.transpose(-1, -2) if ta else a) @ (b.transpose(-1, -2) if tb else b)
+
+            return self._time(key, dtype, mm, local_shapes[:2], grads=(True, True))
+        if node.kind == "softmax":
+            axis = getattr(target, "axis", -1)
+            key = ("softmax", local_shapes[:1], axis)
+            return self._time(key, dtype, lambda t: torch.softmax(t[0], axis), local_shapes[:1], grads=(True,))
+        return None
+
+    def _time(self, key: tuple, dtype: torch.dtype, fn, shapes: list[tuple], grads: tuple) -> tuple[float, float]:
+        text = repr((key, str(dtype)))
+        if text in self.table:
+            return self.table[text]
+        torch.manual_seed(0)
+        inputs = [torch.randn(s, dtype=dtype, device=self.device, requires_grad=g) for s, g in zip(shapes, grads)]
+        out = fn(inputs)
+        gout = torch.randn_like(out)
+        out.backward(gout)  # warm-up: the allocator and the kernels' first calls
+        forward, total = [], []
+        for _ in range(REPEATS):
+            self._sync()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                fn(inputs)
+            self._sync()
+            t1 = time.perf_counter()
+            out = fn(inputs)
+            out.backward(gout)
+            self._sync()
+            t2 = time.perf_counter()
+            forward.append(t1 - t0)
+            total.append(t2 - t1)
+        result = (statistics.median(forward), statistics.median(total))
+        self.table[text] = result
+        self.measured += 1
+        return result
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+_DTYPES = {8: torch.float64, 4: torch.float32, 2: torch.bfloat16}

@@ -1,0 +1,55 @@
+"""Operator costs measured at the shapes a strategy gives each rank: each distinct shape timed once, kept on disk,
+and used by the plan's costs in place of the roofline."""
+import json
+
+import torch
+
+from autopar.models import mlp
+from autopar.planner.machine import MachineModel
+from autopar.planner.op_timer import OpTimer
+from autopar.planner.plan import plan_network
+
+
+def test_measured_costs_replace_the_roofline_and_are_kept_per_shape(tmp_path):
+    path = tmp_path / "ops.json"
+    machine = MachineModel(device_num=2)
+    machine.op_timer = OpTimer(torch.device("cpu"), path)
+    sample = (torch.randn(8, 256), torch.randn(8, 256))
+    plan = plan_network(mlp(256, 3), torch.nn.MSELoss(), sample, 2, machine)
+    measured = machine.op_timer.measured
+    assert measured >= 3  # data parallel, column and row slices of the 256x256 layers at least
+    kept = json.loads(path.read_text())
+    assert len(kept) == measured and all(0 < fwd <= total for fwd, total in kept.values())
+    for n, node in enumerate(plan.graph.nodes):  # each choice's compute = its measured time + its optimizer step
+        for c in plan.costs[n].choices:
+            shapes = [tuple(c.plan.inputs[i].slice_shape) for i in range(len(node.shapes))]
+            fwd, total = machine.op_timer.node(node, shapes)
+            assert abs(c.compute - c.optimizer - total) < 1e-12 and abs(c.backward - (total - fwd)) < 1e-12
+    again = OpTimer(torch.device("cpu"), path)  # a restart reads the shapes instead of measuring them
+    machine2 = MachineModel(device_num=2)
+    machine2.op_timer = again
+    plan_network(mlp(256, 3), torch.nn.MSELoss(), sample, 2, machine2)
+    assert again.measured == 0
+
+
+def test_convolutions_matmuls_and_softmax_are_timed_too(tmp_path):
+    from autopar.planner.graph import capture
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            from autopar.ops.math import BatchMatMul, Softmax
+
+            self.conv = torch.nn.Conv2d(3, 8, 3, stride=2, padding=1)
+            self.mm, self.softmax = BatchMatMul(transpose_b=True), Softmax(-1)
+
+        def forward(self, x):
+            y = self.conv(x).flatten(2)
+            return self.softmax(self.mm(y, y))
+
+    graph = capture(Net(), None, (torch.randn(2, 3, 8, 8),))
+    timer = OpTimer(torch.device("cpu"), None)
+    kinds = {}
+    for node in graph.nodes:
+        kinds[node.kind] = timer.node(node, list(node.shapes))
+    assert set(kinds) == {"conv", "matmul", "softmax"} and all(v[0] > 0 for v in kinds.values()), kinds
