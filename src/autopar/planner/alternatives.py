@@ -40,22 +40,25 @@ def alternatives(plan: Plan, layouts: int = 3, within: float = WITHIN) -> list[P
     the chosen one). A pipeline is chosen only where nothing else fits or where it is far ahead: it is kept alone."""
     if plan.pipeline is not None:
         return [plan]
-    p = plan.problem
+    p, limit = plan.problem, plan.memory_limit
     out = [plan]
     dp = p.dp_choice()
-    if dp is not None and plan.dp_totals is not None:
-        if p.fits(dp) and not (plan.pure_data_parallel and plan.zero_level is None):
-            out.append(dataclasses.replace(plan, choice=dp, totals=plan.dp_totals, pure_data_parallel=True,
-                                           zero_level=None, reason="data parallel"))
+    fits = lambda totals: limit is None or totals.memory <= limit  # noqa: E731
+    dp_fits = dp is not None and plan.dp_totals is not None and fits(plan.dp_totals)
+    if dp_fits and not (plan.pure_data_parallel and plan.zero_level is None):
+        out.append(dataclasses.replace(plan, choice=dp, totals=plan.dp_totals, pure_data_parallel=True,
+                                       zero_level=None, reason="data parallel"))
+    if dp is not None and not dp_fits:  # where data parallel fits, its bucketed all-reduce beat FSDP2 every time
         for level, z in (plan.zero or {}).items():
-            if level != plan.zero_level and (p.memory_limit is None or z.memory <= p.memory_limit) and not p.fits(dp):
+            if level != plan.zero_level and fits(z):
                 out.append(dataclasses.replace(plan, choice=dp, totals=z, pure_data_parallel=True, zero_level=level,
                                                reason=f"data parallel + ZeRO {level}"))
     other = other_compute_of(plan)
     seen = [_param_assignment(plan, c) for c in ([plan.choice] + ([dp] if dp is not None else []))]
     seen = [a for a in seen if a]
     found = 0
-    while found < layouts and seen:
+    # layouts only where the search ran under the limit (where no layout fits, ZeRO's path kept an unlimited problem)
+    while found < layouts and seen and p.memory_limit == limit:
         choice = solve_ilp(p, exclude=seen)
         if choice is None:
             break

@@ -74,6 +74,7 @@ class Graph:
     batch: int
     seconds: float = 0.0
     elementwise_bytes: float = 0.0  # memory traffic of the element-wise functions and activations between nodes
+    tensor_calls: int = 0  # torch functions of one forward that made a tensor (a layout pays DTensor's dispatch each)
 
 
 def _numel(shape) -> int:
@@ -133,6 +134,8 @@ class _Recorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if not self.busy and isinstance(out, torch.Tensor):
+            self.tracer.tensor_calls += 1  # an operator every layout runs through DTensor's dispatch
         if self.tracer.depth == 0 and not self.busy:
             self.busy = True  # the bookkeeping itself calls torch functions (t.dim() ...): do not record those
             try:
@@ -153,6 +156,7 @@ class Tracer:
         self.source: dict[int, Any] = {}
         self.dims: dict[int, tuple] = {}  # tensor id -> producer dimension per dimension (views of a node's output)
         self.edge_dims: dict = {}
+        self.tensor_calls = 0  # torch functions that made a tensor, inside modules too
         self.keep: list[torch.Tensor] = []  # ids stay unique while the trace runs
         self.depth = 0
         self.other_flops = 0.0
@@ -361,7 +365,7 @@ def capture(network: torch.nn.Module, loss_fn: torch.nn.Module | None, inputs: t
             node.name = node.name.removeprefix("network.")
             node.param_names = tuple(p.removeprefix("network.") if p else p for p in node.param_names)
     return Graph(tracer.nodes, tracer.edges, tracer.edge_dims, tracer.joins, tracer.other_flops, tracer.other_bytes, batch,
-                 time.perf_counter() - start, tracer.elementwise_bytes)
+                 time.perf_counter() - start, tracer.elementwise_bytes, tracer.tensor_calls + len(tracer.nodes))
 
 
 class _Pair(torch.nn.Module):

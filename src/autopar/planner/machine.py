@@ -51,6 +51,10 @@ class MachineModel:
     # Python schedule, the send/recv posts and waits, the stage's autograd call): measured on this 2-core machine
     # over gloo with stages of four 8x8 layers -- 1.86 ms per slot at 8 micro-batches, 1.88 at 32
     pipeline_slot_seconds: float = 1.9e-3
+    # what one operator on DTensors costs beyond its arithmetic (sharding propagation's cached lookup, the wrapping
+    # and unwrapping of local tensors): a layout pays it for every operator of forward and backward, data parallel
+    # (plain tensors) does not. None: not measured (0).
+    dispatch_seconds: float | None = None
 
     def optimizer_rate(self, kind: str) -> float:
         if self.optimizer_rates and kind in self.optimizer_rates:
@@ -166,7 +170,32 @@ def calibrate(sizes: tuple[int, ...] = (2**14, 2**18, 2**21, 2**23, 2**26)) -> M
     big, dst = torch.randn(16 << 20, device=device), torch.empty(16 << 20, device=device)
     model.memory_bandwidth = _rate(lambda: dst.copy_(big), 2 * 4 * (16 << 20))  # read + write, in bytes/s
     model.optimizer_rates = _optimizer_rates(device)
+    model.dispatch_seconds = _dispatch_seconds(device)
     return model
+
+
+def _dispatch_seconds(device, calls: int = 200) -> float:
+    """Seconds one small element-wise operator costs on a DTensor beyond the same operator on its local tensor."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from autopar.comm.topology import world_mesh
+
+    mesh = world_mesh()
+    whole = torch.randn(4 * mesh.size(), 16, device=device)
+    laid = distribute_tensor(whole, mesh, [Shard(0)] * mesh.ndim)
+    local = laid.to_local()
+
+    def per_call(x) -> float:
+        x + x  # warm-up (and sharding propagation's cache)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                x + x
+            best = min(best, (time.perf_counter() - t0) / calls)
+        return best
+
+    return max(0.0, per_call(laid) - per_call(local))
 
 
 def _optimizer_rates(device, numel: int = 4 << 20) -> dict:

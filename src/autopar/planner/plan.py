@@ -52,6 +52,7 @@ class Plan:
     pipeline: PipelineOption | None = None  # chosen: the network cut into stages (Model.train runs it)
     trials: list = field(default_factory=list)  # the measured round: (plan name, predicted s, measured s), chosen first
     cached: str | None = None  # the plan file this decision was read from (a restart plans no more)
+    memory_limit: float | None = None  # per device, as asked (``problem`` may be the unlimited one: ZeRO's path)
 
     def chosen(self, n: int):
         return self.costs[n].choices[self.choice[n]]
@@ -97,8 +98,11 @@ class Plan:
             lines.append(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]:<{widths[3]}}  "
                          f"{r[4]:<{widths[4]}}  {r[5]:>10.2f}  {r[6]:>8.2f}  {r[7]:>8.1f}")
         t = self.totals
-        lines.append(f"plan total: step {t.step * 1e3:.1f} ms = compute {t.compute * 1e3:.1f} + communication "
-                     f"{t.comm * 1e3:.1f}; memory {t.memory / 2**20:.1f} MiB per device"
+        dispatch = dispatch_of(self.problem) if not self.pure_data_parallel and self.pipeline is None else 0.0
+        lines.append(f"plan total: step {t.step * 1e3:.1f} ms = compute {t.compute * 1e3:.1f}"
+                     + (f" (of which DTensor dispatch {dispatch * 1e3:.1f}: {self.graph.tensor_calls} operators x 3)"
+                        if dispatch else "")
+                     + f" + communication {t.comm * 1e3:.1f}; memory {t.memory / 2**20:.1f} MiB per device"
                      + (f" (limit {self.problem.memory_limit / 2**20:.1f})" if self.problem.memory_limit else ""))
         if self.dp_totals is not None:
             d = self.dp_totals
@@ -138,9 +142,14 @@ def other_compute_of(plan: "Plan") -> float:
     return plan.problem.machine.compute("other", 3.0 * plan.graph.other_flops / plan.device_num)
 
 
+def dispatch_of(p: Problem) -> float:
+    """A layout's DTensor dispatch: every operator of the forward, and about twice as many in the backward."""
+    return 3.0 * p.graph.tensor_calls * (p.machine.dispatch_seconds or 0.0)
+
+
 def totals_of(p: Problem, choice: list[int], other_compute: float) -> Totals:
-    compute = other_compute + sum(p.costs[n].choices[s].compute for n, s in enumerate(choice))
-    return Totals(compute, p.total(choice) - (compute - other_compute), p.used_memory(choice))
+    compute = other_compute + dispatch_of(p) + sum(p.costs[n].choices[s].compute for n, s in enumerate(choice))
+    return Totals(compute, p.total(choice) - (compute - other_compute - dispatch_of(p)), p.used_memory(choice))
 
 
 def _dp_totals(p: Problem, dp: list[int], other_compute: float, other_grad_bytes: float) -> Totals:
@@ -211,6 +220,14 @@ def plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, samp
     """Capture, cost, search, compare with data parallelism (with and without ZeRO) and pipelines; the result can
     ``apply()`` and ``explain()``. ``pipeline_note``: why pipelines are not to be weighed (a loop that runs its own
     backward cannot run one)."""
+    plan = _plan_network(network, loss_fn, sample, device_num, machine, search_mode, memory_limit, pipeline_note)
+    plan.memory_limit = memory_limit
+    return plan
+
+
+def _plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sample: tuple, device_num: int,
+                 machine: MachineModel, search_mode: str = "dynamic_programming",
+                 memory_limit: float | None = None, pipeline_note: str | None = None) -> Plan:
     graph = capture(network, loss_fn, sample, every_operator=search_mode == "sharding_propagation")
     costs = graph_costs(graph, machine, device_num)
     timer = getattr(machine, "op_timer", None)
