@@ -92,10 +92,11 @@ def runtime_of(module: torch.nn.Module):
 
 # -- the dispatch ---------------------------------------------------------------------------------------------------
 def attach(network: torch.nn.Module, loss_fn: Any = None, optimizer: torch.optim.Optimizer | None = None,
-           sample: list | None = None, ctx=None) -> ParallelState:
+           sample: list | None = None, ctx=None, sample_kwargs: dict | None = None) -> ParallelState:
     """Parallelize ``network`` under ``ctx`` (the current context by default), once: later calls return its state.
 
-    ``sample``: one batch of the network's inputs (and the label, with ``loss_fn``), which AUTO_PARALLEL plans on."""
+    ``sample``: one batch of the network's inputs (and the label, with ``loss_fn``), which AUTO_PARALLEL plans on;
+    ``sample_kwargs``: its keyword inputs (``input_ids=..., labels=...``)."""
     state = state_of(network)
     if state is not None:
         if state.runtime is not None:
@@ -121,7 +122,7 @@ def attach(network: torch.nn.Module, loss_fn: Any = None, optimizer: torch.optim
     tuning.tune_allocator(network)  # every mode: it changes no result, only how often freed memory is faulted in
     state = bind(ParallelState(mode, world), network)
     try:
-        _dispatch(state, network, loss_fn, optimizer, sample, ctx)
+        _dispatch(state, network, loss_fn, optimizer, sample, ctx, sample_kwargs or {})
     except BaseException:
         state.close()
         raise
@@ -131,7 +132,7 @@ def attach(network: torch.nn.Module, loss_fn: Any = None, optimizer: torch.optim
     return state
 
 
-def _dispatch(state: ParallelState, network, loss_fn, optimizer, sample, ctx) -> None:
+def _dispatch(state: ParallelState, network, loss_fn, optimizer, sample, ctx, sample_kwargs) -> None:
     mode = state.mode
     if ctx.pipeline_stages > 1:
         if mode is not ParallelMode.STAND_ALONE:
@@ -149,10 +150,10 @@ def _dispatch(state: ParallelState, network, loss_fn, optimizer, sample, ctx) ->
                           f"(now {mode.value})")
     zero = _zero_level(ctx, mode)
     if mode is ParallelMode.AUTO_PARALLEL:  # strategies a user gave are kept: the planner chooses the rest
-        if sample is None:
+        if sample is None and not sample_kwargs:
             raise ConfigError("AUTO_PARALLEL plans on real shapes: give Model.train a dataset, or call the network "
                               "(or parallelize(network, sample=[inputs...]))")
-        state.plan = _plan(network, loss_fn, sample)
+        state.plan = _plan(network, loss_fn, list(sample or ()), sample_kwargs)
         if state.plan.pipeline is not None:
             from autopar.parallel.pipeline.cell import attach_planned_pipeline
 
@@ -229,13 +230,17 @@ def _attach_data_parallel(state, network, ctx, layerwise: set[str]) -> None:
         state.engines.append(LocalGrads(local, state.world, ctx.gradients_mean))
 
 
-def _plan(network, loss_fn, sample):
+def _plan(network, loss_fn, sample, sample_kwargs=None):
     """AUTO_PARALLEL: the planner's choice for this network (rank 0 plans, every rank runs it)."""
     from autopar.planner.api import make_plan
 
-    sample = [t.to(_device()) if isinstance(t, torch.Tensor) else t for t in sample]
+    def move(t):
+        return t.to(_device()) if isinstance(t, torch.Tensor) else t
+
+    sample = [move(t) for t in sample]
+    kwargs = {k: move(v) for k, v in (sample_kwargs or {}).items()}
     with _context.managed():  # the planner's trace calls the network: it must not parallelize itself meanwhile
-        return make_plan(network, loss_fn, sample)
+        return make_plan(network, loss_fn, sample, kwargs)
 
 
 # -- Model's view ---------------------------------------------------------------------------------------------------
@@ -285,13 +290,17 @@ def parallelize(network: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
 
     ``zero`` (1, 2, 3 or "level1".."level3") shards the optimizer state (and gradients, weights) of this network
     over the data-parallel ranks, ``zero_shard_size`` over groups of that many ranks (hybrid): the PyTorch
-    spelling of ``enable_parallel_optimizer`` / ``optimizer_weight_shard_size``, for this network only."""
+    spelling of ``enable_parallel_optimizer`` / ``optimizer_weight_shard_size``, for this network only.
+    ``sample`` may be a dict: the keyword inputs (``{"input_ids": x, "labels": y}``)."""
     if not _comm.is_initialized():
         raise ConfigError("parallelize: call autopar.communication.init() first")
     ctx = _with_zero(_context.auto_parallel_context(), zero, zero_shard_size)
     if ctx.parallel_mode is ParallelMode.STAND_ALONE:
         return network
-    attach(network, optimizer=optimizer, sample=sample, ctx=ctx)
+    if isinstance(sample, dict):
+        attach(network, optimizer=optimizer, sample=[], ctx=ctx, sample_kwargs=sample)
+    else:
+        attach(network, optimizer=optimizer, sample=sample, ctx=ctx)
     return network
 
 

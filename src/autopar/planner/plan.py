@@ -190,11 +190,15 @@ def _fitting(zero: dict[str, Totals], memory_limit: float | None) -> dict[str, T
 
 def plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sample: tuple, device_num: int,
                  machine: MachineModel, search_mode: str = "dynamic_programming",
-                 memory_limit: float | None = None, pipeline_note: str | None = None) -> Plan:
+                 memory_limit: float | None = None, pipeline_note: str | None = None,
+                 sample_kwargs: dict | None = None) -> Plan:
     """Capture, cost, search, compare with data parallelism (with and without ZeRO) and pipelines; the result can
     ``apply()`` and ``explain()``. ``pipeline_note``: why pipelines are not to be weighed (a loop that runs its own
-    backward cannot run one)."""
-    graph = capture(network, loss_fn, sample, every_operator=search_mode == "sharding_propagation")
+    backward cannot run one). ``sample_kwargs``: the network's keyword inputs (``input_ids=...``)."""
+    graph = capture(network, loss_fn, sample, every_operator=search_mode == "sharding_propagation",
+                    kwargs=sample_kwargs)
+    if sample_kwargs and pipeline_note is None:
+        pipeline_note = "the network takes keyword inputs, which a pipeline's stages do not pass"
     costs = graph_costs(graph, machine, device_num)
     other_params = other_param_bytes(network, graph)
     const_memory = graph.other_activation_bytes / device_num + other_params * 3

@@ -148,11 +148,16 @@ class SemiAutoRuntime(ParameterPlacement):
     def is_root(self, module: torch.nn.Module) -> bool:
         return any(r is module for r in self.roots)
 
-    def enter_first_call(self, module: torch.nn.Module, args: tuple) -> tuple:
+    def enter_first_call(self, module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> tuple:
         """The root pre-hook's work for a call already under way when the root was added (torch collected the
-        call's pre-hooks before): convert its inputs here; the post-hook, collected later, runs as usual."""
-        out = self._root_pre(module, args, {})
-        return args if out is None else out[0]
+        call's pre-hooks before): convert its inputs here -- the keyword ones in place, in the call's own dict
+        (:func:`autopar.parallel.entry.call_kwargs`); the post-hook, collected later, runs as usual."""
+        out = self._root_pre(module, args, dict(kwargs or {}))
+        if out is None:
+            return args
+        if kwargs is not None:
+            kwargs.update(out[1])
+        return out[0]
 
     # -- root and leaf hooks -------------------------------------------------------------------------------------
     def _enter(self) -> bool:

@@ -1,0 +1,30 @@
+"""Hugging Face ``transformers`` models as their users train them, in every mode of the PyTorch door: tiny
+``LlamaForCausalLM`` (GQA, RoPE, SDPA), ``GPT2LMHeadModel`` (Conv1D, tied head) and ``BertForSequenceClassification``
+(a padding mask) built from config objects (no downloads), called with keyword inputs and ``labels=`` (the loss
+inside ``forward``, a ``ModelOutput`` back), float64, AdamW + 2 micro-steps + ``clip_grad_norm_(1.0)`` -- equal to
+one process on the same global batches, and ``state_dict()`` loading into a fresh one-process model. One launch runs
+every case (tests/scripts/hf_train.py)."""
+import json
+
+import pytest
+
+from procutil import SCRIPTS, autopar_cmd
+
+pytest.importorskip("transformers")
+
+MODELS = ["llama", "gpt2", "bert"]
+MODES = ["data", "zero1", "zero3", "semi", "auto", "auto_explicit"]
+TOL = 1e-9  # float64: exact math shows as ~1e-14
+
+
+def test_transformers_models_train_exactly_in_every_mode(procs, tmp_path):
+    cases = [[m, mode] for m in MODELS for mode in MODES]
+    res = procs.run(autopar_cmd("launch", "-n", "2", "--log-dir", str(tmp_path / "logs"),
+                                str(SCRIPTS / "hf_train.py"), str(tmp_path / "out"), json.dumps(cases)), timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr + (tmp_path / "logs" / "worker_0.log").read_text()
+    for rank in range(2):
+        results = json.load(open(tmp_path / f"out.{rank}"))
+        assert sorted(results) == sorted(f"{m}/{mode}" for m, mode in cases)
+        for case, r in results.items():
+            assert "error" not in r, (rank, case, r.get("error"), r.get("trace"))
+            assert r["param"] <= TOL and r["state_dict_reload"] <= TOL, (rank, case, r)

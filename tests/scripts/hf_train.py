@@ -1,0 +1,140 @@
+"""Worker: models as their users take them from Hugging Face ``transformers`` and ``timm`` (tiny configs built from
+config objects, no downloads), trained as their users call them -- keyword inputs, ``labels=`` with the loss inside
+``forward``, ``ModelOutput`` results, masks and position ids made inside the network -- in float64, AdamW with 2
+micro-steps of accumulation (``loss / 2``) and ``clip_grad_norm_(1.0)``, with only autopar's context call (plus
+``autopar.shard`` where the mode needs it), against one process on the same global batches.
+
+argv: OUT_PREFIX CASES_JSON ([[model, mode], ...]). Models: llama (LlamaForCausalLM: GQA, RoPE, SDPA), gpt2
+(GPT2LMHeadModel: Conv1D, tied head), bert (BertForSequenceClassification with a padding mask), vit (timm
+VisionTransformer: cls token, position-embedding parameter). Modes: data, zero1, zero3, semi (SEMI_AUTO without
+strategies), auto (the first call plans), auto_explicit (``autopar.parallelize(model, sample={...})``). Per case: the largest parameter difference and ``state_dict()`` loaded into a fresh one-process
+model. Writes JSON to OUT_PREFIX.<rank>.
+"""
+import json
+import sys
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+import autopar
+from autopar.communication import get_group_size, get_rank, init
+
+out_prefix, cases = sys.argv[1], json.loads(sys.argv[2])
+torch.set_default_dtype(torch.float64)
+init()
+rank, n = get_rank(), get_group_size()
+STEPS, MICRO, GLOBAL, SEQ, VOCAB = 2, 2, 4, 8, 64
+g = torch.Generator().manual_seed(0)
+IDS = torch.randint(0, VOCAB, (STEPS, MICRO, GLOBAL, SEQ), generator=g)
+PAD = torch.ones(STEPS, MICRO, GLOBAL, SEQ, dtype=torch.long)
+PAD[..., 1::2, SEQ // 2:] = 0  # every other sample padded: BERT's padding mask, made inside the network
+CLS = torch.randint(0, 3, (STEPS, MICRO, GLOBAL), generator=g)
+IMG = torch.randn(STEPS, MICRO, GLOBAL, 3, 16, 16, generator=g)
+
+
+def build(model: str) -> torch.nn.Module:
+    torch.manual_seed(1)
+    if model == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            max_position_embeddings=64, attn_implementation="sdpa"))
+    if model == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    if model == "bert":
+        from transformers import BertConfig, BertForSequenceClassification
+
+        return BertForSequenceClassification(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                                        num_attention_heads=4, intermediate_size=64, num_labels=3,
+                                                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                                        max_position_embeddings=32))
+    from timm.models.vision_transformer import VisionTransformer
+
+    return VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=4, num_classes=5)
+
+
+def inputs_of(model_name: str, step: int, micro: int, parts: int = 1, part: int = 0) -> tuple[tuple, dict]:
+    """The call as the library's users write it: positional and keyword inputs."""
+    rows = slice(part * GLOBAL // parts, (part + 1) * GLOBAL // parts)
+    ids = IDS[step, micro, rows]
+    if model_name in ("llama", "gpt2"):
+        return (), {"input_ids": ids, "labels": ids}
+    if model_name == "bert":
+        return (), {"input_ids": ids, "attention_mask": PAD[step, micro, rows], "labels": CLS[step, micro, rows]}
+    return (IMG[step, micro, rows],), {}
+
+
+def loss_of(model_name: str, model, step: int, micro: int, parts: int = 1, part: int = 0) -> torch.Tensor:
+    args, kwargs = inputs_of(model_name, step, micro, parts, part)
+    if model_name == "vit":
+        return F.cross_entropy(model(*args), CLS[step, micro][part * GLOBAL // parts:(part + 1) * GLOBAL // parts])
+    return model(*args, **kwargs).loss
+
+
+def train(model_name: str, model, parts: int = 1, part: int = 0):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(STEPS):
+        for micro in range(MICRO):
+            (loss_of(model_name, model, step, micro, parts, part) / MICRO).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model
+
+
+def full(model) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.named_parameters()}
+
+
+def reference(model_name: str) -> dict:
+    autopar.reset_auto_parallel_context()
+    with autopar.context.managed():  # one process: its calls must not parallelize it
+        return full(train(model_name, build(model_name)))
+
+
+def set_mode(mode: str) -> None:
+    autopar.reset_auto_parallel_context()
+    name = {"auto": "auto_parallel", "auto_explicit": "auto_parallel",
+            "semi": "semi_auto_parallel"}.get(mode, "data_parallel")
+    autopar.set_auto_parallel_context(parallel_mode=name, gradients_mean=True)
+    if mode.startswith("zero"):
+        autopar.set_auto_parallel_context(enable_parallel_optimizer=True,
+                                          parallel_optimizer_config={"optimizer_level": f"level{mode[-1]}"})
+
+
+def run(model_name: str, mode: str, ref: dict) -> dict:
+    set_mode(mode)
+    model = build(model_name)
+    if mode == "auto_explicit":  # the PyTorch door's explicit call, planned on keyword inputs
+        args, kwargs = inputs_of(model_name, 0, 0, n, rank)
+        autopar.parallelize(model, sample=kwargs or list(args))
+    train(model_name, model, n, rank)
+    got = full(model)
+    worst = max((got[k] - ref[k]).abs().max().item() for k in ref)
+    sd = model.state_dict()
+    autopar.reset_auto_parallel_context()
+    with autopar.context.managed():
+        one = build(model_name)
+        one.load_state_dict(sd)
+    reload = max((p.detach() - ref[k]).abs().max().item() for k, p in one.named_parameters())
+    return {"param": worst, "state_dict_reload": reload}
+
+
+results, refs = {}, {}
+for model_name, mode in cases:
+    key = f"{model_name}/{mode}"
+    try:
+        if model_name not in refs:
+            refs[model_name] = reference(model_name)
+        results[key] = run(model_name, mode, refs[model_name])
+    except Exception as exc:  # noqa: BLE001 - recorded: the test names the case
+        results[key] = {"error": f"{type(exc).__name__}: {str(exc)[:600]}", "trace": traceback.format_exc()[-2500:]}
+json.dump(results, open(f"{out_prefix}.{rank}", "w"), indent=1)
+print(f"RANK {rank} DONE", flush=True)
