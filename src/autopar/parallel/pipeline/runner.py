@@ -147,12 +147,12 @@ class PipelineParallel:
         stages = [PipelineStage(self._pieces[k], k, pieces, _comm.device(), group=self.pp_group) for k in mine]
         for stage in stages:
             piece = stage.submod
-            if piece.reads_inputs():
-                if not hasattr(stage, "register_forward_context"):
-                    raise ConfigError(f"pipeline: piece {piece.index} reads the network's inputs (targets?), which "
-                                      f"needs torch >= 2.15 (this is {torch.__version__}); give a loss_fn and the "
-                                      "targets as the label instead")
-                stage.register_forward_context(piece.running)
+            if piece.reads_inputs() and not hasattr(stage, "register_forward_context"):
+                raise ConfigError(f"pipeline: piece {piece.index} reads the network's inputs (targets?), which "
+                                  f"needs torch >= 2.15 (this is {torch.__version__}); give a loss_fn and the "
+                                  "targets as the label instead")
+            if piece.index > 0 and hasattr(stage, "register_forward_context"):
+                stage.register_forward_context(piece.running)  # which micro-batch; and the shape probe, told apart
         loss_fn, scale = self.loss_fn, 1.0 / self.micro_batches if self.reduction == "mean" else 1.0
 
         def micro_batch_loss(output, label):
@@ -199,7 +199,9 @@ class PipelineParallel:
                 self._schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
             else:
                 self._schedule.step(target=target, losses=losses, return_outputs=False)
-        loss = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros(())
+        # float32 on every rank alike (a float64 default dtype must not make the broadcast's two ends differ)
+        loss = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros((),
+                                                                                             dtype=torch.float32)
         if self.num_stages > 1:  # every rank of the replica reports its loss ...
             last = dist.get_global_rank(self.pp_group, self.num_stages - 1)
             dist.broadcast(loss, src=last, group=self.pp_group)
