@@ -13,8 +13,14 @@ from procutil import SCRIPTS, autopar_cmd
 pytest.importorskip("transformers")
 
 MODELS = ["llama", "gpt2", "bert"]
-MODES = ["data", "zero1", "zero3", "semi", "auto", "auto_explicit"]
+MODES = ["data", "zero1", "zero3", "semi", "megatron", "names", "auto", "auto_explicit"]
 TOL = 1e-9  # float64: exact math shows as ~1e-14
+# what the plans by names must store split: the projections, and the embedding's vocabulary (GPT-2's tied head too)
+SPLIT = {"llama": {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                   "model.layers.1.mlp.down_proj.weight"},
+         "gpt2": {"transformer.wte.weight", "transformer.h.0.attn.c_attn.weight", "transformer.h.1.mlp.c_proj.weight"},
+         "bert": {"bert.embeddings.word_embeddings.weight", "bert.encoder.layer.0.attention.self.query.weight",
+                  "bert.encoder.layer.1.output.dense.weight"}}
 
 
 def test_transformers_models_train_exactly_in_every_mode(procs, tmp_path):
@@ -28,3 +34,11 @@ def test_transformers_models_train_exactly_in_every_mode(procs, tmp_path):
         for case, r in results.items():
             assert "error" not in r, (rank, case, r.get("error"), r.get("trace"))
             assert r["param"] <= TOL and r["state_dict_reload"] <= TOL, (rank, case, r)
+            model, mode = case.split("/")
+            if mode == "names":
+                assert SPLIT[model] <= set(r["split"]), (rank, case, r["split"])
+            elif mode == "megatron":
+                assert SPLIT[model] - {n for n in SPLIT[model] if "embed" in n or "wte" in n} <= set(r["split"]), \
+                    (rank, case, r["split"])
+            elif mode in ("data", "semi"):  # whole parameters (ZeRO stores slices; AUTO chooses)
+                assert not r["split"], (rank, case, r["split"])

@@ -1,6 +1,7 @@
 """timm's ``VisionTransformer`` (a cls token and a position-embedding parameter concatenated/added inside
-``forward``) as its users train it, in every mode of the PyTorch door: tiny config, float64, AdamW + 2 micro-steps +
-``clip_grad_norm_(1.0)`` -- equal to one process on the same global batches, and ``state_dict()`` loading into a
+``forward``) as its users train it, in every mode of the PyTorch door (Megatron: the MLP and the attention's output
+projection; timm's fused qkv is left whole -- its columns are (3, heads, head_dim) and a plain column split would
+cut across q, k and v): tiny config, float64, AdamW + 2 micro-steps + ``clip_grad_norm_(1.0)`` -- equal to one process on the same global batches, and ``state_dict()`` loading into a
 fresh one-process model. One launch runs every case (tests/scripts/hf_train.py)."""
 import json
 
@@ -10,7 +11,7 @@ from procutil import SCRIPTS, autopar_cmd
 
 pytest.importorskip("timm")
 
-MODES = ["data", "zero1", "zero3", "semi", "auto", "auto_explicit"]
+MODES = ["data", "zero1", "zero3", "semi", "megatron", "names", "auto", "auto_explicit"]
 TOL = 1e-9  # float64: exact math shows as ~1e-14
 
 
@@ -25,3 +26,5 @@ def test_timm_vit_trains_exactly_in_every_mode(procs, tmp_path):
         for case, r in results.items():
             assert "error" not in r, (rank, case, r.get("error"), r.get("trace"))
             assert r["param"] <= TOL and r["state_dict_reload"] <= TOL, (rank, case, r)
+            if case.endswith(("/megatron", "/names")):  # the MLP and the attention's output projection
+                assert {"blocks.0.mlp.fc1.weight", "blocks.1.attn.proj.weight"} <= set(r["split"]), (case, r)

@@ -7,8 +7,10 @@ micro-steps of accumulation (``loss / 2``) and ``clip_grad_norm_(1.0)``, with on
 argv: OUT_PREFIX CASES_JSON ([[model, mode], ...]). Models: llama (LlamaForCausalLM: GQA, RoPE, SDPA), gpt2
 (GPT2LMHeadModel: Conv1D, tied head), bert (BertForSequenceClassification with a padding mask), vit (timm
 VisionTransformer: cls token, position-embedding parameter). Modes: data, zero1, zero3, semi (SEMI_AUTO without
-strategies), auto (the first call plans), auto_explicit (``autopar.parallelize(model, sample={...})``). Per case: the largest parameter difference and ``state_dict()`` loaded into a fresh one-process
-model. Writes JSON to OUT_PREFIX.<rank>.
+strategies), megatron (SEMI_AUTO with ``autopar.shard`` MindSpore tuples on the projections: columns then rows),
+names (a torchtitan-style plan by module names with styles, the embedding's vocabulary split too), auto (the first
+call plans), auto_explicit (``autopar.parallelize(model, sample={...})``). Per case: the largest parameter difference and ``state_dict()`` loaded into a fresh one-process
+model, and which parameters are stored split. Writes JSON to OUT_PREFIX.<rank>.
 """
 import json
 import sys
@@ -76,10 +78,13 @@ def loss_of(model_name: str, model, step: int, micro: int, parts: int = 1, part:
     return model(*args, **kwargs).loss
 
 
-def train(model_name: str, model, parts: int = 1, part: int = 0):
+def train(model_name: str, model, parts: int = 1, part: int = 0, micro_step=None):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     for step in range(STEPS):
         for micro in range(MICRO):
+            if micro_step is not None:  # a pipeline's step: forward and backward of the micro-step
+                micro_step(step, micro)
+                continue
             (loss_of(model_name, model, step, micro, parts, part) / MICRO).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -93,29 +98,116 @@ def full(model) -> dict:
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.named_parameters()}
 
 
-def reference(model_name: str) -> dict:
+def reference(model_name: str, summed: bool = False) -> dict:
+    """One process on the global batches; ``summed``: the micro-steps' gradients added undivided (what a
+    pipeline's ``step()`` per micro-step gives: each is the mean over its own pipeline micro-batches)."""
     autopar.reset_auto_parallel_context()
     with autopar.context.managed():  # one process: its calls must not parallelize it
-        return full(train(model_name, build(model_name)))
+        model = build(model_name)
+        step_fn = (lambda step, micro: outside_loss(model_name, model, step, micro).backward()) if summed else None
+        return full(train(model_name, model, micro_step=step_fn))
+
+
+SPLITS = {"llama": "model.layers.1", "gpt2": "transformer.h.1", "bert": "bert.encoder.layer.1", "vit": "blocks.1"}
+
+
+def lm_loss(logits, labels):
+    """The loss ``labels=`` computes inside a causal LM (next-token: shifted by one), on the pipeline's output."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1))
+
+
+def outside_loss(model_name: str, model, step: int, micro: int) -> torch.Tensor:
+    """The pipeline's loss in one process: ``lm_loss`` on the logits (HF's own loss upcasts logits to float32,
+    which float64 training would see as ~1e-6 apart), the classifiers' cross-entropy as ``labels=`` computes it."""
+    if model_name not in ("llama", "gpt2"):
+        return loss_of(model_name, model, step, micro)
+    ids = IDS[step, micro]
+    return lm_loss(model(input_ids=ids).logits, ids)
+
+
+def pipelined(model_name: str, model):
+    """``autopar.PipelineParallel`` split before the second block; the loss as ``loss_fn`` on the logits (the
+    last stage's output: a ModelOutput's tensors), the inputs positional, the label last."""
+    autopar.set_auto_parallel_context(parallel_mode="data_parallel", gradients_mean=True)
+    loss_fn = lm_loss if model_name in ("llama", "gpt2") else F.cross_entropy
+    runner = autopar.PipelineParallel(model, loss_fn, micro_batches=2, split_points=[SPLITS[model_name]])
+    parts, part = runner.replicas, runner.replica
+
+    def micro_step(step, micro):
+        args, kwargs = inputs_of(model_name, step, micro, parts, part)
+        if model_name in ("llama", "gpt2"):
+            runner.step(kwargs["input_ids"], kwargs["labels"])
+        elif model_name == "bert":
+            runner.step(kwargs["input_ids"], kwargs["attention_mask"], kwargs["labels"])
+        else:
+            runner.step(args[0], CLS[step, micro][part * GLOBAL // parts:(part + 1) * GLOBAL // parts])
+
+    return micro_step
 
 
 def set_mode(mode: str) -> None:
     autopar.reset_auto_parallel_context()
-    name = {"auto": "auto_parallel", "auto_explicit": "auto_parallel",
-            "semi": "semi_auto_parallel"}.get(mode, "data_parallel")
+    name = {"auto": "auto_parallel", "auto_explicit": "auto_parallel", "semi": "semi_auto_parallel",
+            "megatron": "semi_auto_parallel", "names": "semi_auto_parallel"}.get(mode, "data_parallel")
     autopar.set_auto_parallel_context(parallel_mode=name, gradients_mean=True)
     if mode.startswith("zero"):
         autopar.set_auto_parallel_context(enable_parallel_optimizer=True,
                                           parallel_optimizer_config={"optimizer_level": f"level{mode[-1]}"})
 
 
+# Megatron's plan per model: the first projection of attention and MLP split by columns (output features), the
+# second by rows (input features: partial sums). MindSpore tuples for (input, weight), weight (out, in) as nn.Linear's
+COLUMNS = {"llama": ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), "gpt2": ("c_attn", "c_fc"),
+           "bert": ("query", "key", "value", "intermediate.dense"), "vit": ("fc1",)}  # timm's fused qkv: below
+ROWS = {"llama": ("o_proj", "down_proj"), "gpt2": ("attn.c_proj", "mlp.c_proj"),
+        "bert": ("attention.output.dense", "layer.0.output.dense", "layer.1.output.dense"), "vit": ("attn.proj", "fc2")}
+
+
+def megatron(model_name: str, model) -> None:
+    conv1d = model_name == "gpt2"  # transformers' Conv1D: weight (in, out), as MindSpore's MatMul
+    for name, module in model.named_modules():
+        if name.endswith(COLUMNS[model_name]):
+            autopar.shard(module, ((1, 1, 1), (1, n) if conv1d else (n, 1)))
+        elif name.endswith(ROWS[model_name]):
+            autopar.shard(module, ((1, 1, n), (n, 1) if conv1d else (1, n)))
+
+
+def by_names(model_name: str, model) -> None:
+    """The plan as torchtitan users write it: module-name patterns -> styles (strings or torch's objects), the
+    embedding's vocabulary split too (GPT-2's tied to its head, which splits the same rows as its columns)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plans = {
+        "llama": {"*.q_proj": "colwise", "*.k_proj": "colwise", "*.v_proj": "colwise", "*.o_proj": "rowwise",
+                  "*.gate_proj": "colwise", "*.up_proj": "colwise", "*.down_proj": "rowwise",
+                  "model.embed_tokens": "vocab"},
+        "gpt2": {"*.c_attn": ColwiseParallel(), "*.c_fc": ColwiseParallel(), "*.c_proj": RowwiseParallel(),
+                 "transformer.wte": RowwiseParallel(), "lm_head": ColwiseParallel()},
+        "bert": {"*.query": "colwise", "*.key": "colwise", "*.value": "colwise", "*.attention.output.dense":
+                 "rowwise", "*.intermediate.dense": "colwise", "*.layer.?.output.dense": "rowwise",
+                 "*.word_embeddings": "vocab"},
+        "vit": {"*.fc1": "colwise", "*.fc2": "rowwise", "*.attn.proj": "rowwise"},
+    }
+    autopar.shard(model, plans[model_name])
+
+
 def run(model_name: str, mode: str, ref: dict) -> dict:
+    from torch.distributed.tensor import DTensor
+
     set_mode(mode)
     model = build(model_name)
+    if mode == "megatron":
+        megatron(model_name, model)
+    if mode == "names":
+        by_names(model_name, model)
     if mode == "auto_explicit":  # the PyTorch door's explicit call, planned on keyword inputs
         args, kwargs = inputs_of(model_name, 0, 0, n, rank)
         autopar.parallelize(model, sample=kwargs or list(args))
-    train(model_name, model, n, rank)
+    if mode == "pipe":
+        train(model_name, model, micro_step=pipelined(model_name, model))
+        ref = reference(model_name, summed=True)
+    else:
+        train(model_name, model, n, rank)
     got = full(model)
     worst = max((got[k] - ref[k]).abs().max().item() for k in ref)
     sd = model.state_dict()
@@ -124,7 +216,9 @@ def run(model_name: str, mode: str, ref: dict) -> dict:
         one = build(model_name)
         one.load_state_dict(sd)
     reload = max((p.detach() - ref[k]).abs().max().item() for k, p in one.named_parameters())
-    return {"param": worst, "state_dict_reload": reload}
+    split = sorted(k for k, v in model.named_parameters()
+                   if isinstance(v, DTensor) and any(p.is_shard() for p in v.placements))
+    return {"param": worst, "state_dict_reload": reload, "split": split}
 
 
 results, refs = {}, {}
