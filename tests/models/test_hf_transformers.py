@@ -13,7 +13,7 @@ from procutil import SCRIPTS, autopar_cmd
 pytest.importorskip("transformers")
 
 MODELS = ["llama", "gpt2", "bert"]
-MODES = ["data", "zero1", "zero3", "semi", "megatron", "names", "auto", "auto_explicit"]
+MODES = ["data", "zero1", "zero3", "semi", "megatron", "names", "auto", "auto_explicit", "pipe"]
 TOL = 1e-9  # float64: exact math shows as ~1e-14
 # what the plans by names must store split: the projections, and the embedding's vocabulary (GPT-2's tied head too)
 SPLIT = {"llama": {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",

@@ -11,7 +11,7 @@ from procutil import SCRIPTS, autopar_cmd
 
 pytest.importorskip("timm")
 
-MODES = ["data", "zero1", "zero3", "semi", "megatron", "names", "auto", "auto_explicit"]
+MODES = ["data", "zero1", "zero3", "semi", "megatron", "names", "auto", "auto_explicit", "pipe"]
 TOL = 1e-9  # float64: exact math shows as ~1e-14
 
 

@@ -9,7 +9,9 @@ argv: OUT_PREFIX CASES_JSON ([[model, mode], ...]). Models: llama (LlamaForCausa
 VisionTransformer: cls token, position-embedding parameter). Modes: data, zero1, zero3, semi (SEMI_AUTO without
 strategies), megatron (SEMI_AUTO with ``autopar.shard`` MindSpore tuples on the projections: columns then rows),
 names (a torchtitan-style plan by module names with styles, the embedding's vocabulary split too), auto (the first
-call plans), auto_explicit (``autopar.parallelize(model, sample={...})``). Per case: the largest parameter difference and ``state_dict()`` loaded into a fresh one-process
+call plans), auto_explicit (``autopar.parallelize(model, sample={...})``), pipe (``autopar.PipelineParallel`` in 2
+stages split before the second block, the loss as ``loss_fn`` on the logits; against one process whose micro-steps'
+gradients add up, as a pipeline step per micro-step gives). Per case: the largest parameter difference and ``state_dict()`` loaded into a fresh one-process
 model, and which parameters are stored split. Writes JSON to OUT_PREFIX.<rank>.
 """
 import json

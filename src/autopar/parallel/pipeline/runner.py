@@ -127,7 +127,8 @@ class PipelineParallel:
                               "micro-batches")
         example = tuple(t.tensor_split(self.micro_batches)[0] if isinstance(t, torch.Tensor) else t for t in inputs)
         try:
-            with _context.managed():  # the trace calls the network: it must not parallelize itself meanwhile
+            # the trace calls the network: it must not parallelize itself meanwhile
+            with _context.managed(), _no_generation_cache(self.network):
                 pipe = pipeline(self.network, mb_args=example,
                                 split_spec={name: SplitPoint.BEGINNING for name in self.split_points})
         except Exception as exc:  # noqa: BLE001 - torch.export's many failure types, said in one line
@@ -306,6 +307,22 @@ class PipelineParallel:
                 if stages:
                     dist.broadcast(state[name].data, src=dist.get_global_rank(self.pp_group, min(stages)),
                                    group=self.pp_group)
+
+
+@contextlib.contextmanager
+def _no_generation_cache(network: torch.nn.Module):
+    """A Hugging Face model returns its key/value cache for generation (``config.use_cache``, on by default): an
+    object no stage can send, and nothing a training step uses. Off while the network is traced (the traced
+    stages are what runs), back as it was after."""
+    config = getattr(network, "config", None)
+    if getattr(config, "use_cache", None) is not True:
+        yield
+        return
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = True
 
 
 def pipeline_of(network: torch.nn.Module) -> PipelineParallel | None:
