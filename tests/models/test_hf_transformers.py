@@ -13,7 +13,8 @@ from procutil import SCRIPTS, autopar_cmd
 pytest.importorskip("transformers")
 
 MODELS = ["llama", "gpt2", "bert"]
-MODES = ["data", "zero1", "zero3", "semi", "megatron", "names", "auto", "auto_explicit", "pipe"]
+MODES = ["data", "zero1", "zero3", "semi", "megatron", "names", "auto", "auto_explicit", "auto_tight", "auto_megatron",
+         "pipe"]
 TOL = 1e-9  # float64: exact math shows as ~1e-14
 # what the plans by names must store split: the projections, and the embedding's vocabulary (GPT-2's tied head too)
 SPLIT = {"llama": {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
@@ -37,8 +38,10 @@ def test_transformers_models_train_exactly_in_every_mode(procs, tmp_path):
             model, mode = case.split("/")
             if mode == "names":
                 assert SPLIT[model] <= set(r["split"]), (rank, case, r["split"])
-            elif mode == "megatron":
+            elif mode in ("megatron", "auto_megatron"):
                 assert SPLIT[model] - {n for n in SPLIT[model] if "embed" in n or "wte" in n} <= set(r["split"]), \
                     (rank, case, r["split"])
             elif mode in ("data", "semi"):  # whole parameters (ZeRO stores slices; AUTO chooses)
                 assert not r["split"], (rank, case, r["split"])
+            elif mode == "auto_tight":  # the planner's ZeRO-3: every matrix stored as slices
+                assert SPLIT[model] - {n for n in SPLIT[model] if "wte" in n} <= set(r["split"]), (case, r)

@@ -9,7 +9,8 @@ argv: OUT_PREFIX CASES_JSON ([[model, mode], ...]). Models: llama (LlamaForCausa
 VisionTransformer: cls token, position-embedding parameter). Modes: data, zero1, zero3, semi (SEMI_AUTO without
 strategies), megatron (SEMI_AUTO with ``autopar.shard`` MindSpore tuples on the projections: columns then rows),
 names (a torchtitan-style plan by module names with styles, the embedding's vocabulary split too), auto (the first
-call plans), auto_explicit (``autopar.parallelize(model, sample={...})``), pipe (``autopar.PipelineParallel`` in 2
+call plans), auto_explicit (``autopar.parallelize(model, sample={...})``), auto_tight (AUTO under a memory limit
+data parallel exceeds: it plans ZeRO-3), auto_megatron (AUTO around the megatron strategies), pipe (``autopar.PipelineParallel`` in 2
 stages split before the second block, the loss as ``loss_fn`` on the logits; against one process whose micro-steps'
 gradients add up, as a pipeline step per micro-step gives). Per case: the largest parameter difference and ``state_dict()`` loaded into a fresh one-process
 model, and which parameters are stored split. Writes JSON to OUT_PREFIX.<rank>.
@@ -29,6 +30,7 @@ torch.set_default_dtype(torch.float64)
 init()
 rank, n = get_rank(), get_group_size()
 STEPS, MICRO, GLOBAL, SEQ, VOCAB = 2, 2, 4, 8, 64
+TIGHT = 600e3  # bytes per device for auto_tight: less than data parallel needs, what ZeRO-3 needs
 g = torch.Generator().manual_seed(0)
 IDS = torch.randint(0, VOCAB, (STEPS, MICRO, GLOBAL, SEQ), generator=g)
 PAD = torch.ones(STEPS, MICRO, GLOBAL, SEQ, dtype=torch.long)
@@ -152,6 +154,10 @@ def set_mode(mode: str) -> None:
     name = {"auto": "auto_parallel", "auto_explicit": "auto_parallel", "semi": "semi_auto_parallel",
             "megatron": "semi_auto_parallel", "names": "semi_auto_parallel"}.get(mode, "data_parallel")
     autopar.set_auto_parallel_context(parallel_mode=name, gradients_mean=True)
+    if mode == "auto_megatron":
+        autopar.set_auto_parallel_context(parallel_mode="auto_parallel")
+    if mode == "auto_tight":  # less memory than data parallel needs: the planner shards the optimizer
+        autopar.set_auto_parallel_context(parallel_mode="auto_parallel", max_device_memory=TIGHT)
     if mode.startswith("zero"):
         autopar.set_auto_parallel_context(enable_parallel_optimizer=True,
                                           parallel_optimizer_config={"optimizer_level": f"level{mode[-1]}"})
@@ -198,7 +204,7 @@ def run(model_name: str, mode: str, ref: dict) -> dict:
 
     set_mode(mode)
     model = build(model_name)
-    if mode == "megatron":
+    if mode in ("megatron", "auto_megatron"):  # auto_megatron: AUTO plans the rest around the user's strategies
         megatron(model_name, model)
     if mode == "names":
         by_names(model_name, model)
