@@ -2,7 +2,8 @@
 ``LlamaForCausalLM`` (GQA, RoPE, SDPA), ``GPT2LMHeadModel`` (Conv1D, tied head) and ``BertForSequenceClassification``
 (a padding mask) built from config objects (no downloads), called with keyword inputs and ``labels=`` (the loss
 inside ``forward``, a ``ModelOutput`` back), float64, AdamW + 2 micro-steps + ``clip_grad_norm_(1.0)`` -- equal to
-one process on the same global batches, and ``state_dict()`` loading into a fresh one-process model. One launch runs
+one process on the same global batches, ``state_dict()`` loading into a fresh one-process model, and (sliced and
+ZeRO-3 modes) ``save_pretrained`` read back by ``from_pretrained``. One launch runs
 every case (tests/scripts/hf_train.py)."""
 import json
 
@@ -36,6 +37,8 @@ def test_transformers_models_train_exactly_in_every_mode(procs, tmp_path):
             assert "error" not in r, (rank, case, r.get("error"), r.get("trace"))
             assert r["param"] <= TOL and r["state_dict_reload"] <= TOL, (rank, case, r)
             model, mode = case.split("/")
+            if mode in ("megatron", "names", "zero3"):  # save_pretrained from the parallel model, from_pretrained
+                assert r["save_pretrained"] is not None and r["save_pretrained"] <= TOL, (rank, case, r)
             if mode == "names":
                 assert SPLIT[model] <= set(r["split"]), (rank, case, r["split"])
             elif mode in ("megatron", "auto_megatron"):

@@ -224,9 +224,18 @@ def run(model_name: str, mode: str, ref: dict) -> dict:
         one = build(model_name)
         one.load_state_dict(sd)
     reload = max((p.detach() - ref[k]).abs().max().item() for k, p in one.named_parameters())
+    pretrained = None
+    if mode in ("megatron", "names", "zero3") and model_name != "vit":  # save_pretrained -> from_pretrained
+        folder = f"{out_prefix}.{model_name}.{mode}.pretrained"
+        model.save_pretrained(folder)  # (transformers writes from the main process: rank 0)
+        torch.distributed.barrier()
+        autopar.reset_auto_parallel_context()
+        with autopar.context.managed():
+            again = type(model).from_pretrained(folder)
+        pretrained = max((p.detach() - ref[k]).abs().max().item() for k, p in again.named_parameters())
     split = sorted(k for k, v in model.named_parameters()
                    if isinstance(v, DTensor) and any(p.is_shard() for p in v.placements))
-    return {"param": worst, "state_dict_reload": reload, "split": split}
+    return {"param": worst, "state_dict_reload": reload, "split": split, "save_pretrained": pretrained}
 
 
 results, refs = {}, {}

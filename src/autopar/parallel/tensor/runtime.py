@@ -272,9 +272,10 @@ class SemiAutoRuntime(ParameterPlacement):
 
         def wrap(t):
             if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.dim() >= 1:
-                # an output without the batch (Llama's rotary cos/sin, from positions alike on every rank, though
-                # the module was handed the activations for their dtype) is whole on every rank
-                split = n > 1 and batched and (local_batch is None or t.shape[0] == local_batch)
+                # an output of one row where the module was handed several (Llama's rotary cos/sin: from positions
+                # alike on every rank, the activations given only for their dtype) is whole on every rank, to be
+                # broadcast over the batch -- not one rank's share of a batch of n
+                split = n > 1 and batched and not (t.shape[0] == 1 and local_batch not in (None, 1))
                 return P.wrap_data_parallel(t) if split else P.to_dtensor_replicated(t)
             return t
 
