@@ -4,7 +4,8 @@ parallel mode, with only autopar's context call added -- against one process on 
 
 argv: OUT_PREFIX MODES_JSON. Modes: data, semi_megatron (``autopar.shard``: c_attn / c_fc columns, c_proj rows),
 auto, zero1, zero3, pipeline (``autopar.PipelineParallel`` split before ``transformer.h.1``; the loss computed inside
-the network, so ``step(X, Y)``). Per mode: the largest parameter difference, the tie (``lm_head.weight`` is
+the network, so ``step(X, Y)``), pipeline_logits (the model behind nanoGPT users' every-position-logits wrapper, which
+makes targets inside ``forward``; the loss as ``loss_fn``). Per mode: the largest parameter difference, the tie (``lm_head.weight`` is
 ``transformer.wte.weight``) and ``state_dict()`` loaded into a fresh one-process GPT. Writes JSON to OUT_PREFIX.<rank>.
 """
 import json
@@ -97,6 +98,23 @@ def megatron(model: GPT) -> GPT:
     return model
 
 
+class AllLogits(torch.nn.Module):
+    """The 3 lines nanoGPT users write to get every position's logits: its forward returns them only when given
+    targets, so the wrapper makes some inside ``forward`` -- a value the second pipeline stage then needs (for the
+    discarded loss), which must reach it intact (torch's shape probe once handed it uninitialised memory)."""
+
+    def __init__(self, gpt: GPT):
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, idx):
+        return self.gpt(idx, torch.zeros_like(idx))[0]
+
+
+def ce(logits, y):
+    return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+
+
 def run(mode: str) -> dict:
     set_mode(mode)
     model = fresh()
@@ -107,9 +125,13 @@ def run(mode: str) -> dict:
         runner = autopar.PipelineParallel(model, None, micro_batches=2, split_points=["transformer.h.1"])
         replicas = runner.replicas
         train(model, lambda m, x, y: runner.step(x, y) and None, replicas, runner.replica)
+    elif mode == "pipeline_logits":  # nanoGPT's logits-of-every-position wrapper, the loss outside: step(X, Y)
+        autopar.set_auto_parallel_context(parallel_mode="data_parallel", gradients_mean=True)
+        runner = autopar.PipelineParallel(AllLogits(model), ce, micro_batches=2, split_points=["gpt.transformer.h.1"])
+        train(model, lambda m, x, y: runner.step(x, y) and None, runner.replicas, runner.replica)
     else:
         train(model, backward_step, n, rank)
-    ref = REF_SUMMED if mode == "pipeline" else REF
+    ref = REF_SUMMED if mode.startswith("pipeline") else REF
     got = full(model)
     worst = max((got[k] - ref[k]).abs().max().item() for k in ref)
     tie = model.lm_head.weight is model.transformer.wte.weight

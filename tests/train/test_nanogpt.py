@@ -8,7 +8,7 @@ import pytest
 
 from procutil import SCRIPTS, autopar_cmd
 
-MODES = ["data", "semi_megatron", "auto", "zero1", "zero3", "pipeline"]
+MODES = ["data", "semi_megatron", "auto", "zero1", "zero3", "pipeline", "pipeline_logits"]
 TOL = 1e-5
 
 

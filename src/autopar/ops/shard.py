@@ -8,9 +8,20 @@ with the module's parameters. Outside a parallel runtime the operator computes e
   (out, in)): ``((1, 1), (2, 1))`` splits the output features (Megatron column), ``((1, 2), (1, 2))`` the input
   features (row: partial sums). The bias follows the output features.
 - ``nn.Conv2d``: ``((n, c, 1, 1), (o, c, 1, 1))``: batch, input channels (partial sums), output channels.
+- transformers' ``Conv1D`` (GPT-2; weight (in, out), as MindSpore's ``MatMul``): ``((1, 1, 1), (1, 2))`` splits the
+  output features, ``((1, 1, 2), (2, 1))`` the input features.
+- ``nn.Embedding``: ``((1, 1), (2, 1))`` splits the vocabulary (each rank looks up the ids in its rows, the others
+  give zeros: partial sums), ``((1, 1), (1, 2))`` the embedding dimension.
+
+Beside the tuples, the styles torch's tensor parallelism names: ``"colwise"`` / ``"rowwise"`` (``"vocab"`` for an
+embedding's vocabulary split -- what ``RowwiseParallel`` does to an ``nn.Embedding``), or ``ColwiseParallel()`` /
+``RowwiseParallel()`` objects; over every rank, for inputs of any rank. And a whole model by module names, as
+torchtitan plans are written: ``autopar.shard(model, {"*.q_proj": "colwise", "*.o_proj": "rowwise"})``
+(``fnmatch`` patterns over ``named_modules()``; one that matches no module is an error).
 """
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
@@ -50,10 +61,66 @@ class Conv2dOp(ShardablePrimitive):
         return self._conv_forward(x, weight, bias)
 
 
+class Conv1DOp(ShardablePrimitive):
+    """transformers' ``Conv1D`` (GPT-2's projections): ``x @ weight + bias`` with the weight stored (in, out)."""
+
+    bias_index = 2
+
+    def spec(self, x, weight, bias=None) -> S.OpSpec:
+        batch = "abcdefgh"[: x.dim() - 1]
+        inputs = (batch + "k", "kj") + (("j",) if bias is not None else ())
+        return S.OpSpec(inputs, batch + "j")
+
+    def compute(self, x, weight, bias=None):
+        flat = x.reshape(-1, x.shape[-1])  # as Conv1D computes it (addmm): the same rounding
+        out = torch.addmm(bias, flat, weight) if bias is not None else flat @ weight
+        return out.view(*x.shape[:-1], weight.shape[-1])
+
+
+class EmbeddingOp(ShardablePrimitive):
+    """``nn.Embedding``'s lookup. With the vocabulary split each rank holds rows ``[start, start + rows)``: the ids
+    outside give zeros (the output is a partial sum over the ranks); the runtime passes ``start`` (None: whole)."""
+
+    vocab_offset = True
+
+    def __init__(self, padding_idx: int | None = None):
+        super().__init__()
+        self.padding_idx = padding_idx
+
+    def spec(self, ids, weight) -> S.OpSpec:
+        idx = "nopqrs"[: ids.dim()]
+        return S.OpSpec((idx, "vh"), idx + "h")
+
+    def compute(self, ids, weight, start: int | None = None):
+        rows = weight.shape[0]
+        pad = self.padding_idx
+        if start is None:  # the whole table here
+            return F.embedding(ids, weight, pad)
+        local = ids - start
+        inside = (local >= 0) & (local < rows)
+        pad = pad - start if pad is not None and 0 <= pad - start < rows else None
+        out = F.embedding(torch.where(inside, local, torch.zeros_like(local)), weight, pad)
+        return out * inside.unsqueeze(-1).to(out.dtype)
+
+
+def _is_conv1d(module: Any) -> bool:
+    """transformers' ``Conv1D``, recognised without importing transformers."""
+    return (isinstance(module, torch.nn.Module) and any(c.__name__ == "Conv1D" for c in type(module).__mro__)
+            and hasattr(module, "nf")
+            and getattr(module, "weight", None) is not None and module.weight.dim() == 2)
+
+
 class _Sharded:
-    """Mixin: forward through the module's ``_autopar_op``."""
+    """Mixin: forward through the module's ``_autopar_op`` (a style's strategy fitted to the input's rank)."""
 
     def forward(self, x):  # type: ignore[override]
+        style = getattr(self, "_autopar_style", None)
+        if style is not None:
+            strategy = _style_strategy(self, style, x.dim())
+            if self._autopar_op.strategy != strategy:
+                self._autopar_op.strategy = strategy
+        if isinstance(self, torch.nn.Embedding):
+            return self._autopar_op(x, self.weight)
         if self.bias is not None:
             return self._autopar_op(x, self.weight, self.bias)
         return self._autopar_op(x, self.weight)
@@ -75,28 +142,104 @@ def _with_bias_entry(strategy: Any, bias_split: int, has_bias: bool) -> tuple:
     return strategy
 
 
+_STYLES = {"colwise", "rowwise", "vocab"}
+_TORCH_STYLES = {"ColwiseParallel": "colwise", "RowwiseParallel": "rowwise"}
+
+
+def _style_of(value: Any) -> str | None:
+    """``"colwise"`` / ``"rowwise"`` / ``"vocab"``, or torch's ``ColwiseParallel()`` / ``RowwiseParallel()``."""
+    if isinstance(value, str):
+        if value not in _STYLES:
+            raise StrategyError(f"autopar.shard: style {value!r} is not one of {', '.join(sorted(_STYLES))}")
+        return value
+    name = type(value).__name__
+    if name in _TORCH_STYLES:
+        return _TORCH_STYLES[name]
+    if name in ("SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput"):
+        raise StrategyError(f"autopar.shard: {name} is not available; the layouts between operators are "
+                            "redistributed as needed: give colwise / rowwise for the layers")
+    return None
+
+
+def _style_strategy(module: Any, style: str, x_dim: int) -> tuple:
+    """The MindSpore tuple a style stands for on ``module`` over every rank, for an input of rank ``x_dim``."""
+    from autopar.comm.topology import world_size
+
+    n = world_size()
+    lead = (1,) * max(x_dim - 1, 0)
+    if isinstance(module, torch.nn.Embedding):
+        ids = (1,) * x_dim
+        return (ids, (n, 1)) if style in ("vocab", "rowwise") else (ids, (1, n))
+    if style == "vocab":
+        raise StrategyError(f"autopar.shard: 'vocab' splits an nn.Embedding's vocabulary, not a "
+                            f"{type(module).__name__}'s (give colwise: its output features)")
+    conv1d = _is_conv1d(module)
+    if style == "colwise":
+        strategy = (lead + (1,), (1, n) if conv1d else (n, 1))
+    else:
+        strategy = (lead + (n,), (n, 1) if conv1d else (1, n))
+    bias = getattr(module, "bias", None) is not None
+    return strategy + (((n if style == "colwise" else 1,),) if bias else ())
+
+
 def shard(module: Any, in_strategy: Any, out_strategy: Any = None) -> Any:
-    """Give ``module`` a MindSpore shard strategy (an autopar operator, ``nn.Linear`` or ``nn.Conv2d``)."""
+    """Give ``module`` a MindSpore shard strategy (an autopar operator, ``nn.Linear``, ``nn.Conv2d``,
+    transformers' ``Conv1D``, ``nn.Embedding``) or a style; or a whole model a plan by module names."""
     if isinstance(module, ShardablePrimitive):
         return module.shard(in_strategy, out_strategy)
+    if isinstance(in_strategy, dict):
+        return _shard_by_names(module, in_strategy)
+    conv1d = _is_conv1d(module)
     if isinstance(module, _Sharded):
         base = module._autopar_op
     elif isinstance(module, torch.nn.Linear):
         base = LinearOp()
     elif isinstance(module, torch.nn.Conv2d):
         base = Conv2dOp(module._conv_forward, module.groups)
+    elif conv1d:
+        base = Conv1DOp()
+    elif isinstance(module, torch.nn.Embedding):
+        if module.max_norm is not None or module.sparse:
+            raise StrategyError("autopar.shard: an nn.Embedding with max_norm or sparse=True cannot be sharded "
+                                "(its lookup renormalises or scatters the whole table)")
+        base = EmbeddingOp(module.padding_idx)
     else:
         raise StrategyError(f"autopar.shard cannot shard a {type(module).__name__}: supported are nn.Linear, "
-                            f"nn.Conv2d and the autopar.ops operators")
-    if not isinstance(in_strategy, (tuple, list)) or len(in_strategy) < 2:
-        raise StrategyError(f"{type(module).__name__}: the strategy needs an entry for the input and the weight, "
-                            f"got {in_strategy!r}")
-    has_bias = module.bias is not None
-    base.shard(_with_bias_entry(in_strategy, in_strategy[1][0], has_bias), out_strategy)
+                            f"nn.Conv2d, nn.Embedding, transformers' Conv1D and the autopar.ops operators")
+    style = _style_of(in_strategy)
+    if style is not None:
+        if out_strategy is not None:
+            raise StrategyError(f"{type(module).__name__}: a style ({style}) takes no out_strategy")
+        base.shard(_style_strategy(module, style, 2 if isinstance(module, torch.nn.Embedding) else 3))
+    else:
+        if not isinstance(in_strategy, (tuple, list)) or len(in_strategy) < 2:
+            raise StrategyError(f"{type(module).__name__}: the strategy needs an entry for the input and the weight, "
+                                f"got {in_strategy!r}")
+        has_bias = getattr(module, "bias", None) is not None
+        out_dim = 1 if conv1d else 0  # the bias follows the output features
+        base.shard(_with_bias_entry(in_strategy, tuple(in_strategy[1])[out_dim], has_bias), out_strategy)
     if not isinstance(module, _Sharded):
         module._autopar_op = base
         module.__class__ = _sharded_class(type(module))
+    module._autopar_style = style
     return module
+
+
+def _shard_by_names(model: Any, plan: dict) -> Any:
+    """``{pattern: style or strategy}`` over the model's module names (``fnmatch``), every pattern used."""
+    if not isinstance(model, torch.nn.Module):
+        raise StrategyError(f"autopar.shard: a plan by names needs a torch module, got {type(model).__name__}")
+    modules = list(model.named_modules())
+    for pattern, value in plan.items():
+        if not isinstance(pattern, str):
+            raise StrategyError(f"autopar.shard: plan keys are module-name patterns, got {pattern!r}")
+        matched = [m for name, m in modules if name and fnmatchcase(name, pattern)]
+        if not matched:
+            raise StrategyError(f"autopar.shard: pattern {pattern!r} matches no module of the "
+                                f"{type(model).__name__}")
+        for m in matched:
+            shard(m, value)
+    return model
 
 
 def has_strategies(*modules: torch.nn.Module | None) -> bool:

@@ -92,10 +92,11 @@ def runtime_of(module: torch.nn.Module):
 
 # -- the dispatch ---------------------------------------------------------------------------------------------------
 def attach(network: torch.nn.Module, loss_fn: Any = None, optimizer: torch.optim.Optimizer | None = None,
-           sample: list | None = None, ctx=None, plan=None) -> ParallelState:
+           sample: list | None = None, ctx=None, sample_kwargs: dict | None = None, plan=None) -> ParallelState:
     """Parallelize ``network`` under ``ctx`` (the current context by default), once: later calls return its state.
 
-    ``sample``: one batch of the network's inputs (and the label, with ``loss_fn``), which AUTO_PARALLEL plans on.
+    ``sample``: one batch of the network's inputs (and the label, with ``loss_fn``), which AUTO_PARALLEL plans on;
+    ``sample_kwargs``: its keyword inputs (``input_ids=..., labels=...``).
     ``plan``: AUTO_PARALLEL's decision, already made (the measured round applies each candidate to a copy)."""
     state = state_of(network)
     if state is not None:
@@ -122,7 +123,7 @@ def attach(network: torch.nn.Module, loss_fn: Any = None, optimizer: torch.optim
     tuning.tune_allocator(network)  # every mode: it changes no result, only how often freed memory is faulted in
     state = bind(ParallelState(mode, world), network)
     try:
-        _dispatch(state, network, loss_fn, optimizer, sample, ctx, plan)
+        _dispatch(state, network, loss_fn, optimizer, sample, ctx, sample_kwargs or {}, plan)
     except BaseException:
         state.close()
         raise
@@ -132,7 +133,7 @@ def attach(network: torch.nn.Module, loss_fn: Any = None, optimizer: torch.optim
     return state
 
 
-def _dispatch(state: ParallelState, network, loss_fn, optimizer, sample, ctx, plan=None) -> None:
+def _dispatch(state: ParallelState, network, loss_fn, optimizer, sample, ctx, sample_kwargs, plan=None) -> None:
     mode = state.mode
     if ctx.pipeline_stages > 1:
         if mode is not ParallelMode.STAND_ALONE:
@@ -150,10 +151,11 @@ def _dispatch(state: ParallelState, network, loss_fn, optimizer, sample, ctx, pl
                           f"(now {mode.value})")
     zero = _zero_level(ctx, mode)
     if mode is ParallelMode.AUTO_PARALLEL:  # strategies a user gave are kept: the planner chooses the rest
-        if sample is None:
+        if sample is None and not sample_kwargs:
             raise ConfigError("AUTO_PARALLEL plans on real shapes: give Model.train a dataset, or call the network "
                               "(or parallelize(network, sample=[inputs...]))")
-        state.plan = plan if plan is not None else _plan(network, loss_fn, optimizer, sample, ctx)
+        state.plan = plan if plan is not None else _plan(network, loss_fn, optimizer, list(sample or ()), ctx,
+                                                         sample_kwargs)
         if state.plan.pipeline is not None:
             from autopar.parallel.pipeline.cell import attach_planned_pipeline
 
@@ -230,25 +232,29 @@ def _attach_data_parallel(state, network, ctx, layerwise: set[str]) -> None:
         state.engines.append(LocalGrads(local, state.world, ctx.gradients_mean))
 
 
-def _plan(network, loss_fn, optimizer, sample, ctx):
+def _plan(network, loss_fn, optimizer, sample, ctx, sample_kwargs=None):
     """AUTO_PARALLEL: the planner's choice for this network (rank 0 plans, every rank runs it), checked by the
     measured round (:mod:`autopar.parallel.trials`)."""
     from autopar.parallel.trials import measured_round
     from autopar.planner.api import finish, make_plan
 
-    sample = [t.to(_device()) if isinstance(t, torch.Tensor) else t for t in sample]
+    def move(t):
+        return t.to(_device()) if isinstance(t, torch.Tensor) else t
+
+    sample = [move(t) for t in sample]
+    kwargs = {k: move(v) for k, v in (sample_kwargs or {}).items()}
     with _context.managed():  # the planner's trace calls the network: it must not parallelize itself meanwhile
-        plan = make_plan(network, loss_fn, sample)
-    plan = measured_round(network, loss_fn, optimizer, sample, plan, ctx)
+        plan = make_plan(network, loss_fn, sample, kwargs)
+    plan = measured_round(network, loss_fn, optimizer, sample, plan, ctx, kwargs)
     finish(plan, network)
     return plan
 
 
 # -- Model's view ---------------------------------------------------------------------------------------------------
 def prepare(network: torch.nn.Module, loss_fn: Any = None, optimizer: torch.optim.Optimizer | None = None,
-            sample: list | None = None, plan=None) -> Prepared:
+            sample: list | None = None, plan=None, sample_kwargs: dict | None = None) -> Prepared:
     """``attach`` plus how ``Model`` computes the loss of a batch (inputs..., label)."""
-    state = attach(network, loss_fn, optimizer, sample, plan=plan)
+    state = attach(network, loss_fn, optimizer, sample, sample_kwargs=sample_kwargs, plan=plan)
     device = _device()
     if state.pipeline is not None:
         runner = state.pipeline
@@ -291,13 +297,17 @@ def parallelize(network: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
 
     ``zero`` (1, 2, 3 or "level1".."level3") shards the optimizer state (and gradients, weights) of this network
     over the data-parallel ranks, ``zero_shard_size`` over groups of that many ranks (hybrid): the PyTorch
-    spelling of ``enable_parallel_optimizer`` / ``optimizer_weight_shard_size``, for this network only."""
+    spelling of ``enable_parallel_optimizer`` / ``optimizer_weight_shard_size``, for this network only.
+    ``sample`` may be a dict: the keyword inputs (``{"input_ids": x, "labels": y}``)."""
     if not _comm.is_initialized():
         raise ConfigError("parallelize: call autopar.communication.init() first")
     ctx = _with_zero(_context.auto_parallel_context(), zero, zero_shard_size)
     if ctx.parallel_mode is ParallelMode.STAND_ALONE:
         return network
-    attach(network, optimizer=optimizer, sample=sample, ctx=ctx)
+    if isinstance(sample, dict):
+        attach(network, optimizer=optimizer, sample=[], ctx=ctx, sample_kwargs=sample)
+    else:
+        attach(network, optimizer=optimizer, sample=sample, ctx=ctx)
     return network
 
 

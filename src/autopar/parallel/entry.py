@@ -15,6 +15,7 @@ in the data-parallel modes (evaluation). The hooks are removed by ``reset_auto_p
 """
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 
@@ -74,7 +75,7 @@ def _pre(module: torch.nn.Module, args: tuple):
     runtime = state.runtime
     if runtime is not None and not runtime.is_root(module):
         runtime.add_root(module)  # e.g. the backbone of a WithLossCell that trained first: same parameters
-        return runtime.enter_first_call(module, args)
+        return runtime.enter_first_call(module, args, call_kwargs(module))
     for engine in state.engines:  # a part of the network called on its own: its outputs end the backward too
         watch = getattr(engine, "watch_once", None)
         if watch is not None:
@@ -86,6 +87,22 @@ def _post(module: torch.nn.Module, args: tuple, output):
     if not _is_wrapper(module):
         _state.depth = max(getattr(_state, "depth", 1) - 1, 0)
     return None
+
+
+def call_kwargs(module: torch.nn.Module) -> dict:
+    """The keyword inputs of the call of ``module`` now under way (``model(input_ids=x, labels=y)``): torch gives a
+    global forward pre-hook only the positional ones, so they are read from the frame of ``Module._call_impl``
+    that runs the hooks (its ``kwargs`` dict is the one ``forward`` receives: converted in place, the call sees
+    the conversion). Empty where no such frame is found."""
+    frame = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            break
+        local = frame.f_locals
+        if local.get("self") is module and isinstance(local.get("kwargs"), dict) and "args" in local:
+            return local["kwargs"]
+        frame = frame.f_back
+    return {}
 
 
 def _first_call(module: torch.nn.Module, args: tuple):
@@ -104,13 +121,14 @@ def _first_call(module: torch.nn.Module, args: tuple):
     ctx = _context.auto_parallel_context()
     if not api.lays_out(module, None, ctx) and not torch.is_grad_enabled():
         return None  # evaluation in the data-parallel modes: replicas compute alone
-    state = api.attach(module, sample=list(args))
+    kwargs = call_kwargs(module)
+    state = api.attach(module, sample=list(args), sample_kwargs=kwargs)
     if state.zero_level:  # sharded inside its own call: FSDP's root pre-forward by hand
         from autopar.parallel.zero.fsdp import enter_first_call
 
-        return enter_first_call(module, args)
+        return enter_first_call(module, args, kwargs)
     if state.runtime is not None:
-        return state.runtime.enter_first_call(module, args)
+        return state.runtime.enter_first_call(module, args, kwargs)
     return None
 
 

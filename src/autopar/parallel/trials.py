@@ -43,7 +43,8 @@ def _steps() -> int:
         return 3
 
 
-def measured_round(network: torch.nn.Module, loss_fn: Any, optimizer: Any, sample: list, plan, ctx):
+def measured_round(network: torch.nn.Module, loss_fn: Any, optimizer: Any, sample: list, plan, ctx,
+                   sample_kwargs: dict | None = None):
     """``plan`` or the runner-up that measured faster (every rank returns the same one)."""
     from autopar.planner.api import load_decision, save_decision
 
@@ -75,7 +76,7 @@ def measured_round(network: torch.nn.Module, loss_fn: Any, optimizer: Any, sampl
     measured = []
     try:
         for candidate in candidates:
-            measured.append(_time(network, loss_fn, optimizer, sample, candidate, ctx))
+            measured.append(_time(network, loss_fn, optimizer, sample, candidate, ctx, sample_kwargs or {}))
     finally:
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
@@ -107,7 +108,7 @@ def _still_fits(plan, cached: dict) -> bool:
     return len(candidate.choice) == len(plan.choice) and (limit is None or candidate.totals.memory <= limit)
 
 
-def _time(network, loss_fn, optimizer, sample, candidate, ctx) -> float:
+def _time(network, loss_fn, optimizer, sample, candidate, ctx, kwargs: dict) -> float:
     """The slowest rank's median step of ``candidate`` on a copy of the network (inf where it failed anywhere)."""
     from autopar.parallel.api import prepare
 
@@ -121,14 +122,16 @@ def _time(network, loss_fn, optimizer, sample, candidate, ctx) -> float:
             raise LookupError("an operator of the plan is not part of the network's copy")
         if opt is None:  # a loop that makes its optimizer later: momentum SGD stands in for its step
             opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.0, momentum=0.9)
-        prepared = prepare(net, loss, opt, list(sample), plan=dataclasses_copy(candidate, strategies))
+        prepared = prepare(net, loss, opt, list(sample), plan=dataclasses_copy(candidate, strategies),
+                           sample_kwargs=kwargs)
+        forward = prepared.forward_loss if not kwargs else (lambda inputs: net(*inputs, **kwargs))
         state = prepared.state
         times = []
         for step in range(_steps() + 1):  # (under enable_grad: the first call may have been an evaluation)
             _sync(prepared.device)
             t0 = time.perf_counter()
             with torch.enable_grad():
-                out = prepared.forward_loss(list(sample))
+                out = forward(list(sample))
                 if not prepared.runs_backward:
                     _scalar(out).backward()
             opt.step()
@@ -165,6 +168,9 @@ def _scalar(out: Any) -> torch.Tensor:
     floating output."""
     if isinstance(out, torch.Tensor) and out.dim() == 0:
         return out
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)  # a ModelOutput / dict's loss
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad:
+        return loss
     leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()
               and t.requires_grad]
     if not leaves:

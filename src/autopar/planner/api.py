@@ -22,15 +22,19 @@ def _global_batch(sample: list) -> tuple:
     return tuple(all_gather(t.detach()) if isinstance(t, torch.Tensor) and t.dim() >= 1 else t for t in sample)
 
 
-def make_plan(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sample: list) -> Plan:
+def make_plan(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sample: list,
+              sample_kwargs: dict | None = None) -> Plan:
     ctx = _context.auto_parallel_context()
     machine = load_or_calibrate()
     limit = ctx.max_device_memory or _context.run_context().max_device_memory or machine.memory_per_device
     n = dist.get_world_size() if dist.is_initialized() else 1
     batch = _global_batch(sample)
+    names = sorted(sample_kwargs or {})
+    kwargs = dict(zip(names, _global_batch([sample_kwargs[k] for k in names])))
     note = None if loss_fn is not None else ("the training loop runs its own backward; Model.train (or "
                                              "autopar.PipelineParallel) runs a pipeline's step")
-    plan = plan_network(network, loss_fn, batch, n, machine, ctx.search_mode, limit, pipeline_note=note)
+    plan = plan_network(network, loss_fn, batch, n, machine, ctx.search_mode, limit, pipeline_note=note,
+                        sample_kwargs=kwargs)
     if dist.is_initialized() and n > 1:  # every rank runs rank 0's plan (one source of truth)
         box = [plan.choice if dist.get_rank() == 0 else None, plan.pure_data_parallel, plan.zero_level, plan.pipeline]
         dist.broadcast_object_list(box, src=0)

@@ -323,7 +323,7 @@ class Tracer:
         return tuple(dims[d] for d in order)
 
     # -- running ------------------------------------------------------------------------------------------------
-    def run(self, fn, *inputs) -> Any:
+    def run(self, fn, *inputs, **kwargs) -> Any:
         for module in self.network.modules():
             if isinstance(module, ShardablePrimitive) or not (
                     isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)) or not any(True for _ in module.children())):
@@ -332,10 +332,10 @@ class Tracer:
             self.handles.append(module.register_forward_hook(self._module_post))
         try:
             with torch.no_grad(), _Recorder(self), _primitive.executing(self.primitive):
-                for t in inputs:
+                for t in tree_flatten((inputs, kwargs))[0]:
                     if isinstance(t, torch.Tensor):
                         self._set(t, DP)
-                out = fn(*inputs)
+                out = fn(*inputs, **kwargs)
                 self._consume_dp([t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)])
                 return out
         finally:
@@ -344,8 +344,10 @@ class Tracer:
 
 
 def capture(network: torch.nn.Module, loss_fn: torch.nn.Module | None, inputs: tuple,
-            every_operator: bool = False) -> Graph:
-    """Trace ``network`` (and ``loss_fn(network(*inputs[:-1]), inputs[-1])`` when a loss is given).
+            every_operator: bool = False, kwargs: dict | None = None) -> Graph:
+    """Trace ``network`` (and ``loss_fn(network(*inputs[:-1]), inputs[-1])`` when a loss is given), called as the
+    user calls it: ``kwargs`` are its keyword inputs (``input_ids=..., labels=...``); what it returns -- a tensor, a
+    tuple, a dict or a ``ModelOutput``, a loss computed inside ``forward`` -- is taken whole.
     ``every_operator``: element-wise and reduction operators become nodes too (sharding propagation gives them
     strategies; the cost searches leave them data-parallel, as the runtime runs an operator without one)."""
     import time
@@ -356,10 +358,11 @@ def capture(network: torch.nn.Module, loss_fn: torch.nn.Module | None, inputs: t
     root.eval()  # no BatchNorm statistics are touched by the trace
     tracer = Tracer(root, every_operator)
     try:
-        tracer.run(root, *inputs)
+        tracer.run(root, *inputs, **(kwargs or {}))
     finally:
         root.train(was_training)
-    batch = int(inputs[0].shape[0]) if inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() else 1
+    first = next((t for t in tree_flatten((tuple(inputs), kwargs or {}))[0] if isinstance(t, torch.Tensor)), None)
+    batch = int(first.shape[0]) if first is not None and first.dim() else 1
     if loss_fn is not None:  # names as in the user's network
         for node in tracer.nodes:
             node.name = node.name.removeprefix("network.")
@@ -374,5 +377,5 @@ class _Pair(torch.nn.Module):
         self.network = network
         self.loss_fn = loss_fn
 
-    def forward(self, *inputs):
-        return call_loss(self.loss_fn, self.network(*inputs[:-1]), inputs[-1])
+    def forward(self, *inputs, **kwargs):
+        return call_loss(self.loss_fn, self.network(*inputs[:-1], **kwargs), inputs[-1])

@@ -216,19 +216,25 @@ def _fitting(zero: dict[str, Totals], memory_limit: float | None) -> dict[str, T
 
 def plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sample: tuple, device_num: int,
                  machine: MachineModel, search_mode: str = "dynamic_programming",
-                 memory_limit: float | None = None, pipeline_note: str | None = None) -> Plan:
+                 memory_limit: float | None = None, pipeline_note: str | None = None,
+                 sample_kwargs: dict | None = None) -> Plan:
     """Capture, cost, search, compare with data parallelism (with and without ZeRO) and pipelines; the result can
     ``apply()`` and ``explain()``. ``pipeline_note``: why pipelines are not to be weighed (a loop that runs its own
-    backward cannot run one)."""
-    plan = _plan_network(network, loss_fn, sample, device_num, machine, search_mode, memory_limit, pipeline_note)
+    backward cannot run one). ``sample_kwargs``: the network's keyword inputs (``input_ids=...``)."""
+    plan = _plan_network(network, loss_fn, sample, device_num, machine, search_mode, memory_limit, pipeline_note,
+                         sample_kwargs)
     plan.memory_limit = memory_limit
     return plan
 
 
 def _plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sample: tuple, device_num: int,
-                 machine: MachineModel, search_mode: str = "dynamic_programming",
-                 memory_limit: float | None = None, pipeline_note: str | None = None) -> Plan:
-    graph = capture(network, loss_fn, sample, every_operator=search_mode == "sharding_propagation")
+                  machine: MachineModel, search_mode: str = "dynamic_programming",
+                  memory_limit: float | None = None, pipeline_note: str | None = None,
+                  sample_kwargs: dict | None = None) -> Plan:
+    graph = capture(network, loss_fn, sample, every_operator=search_mode == "sharding_propagation",
+                    kwargs=sample_kwargs)
+    if sample_kwargs and pipeline_note is None:
+        pipeline_note = "the network takes keyword inputs, which a pipeline's stages do not pass"
     costs = graph_costs(graph, machine, device_num)
     timer = getattr(machine, "op_timer", None)
     if timer is not None:

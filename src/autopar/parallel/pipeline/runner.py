@@ -127,7 +127,8 @@ class PipelineParallel:
                               "micro-batches")
         example = tuple(t.tensor_split(self.micro_batches)[0] if isinstance(t, torch.Tensor) else t for t in inputs)
         try:
-            with _context.managed():  # the trace calls the network: it must not parallelize itself meanwhile
+            # the trace calls the network: it must not parallelize itself meanwhile
+            with _context.managed(), _no_generation_cache(self.network):
                 pipe = pipeline(self.network, mb_args=example,
                                 split_spec={name: SplitPoint.BEGINNING for name in self.split_points})
         except Exception as exc:  # noqa: BLE001 - torch.export's many failure types, said in one line
@@ -147,12 +148,12 @@ class PipelineParallel:
         stages = [PipelineStage(self._pieces[k], k, pieces, _comm.device(), group=self.pp_group) for k in mine]
         for stage in stages:
             piece = stage.submod
-            if piece.reads_inputs():
-                if not hasattr(stage, "register_forward_context"):
-                    raise ConfigError(f"pipeline: piece {piece.index} reads the network's inputs (targets?), which "
-                                      f"needs torch >= 2.15 (this is {torch.__version__}); give a loss_fn and the "
-                                      "targets as the label instead")
-                stage.register_forward_context(piece.running)
+            if piece.reads_inputs() and not hasattr(stage, "register_forward_context"):
+                raise ConfigError(f"pipeline: piece {piece.index} reads the network's inputs (targets?), which "
+                                  f"needs torch >= 2.15 (this is {torch.__version__}); give a loss_fn and the "
+                                  "targets as the label instead")
+            if piece.index > 0 and hasattr(stage, "register_forward_context"):
+                stage.register_forward_context(piece.running)  # which micro-batch; and the shape probe, told apart
         loss_fn, scale = self.loss_fn, 1.0 / self.micro_batches if self.reduction == "mean" else 1.0
 
         def micro_batch_loss(output, label):
@@ -199,7 +200,9 @@ class PipelineParallel:
                 self._schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
             else:
                 self._schedule.step(target=target, losses=losses, return_outputs=False)
-        loss = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros(())
+        # float32 on every rank alike (a float64 default dtype must not make the broadcast's two ends differ)
+        loss = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros((),
+                                                                                             dtype=torch.float32)
         if self.num_stages > 1:  # every rank of the replica reports its loss ...
             last = dist.get_global_rank(self.pp_group, self.num_stages - 1)
             dist.broadcast(loss, src=last, group=self.pp_group)
@@ -304,6 +307,22 @@ class PipelineParallel:
                 if stages:
                     dist.broadcast(state[name].data, src=dist.get_global_rank(self.pp_group, min(stages)),
                                    group=self.pp_group)
+
+
+@contextlib.contextmanager
+def _no_generation_cache(network: torch.nn.Module):
+    """A Hugging Face model returns its key/value cache for generation (``config.use_cache``, on by default): an
+    object no stage can send, and nothing a training step uses. Off while the network is traced (the traced
+    stages are what runs), back as it was after."""
+    config = getattr(network, "config", None)
+    if getattr(config, "use_cache", None) is not True:
+        yield
+        return
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = True
 
 
 def pipeline_of(network: torch.nn.Module) -> PipelineParallel | None:

@@ -110,16 +110,23 @@ class Piece(torch.nn.Module):
         self.sources = sources  # per argument of the piece: ("recv", i) or ("root", i)
         self.feed: list[tuple] = []  # per micro-batch of this step: the network's inputs
         self.micro = 0  # the micro-batch being computed (the stage's forward context says which)
+        self.probing = False  # torch's shape probe: what it "receives" is uninitialised memory
 
     def reads_inputs(self) -> bool:
         return self.index > 0 and any(kind == "root" for kind, _ in self.sources)
 
     def running(self, info):
         """The stage's forward context: which micro-batch this forward is (the shape probe: the first)."""
-        self.micro = 0 if info.is_metadata_inference else info.microbatch_index
+        self.probing = bool(info.is_metadata_inference)
+        self.micro = 0 if self.probing else info.microbatch_index
         return contextlib.nullcontext()
 
     def forward(self, *received):
+        if self.probing and self.index > 0:
+            # torch's shape probe hands a later piece empty buffers: values that index (targets of a loss, token
+            # ids made in an earlier piece) would read uninitialised memory -- out of range, or silently wrong.
+            # Zeros are in range for any index; the probe only looks at the shapes of what comes out
+            received = tuple(torch.zeros_like(t) if isinstance(t, torch.Tensor) else t for t in received)
         if self.index == 0:  # the first piece is given the network's inputs by the schedule
             root = received
         else:

@@ -54,6 +54,10 @@ def run_operator(rt, op: Primitive, args: tuple, kwargs: dict) -> Any:
         # the output is a partial sum over the split contraction: each part carries 1/k of the bias
         parts = math.prod(plan.device_matrix[a] for a in plan.partial_axes)
         local_args[bias] = local_args[bias] / parts
+    if getattr(op, "vocab_offset", False) and plan.inputs[1].slice_shape[0] != shapes[1][0]:
+        # a table split by rows (an embedding's vocabulary): the operator looks up the ids in its rows only
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        kwargs = dict(kwargs, start=plan.inputs[1].slice_index(rank)[0] * plan.inputs[1].slice_shape[0])
     with regather if regather is not None and regather.gathered else contextlib.nullcontext():
         out = op.compute(*local_args, **kwargs)
     partial, reduction = plan.partial_axes, plan.reduction

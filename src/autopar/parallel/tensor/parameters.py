@@ -100,6 +100,34 @@ class ParameterPlacement:
                                            layout.placements(), layout)
             if stored:
                 self._leaf_params[id(module)] = stored
+        self._store_direct_parameters(root, converted)
+
+    def _store_direct_parameters(self, root: torch.nn.Module, converted: set) -> None:
+        """Parameters a composite module uses in its own ``forward`` (timm's cls token and position embedding, a
+        learned scale) become replicated DTensors for good: they meet DTensor activations there (``torch.cat``
+        with the batch), and autograd through DTensor gives their gradient's layout (a pending sum over the
+        batch's ranks), which the gradient hooks complete as any laid-out parameter's. Left to the operators that
+        use them: the parameters of a Cell, or of a module with autopar operators (MindSpore's way, where the first
+        operator to use a parameter lays it out)."""
+        from autopar.nn.cell import Cell
+
+        for module in root.modules():
+            if (id(module) in self._hooked or is_annotated(module) or isinstance(module, (Primitive, Cell))
+                    or any(isinstance(child, Primitive) for child in module.children())):
+                continue
+            for attr, param in list(module._parameters.items()):
+                if (param is None or isinstance(param, DTensor) or not param.requires_grad
+                        or getattr(param, "layerwise_parallel", False)):
+                    continue
+                name = self.param_names.get(param, attr)
+                if name in self.param_layout or param in self.converted:
+                    continue
+                placements = self._stored(P.replicate_placements(), tuple(param.shape))
+                new = self._replace(param, name, placements, default_owner=(module, attr))
+                converted.add(id(new))
+                layout = Layout.replicated(tuple(param.shape), self.device_num)
+                self.param_layout[name] = (f"module '{self.names.get(id(module), '?')}' (used in its forward)",
+                                           layout.placements(), layout)
 
     def preset_layout(self, name: str, layout: Layout) -> None:
         """Lay parameter ``name`` out now (a strategy to load a checkpoint into, or one read from a file); the

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -102,6 +103,7 @@ class SemiAutoRuntime(ParameterPlacement):
         self._strategy_written = False
         self.loss_root: torch.nn.Module | None = None  # network + loss, when Model gave a loss
         self._executing = None
+        self._implicit = None
         self.outputs_whole = False  # this forward handed whole outputs back (full_batch)
         self.grads = LayoutGrads(self.device_num, gradients_mean, loss_was_global=lambda: self.loss_was_global,
                                  whole_outputs=lambda: self.outputs_whole)
@@ -148,11 +150,16 @@ class SemiAutoRuntime(ParameterPlacement):
     def is_root(self, module: torch.nn.Module) -> bool:
         return any(r is module for r in self.roots)
 
-    def enter_first_call(self, module: torch.nn.Module, args: tuple) -> tuple:
+    def enter_first_call(self, module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> tuple:
         """The root pre-hook's work for a call already under way when the root was added (torch collected the
-        call's pre-hooks before): convert its inputs here; the post-hook, collected later, runs as usual."""
-        out = self._root_pre(module, args, {})
-        return args if out is None else out[0]
+        call's pre-hooks before): convert its inputs here -- the keyword ones in place, in the call's own dict
+        (:func:`autopar.parallel.entry.call_kwargs`); the post-hook, collected later, runs as usual."""
+        out = self._root_pre(module, args, dict(kwargs or {}))
+        if out is None:
+            return args
+        if kwargs is not None:
+            kwargs.update(out[1])
+        return out[0]
 
     # -- root and leaf hooks -------------------------------------------------------------------------------------
     def _enter(self) -> bool:
@@ -163,6 +170,10 @@ class SemiAutoRuntime(ParameterPlacement):
             self.loss_was_global = self.outputs_whole = False
             self._executing = _primitive.executing(_execute)
             self._executing.__enter__()
+            # tensors the network makes itself (a causal or padding mask, arange positions, a constant) are the
+            # same on every rank: DTensor takes them as replicated where they meet the laid-out activations
+            self._implicit = implicit_replication()
+            self._implicit.__enter__()
             if len(world_mesh().shape) > 1:  # a dimension may be split over two mesh axes
                 self._matmul_mode = local_matmul.enter()
         self._depth += 1
@@ -175,6 +186,9 @@ class SemiAutoRuntime(ParameterPlacement):
             executing, self._executing = self._executing, None
             if executing is not None:
                 executing.__exit__(None, None, None)
+            implicit, self._implicit = self._implicit, None
+            if implicit is not None:
+                implicit.__exit__(None, None, None)
             mode, self._matmul_mode = self._matmul_mode, None
             if mode is not None:
                 local_matmul.leave(mode)
@@ -224,7 +238,10 @@ class SemiAutoRuntime(ParameterPlacement):
         # what the module computes follows its inputs: from the network's inputs (DTensors), this rank's share of
         # the batch; from tensors made inside the network (``arange`` positions, masks), the same on every rank
         batched = any(isinstance(t, DTensor) for t in tree_flatten((args,))[0])
-        self._leaf_batched.setdefault(id(module), []).append(batched)
+        local = tree_map(lambda t: P.to_data_parallel_local(t) if isinstance(t, DTensor) else t, args)
+        local_batch = next((a.shape[0] for a, t in zip(tree_flatten((local,))[0], tree_flatten((args,))[0])
+                            if isinstance(t, DTensor) and t.dim() >= 1), None)
+        self._leaf_batched.setdefault(id(module), []).append((batched, local_batch))
         stored_params = self._leaf_params.get(id(module), ())
         regather = Regather() if stored_params and self.zero_level == "level3" else None
         whole = P.replicate_placements()
@@ -239,7 +256,7 @@ class SemiAutoRuntime(ParameterPlacement):
         if regather is not None:
             regather.__enter__()  # left in _leaf_post (always called, also when the forward raises)
             self._regathers[id(module)] = regather
-        return tree_map(lambda t: P.to_data_parallel_local(t) if isinstance(t, DTensor) else t, args)
+        return local
 
     def _leaf_post(self, module, args, output):
         if active_runtime() is not self or is_annotated(module):
@@ -250,12 +267,16 @@ class SemiAutoRuntime(ParameterPlacement):
         if regather is not None:
             regather.__exit__(None, None, None)
         batched = self._leaf_batched.get(id(module))
-        batched = batched.pop() if batched else True
+        batched, local_batch = batched.pop() if batched else (True, None)
         n = self.device_num
 
         def wrap(t):
             if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.dim() >= 1:
-                return P.wrap_data_parallel(t) if n > 1 and batched else P.to_dtensor_replicated(t)
+                # an output of one row where the module was handed several (Llama's rotary cos/sin: from positions
+                # alike on every rank, the activations given only for their dtype) is whole on every rank, to be
+                # broadcast over the batch -- not one rank's share of a batch of n
+                split = n > 1 and batched and not (t.shape[0] == 1 and local_batch not in (None, 1))
+                return P.wrap_data_parallel(t) if split else P.to_dtensor_replicated(t)
             return t
 
         return tree_map(wrap, output)

@@ -221,12 +221,14 @@ def _record_unsharded(network: torch.nn.Module) -> None:
                         _replaced.record(gathered, fsdp_param.sharded_param)
 
 
-def enter_first_call(network: torch.nn.Module, args: tuple) -> tuple:
+def enter_first_call(network: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> tuple:
     """The network was sharded inside its own first call, after torch read its forward pre-hooks: run FSDP's root
     pre-forward (lazy init, gather the root's parameters) by hand, once. Its post-forward hook is read after the
-    forward and runs by itself."""
+    forward and runs by itself. ``kwargs``: the call's keyword inputs, converted in place."""
     state = network._get_fsdp_state()
-    args, _ = state._pre_forward(network, args, {})
+    args, new_kwargs = state._pre_forward(network, args, dict(kwargs or {}))
+    if kwargs is not None and new_kwargs is not None:
+        kwargs.update(new_kwargs)
     return args
 
 

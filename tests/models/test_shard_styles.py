@@ -1,0 +1,75 @@
+"""``autopar.shard`` on the layers Hugging Face models use, in one process: transformers' ``Conv1D`` and
+``nn.Embedding`` compute exactly what the modules compute (outside a parallel runtime the operator is the module's
+own forward; an embedding's vocabulary slice gives zeros for the ids outside and the slices add up to the lookup),
+the styles and a plan by names give the MindSpore tuples they stand for, and what cannot be sharded is one line."""
+import pytest
+import torch
+
+import autopar
+from autopar.errors import StrategyError
+from autopar.ops.shard import EmbeddingOp, _style_strategy, has_strategies
+
+
+def test_conv1d_and_embedding_compute_as_the_modules():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    conv = transformers.pytorch_utils.Conv1D(6, 4).double()
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    want = conv(x)
+    autopar.shard(conv, ((1, 1, 1), (1, 1)))
+    assert type(conv).__name__ == "ShardedConv1D" and conv._autopar_op.strategy == ((1, 1, 1), (1, 1), (1,))
+    assert torch.equal(conv(x), want)
+    emb = torch.nn.Embedding(10, 4, padding_idx=3).double()
+    ids = torch.tensor([[0, 3, 9, 5], [7, 7, 1, 2]])
+    want = emb(ids)
+    autopar.shard(emb, "vocab")
+    assert torch.equal(emb(ids), want)  # one process: the whole table
+    op = EmbeddingOp(padding_idx=3)
+    halves = [op.compute(ids, emb.weight[k * 5:(k + 1) * 5], start=k * 5) for k in range(2)]
+    assert torch.equal(halves[0] + halves[1], want)
+    assert torch.equal(halves[1][0, 0], torch.zeros(4, dtype=torch.float64))  # id 0 is not in rows 5..9
+
+
+def test_styles_and_plans_by_names_give_the_tuples():
+    transformers = pytest.importorskip("transformers")
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    n = 1  # one process: the styles split over every rank
+    linear, conv = torch.nn.Linear(4, 6), transformers.pytorch_utils.Conv1D(6, 4)
+    emb = torch.nn.Embedding(10, 4)
+    assert _style_strategy(linear, "colwise", 3) == ((1, 1, 1), (n, 1), (n,))
+    assert _style_strategy(linear, "rowwise", 2) == ((1, n), (1, n), (1,))
+    assert _style_strategy(conv, "colwise", 3) == ((1, 1, 1), (1, n), (n,))
+    assert _style_strategy(conv, "rowwise", 3) == ((1, 1, n), (n, 1), (1,))
+    assert _style_strategy(emb, "vocab", 2) == ((1, 1), (n, 1))
+    assert _style_strategy(emb, "colwise", 2) == ((1, 1), (1, n))
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.o_proj, self.norm = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 4)
+            self.layers = torch.nn.ModuleList([Block(), Block()])
+
+    net = autopar.shard(Net(), {"*.q_proj": ColwiseParallel(), "*.o_proj": RowwiseParallel(), "embed": "vocab"})
+    assert all(b.q_proj._autopar_style == "colwise" and b.o_proj._autopar_style == "rowwise" for b in net.layers)
+    assert net.embed._autopar_style == "vocab" and not hasattr(net.layers[0].norm, "_autopar_op")
+    assert has_strategies(net)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: autopar.shard(torch.nn.Sequential(torch.nn.Linear(2, 2)), {"*.q_proj": "colwise"}),
+     "pattern '*.q_proj' matches no module of the Sequential"),
+    (lambda: autopar.shard(torch.nn.Linear(2, 2), "diagonal"), "style 'diagonal' is not one of colwise, rowwise, vocab"),
+    (lambda: autopar.shard(torch.nn.Linear(2, 2), "vocab"), "'vocab' splits an nn.Embedding's vocabulary"),
+    (lambda: autopar.shard(torch.nn.Embedding(4, 2, max_norm=1.0), "vocab"), "max_norm or sparse=True"),
+    (lambda: autopar.shard(torch.nn.LayerNorm(2), "colwise"), "cannot shard a LayerNorm"),
+])
+def test_what_cannot_be_sharded_is_one_line(call, message):
+    with pytest.raises(StrategyError) as info:
+        call()
+    assert message in str(info.value) and "\n" not in str(info.value)
