@@ -124,7 +124,7 @@ def _time(network, loss_fn, optimizer, sample, candidate, ctx, kwargs: dict) -> 
             opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.0, momentum=0.9)
         prepared = prepare(net, loss, opt, list(sample), plan=dataclasses_copy(candidate, strategies),
                            sample_kwargs=kwargs)
-        forward = prepared.forward_loss if not kwargs else (lambda inputs: net(*inputs, **kwargs))
+        forward = prepared.forward_loss if not kwargs else (lambda inputs, m=prepared.network: m(*inputs, **kwargs))
         state = prepared.state
         times = []
         for step in range(_steps() + 1):  # (under enable_grad: the first call may have been an evaluation)
