@@ -16,8 +16,8 @@ import torch
 
 from autopar import context as _context
 from autopar.comm import management as _comm
-from autopar.context import log_dir
-from autopar.errors import ConfigError, TrainingError
+from autopar.context import ParallelMode, log_dir  # noqa: F401  (mindspore.train.model.ParallelMode, r0.x)
+from autopar.errors import ACCUMULATE_INSTEAD, ConfigError, TrainingError, refuses
 from autopar.labels import call_loss, class_indices
 from autopar.train.callbacks import (
     Callback,
@@ -95,6 +95,9 @@ class Model:
         self._accumulation = steps
         self._prepared = None
         self._micro_step = 0
+
+    @refuses("Model._build_train_network", ACCUMULATE_INSTEAD)  # r1.3's Model_ACCU calls it
+    def _build_train_network(self, *args: Any, **kwargs: Any): ...
 
     # -- properties MindSpore users reach for ------------------------------------------------------------------
     @property
