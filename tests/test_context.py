@@ -26,3 +26,9 @@ def test_a_neutral_value_is_quiet(key, value):  # (optimizer sharding's keys: te
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         autopar.set_auto_parallel_context(**{key: value})
+
+
+def test_r0_2_ascend_switches_warn_instead_of_failing():  # MindSpore r0.2's tutorial sets them
+    autopar.errors._warned.difference_update({"set_context.enable_task_sink", "set_context.enable_mem_reuse"})
+    with pytest.warns(UserWarning, match=r"set_context\(enable_task_sink=True\) is accepted but not applied"):
+        autopar.set_context(enable_task_sink=True, enable_loop_sink=True, enable_mem_reuse=False)

@@ -20,6 +20,9 @@ def test_the_samples_module_paths_import():
     from autopar.nn.wrap.loss_scale import TrainOneStepWithLossScaleCell, _grad_scale
     from autopar.ops.operations import TensorAdd
     from autopar.ops.operations.comm_ops import AllReduce, _VirtualDataset
+    from autopar.train.model import ParallelMode  # r0.2's tutorial imports it from there
+
+    assert ParallelMode.AUTO_PARALLEL == "auto_parallel"
 
     assert Momentum is nn.Momentum and TrainOneStepWithLossScaleCell is nn.TrainOneStepWithLossScaleCell
     assert AllReduce is ops.AllReduce and TensorAdd is ops.Add
