@@ -1,6 +1,7 @@
 """Model.train / eval / predict and the callbacks, in one process (stand-alone)."""
 import csv
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -193,3 +194,17 @@ def test_a_reused_checkpoint_prefix_is_renamed_as_mindspore_keeping_both_runs(tm
     assert names[-1] == ["auto_parallel-1_6.ckpt", "auto_parallel_1-1_6.ckpt", "auto_parallel_2-1_6.ckpt"]
     assert "this run saves as 'auto_parallel_1'" in capsys.readouterr().out
     assert ckpt.latest_ckpt_file_name.endswith("auto_parallel_2-1_6.ckpt")
+
+
+@pytest.mark.parametrize("under_mpirun", [False, True])
+def test_a_progress_bar_only_on_a_terminal_of_its_own(capsys, monkeypatch, under_mpirun):
+    """mpirun gives each rank a pseudo-terminal whose output goes to mpirun's (a train.log): no bar there to glue
+    onto the loss lines."""
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
+    if under_mpirun:
+        monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "1")
+    net, opt = net_and_opt()
+    Model(net, SoftmaxCrossEntropyExpand(sparse=True), opt).train(1, data(), callbacks=[LossMonitor()])
+    out = capsys.readouterr()
+    assert ("epoch 1/1" in out.err) is not under_mpirun
+    assert all(line.startswith("epoch: ") for line in out.out.splitlines() if "loss is" in line)

@@ -26,6 +26,7 @@ from autopar.train.callbacks import (
     MetricsRecorder,
     ProgressBar,
     RunContext,
+    output_is_terminal,
 )
 from autopar.train.metrics import Loss, build_metrics
 
@@ -245,7 +246,7 @@ class Model:
                     print(f"[autopar] resumed from {where} after step {start} (epoch {meta.epoch})", flush=True)
         if rank == 0:
             cbs.append(MetricsRecorder(log_dir()))
-            if sys.stdout.isatty():
+            if output_is_terminal():  # never a bar in a log (mpirun's forwarded output included)
                 cbs.append(ProgressBar())
         cb_list = CallbackList(cbs)
         params = CallbackParams(
