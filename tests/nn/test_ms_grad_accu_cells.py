@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "ms_sam
 
 def test_the_samples_module_paths_import():
     from autopar.nn.optim.momentum import Momentum
+    from autopar.nn.wrap.cell_wrapper import GradAccumulationCell  # r2.2's accumulation sample
     from autopar.nn.wrap.loss_scale import TrainOneStepWithLossScaleCell, _grad_scale
     from autopar.ops.operations import TensorAdd
     from autopar.ops.operations.comm_ops import AllReduce, _VirtualDataset
@@ -24,7 +25,7 @@ def test_the_samples_module_paths_import():
 
     assert ParallelMode.AUTO_PARALLEL == "auto_parallel"
 
-    assert Momentum is nn.Momentum and TrainOneStepWithLossScaleCell is nn.TrainOneStepWithLossScaleCell
+    assert GradAccumulationCell is nn.GradAccumulationCell and Momentum is nn.Momentum and TrainOneStepWithLossScaleCell is nn.TrainOneStepWithLossScaleCell
     assert AllReduce is ops.AllReduce and TensorAdd is ops.Add
     x, y = torch.ones(2), torch.zeros(2)
     assert _VirtualDataset()(x, y) == (x, y)
