@@ -5,8 +5,9 @@ AUTO_PARALLEL with ``grad_accumulation_step=k``, ``gradients_mean=True``.
 
 Each case checks that the parameters do not move for k-1 mini-steps and that the k-th update equals one process
 taking one Momentum step on the sum of the k micro-batches' gradients (each micro-batch the ranks' batches joined),
-for two rounds of k. argv: OUT_PREFIX CASES_JSON; writes {case: {"still": bool, "update": max difference}} to
-OUT_PREFIX.<rank>.
+for two rounds of k; and counts data parallel's gradient reductions in the accumulating and the updating steps
+(MindSpore reduces the sum once). argv: OUT_PREFIX CASES_JSON; writes {case: {"still": bool, "update": max
+difference, "reduced": counts}} to OUT_PREFIX.<rank>.
 """
 import json
 import sys
@@ -22,6 +23,7 @@ from cell_wrapper import TrainAccuStepsCell, TrainAccuStepsWithLossScaleCell, Vi
 import autopar as ms  # noqa: E402
 from autopar import nn, ops  # noqa: E402
 from autopar.communication import get_group_size, get_rank, init  # noqa: E402
+from autopar.parallel.grads.buckets import BucketReducer  # noqa: E402
 
 out_prefix, cases = sys.argv[1], json.loads(sys.argv[2])
 init()
@@ -71,6 +73,20 @@ def reference(init_state: dict) -> list:
     return states
 
 
+REDUCTIONS = [0]  # data parallel's gradient reductions (each micro-batch's, or a returned sum's)
+
+
+def _counting(method):
+    def counted(*args, **kwargs):
+        REDUCTIONS[0] += 1
+        return method(*args, **kwargs)
+    return counted
+
+
+BucketReducer._complete_one = _counting(BucketReducer._complete_one)
+BucketReducer.complete_returned = _counting(BucketReducer.complete_returned)
+
+
 def run(mode: str, loss_scale: bool) -> dict:
     """``mode``: a parallel mode; ``auto_parallel/sp``: AUTO's sharding propagation from the strategies (its
     weights then train as DTensor slices, where the planner's own choice for this net is data parallel)."""
@@ -89,10 +105,13 @@ def run(mode: str, loss_scale: bool) -> dict:
     else:
         wrap = TrainAccuStepsCell(net_with_loss, opt)
     still, worst, before = True, 0.0, init_state
+    reduced = {"accumulating": 0, "updating": 0}
     for step, (x, y) in enumerate(micro_batches()):
         last = step % K == K - 1
         wrap.add_flags_recursive(accumulation=not last)
+        REDUCTIONS[0] = 0
         wrap(x[rank * BATCH:(rank + 1) * BATCH], y[rank * BATCH:(rank + 1) * BATCH])
+        reduced["updating" if last else "accumulating"] += REDUCTIONS[0]
         now = {k: full(p) for k, p in net.named_parameters()}
         if last:
             worst = max(worst, max(float((now[k] - want[step // K][k]).abs().max()) for k in now))
@@ -100,7 +119,7 @@ def run(mode: str, loss_scale: bool) -> dict:
         else:
             still = still and all(torch.equal(now[k], before[k]) for k in now)
     kinds = sorted({type(p).__name__ for p in net.parameters()})
-    return {"still": still, "update": worst, "kinds": kinds}
+    return {"still": still, "update": worst, "kinds": kinds, "reduced": reduced}
 
 
 results = {}

@@ -27,4 +27,6 @@ def test_cell_wrapper_accumulates_as_mindspore_on_two_ranks(procs, tmp_path):
         assert not bad, json.dumps(bad, indent=1)
         for case in ("semi_auto_parallel", "auto_parallel/sp"):  # the accumulation buffers followed the slices
             assert results[case]["kinds"] == ["DTensor"]
+        for case in ("data_parallel", "data_parallel+ls"):  # the k micro-batches' sum is all-reduced once
+            assert results[case]["reduced"]["accumulating"] == 0 and results[case]["reduced"]["updating"] > 0
     assert not procs.wait_no_leftovers()

@@ -6,8 +6,8 @@ in an accumulation step (the cell flagged ``accumulation=True``) the weight's gr
 user's code adds it into the clone; in the step that updates (``accumulation=False``) the gradient that comes back is
 the weight's gradient *plus* its clone -- the sum of the k micro-batches -- and the user's code then zeroes the clone.
 :func:`add_accumulated` is that mirror (``GradOperation`` calls it). Gradients here are complete when they come back
-(reduced over the ranks in the backward), so the clones sum complete gradients: the sum is the same, the
-communication happens once per micro-batch rather than once per k.
+(reduced over the ranks in the backward), so the clones sum complete gradients -- except in data parallel, where
+the accumulation steps return local gradients and the updating step all-reduces the sum once (:func:`mini_step`).
 
 A clone made before the network's first call in a layout mode (SEMI_AUTO / AUTO) is a whole tensor, while its weight
 becomes this rank's DTensor slice on that call: :func:`follow` then gives the clone a DTensor replacement of the same
@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from autopar.common import grad_owners as owners
 from autopar.common.replaced import record, resolve
 
 _source: WeakIdKeyDictionary = WeakIdKeyDictionary()  # accumulation clone -> the weight it accumulates for
@@ -44,19 +45,40 @@ def follow(param: torch.Tensor) -> torch.Tensor:
     return resolve(param)
 
 
-def add_accumulated(weights: Sequence[torch.Tensor], grads: tuple, network: Any) -> tuple:
-    """The mini-step mirror: in the updating step (``network`` not flagged ``accumulation``, and
-    ``grad_accumulation_step > 1``) each weight's gradient plus its accumulation clone."""
-    if not len(_clone) or getattr(network, "accumulation", False):
-        return grads
+def _clones_of(weights: Sequence[torch.Tensor]) -> list:
+    """Each weight's accumulation clone (None where it has none), only while ``grad_accumulation_step > 1``."""
+    if not len(_clone):
+        return [None] * len(weights)
     from autopar import context
 
     if context.auto_parallel_context().grad_accumulation_step <= 1:
-        return grads
+        return [None] * len(weights)
     clones = {id(resolve(w)): c for w, c in list(_clone.items())}
+    return [clones.get(id(w)) for w in weights]
+
+
+def mini_step(weights: Sequence[torch.Tensor], network: Any) -> tuple[str | None, bool]:
+    """``(kind, reduce_once)`` of a gradient computation of ``weights`` through ``network``: kind ``"accumulate"``
+    (``network`` flagged ``accumulation``), ``"update"`` or None (no accumulation clones: nothing to do).
+    ``reduce_once``: every weight's gradient engine returns plain local sums (data parallel's all-reduce), so the
+    accumulation steps keep them local and the updating step all-reduces the k micro-batches' sum once -- as
+    MindSpore's mirror operator does; otherwise each mini-step's gradient comes back complete (the same sum)."""
+    if not any(c is not None for c in _clones_of(weights)):
+        return None, False
+    kind = "accumulate" if getattr(network, "accumulation", False) else "update"
+    engines = [owners.owner_of(w) for w in weights]
+    once = any(e is not None for e in engines) and all(e is None or getattr(e, "local_returns", False)
+                                                       for e in engines)
+    return kind, once
+
+
+def add_accumulated(weights: Sequence[torch.Tensor], grads: tuple, network: Any) -> tuple:
+    """The mini-step mirror: in the updating step (``network`` not flagged ``accumulation``, and
+    ``grad_accumulation_step > 1``) each weight's gradient plus its accumulation clone."""
+    if getattr(network, "accumulation", False):
+        return grads
     out = []
-    for w, g in zip(weights, grads):
-        clone = clones.get(id(w))
+    for g, clone in zip(grads, _clones_of(weights)):
         if clone is not None:
             accumulated = follow(clone)
             g = g + (accumulated.to(g.dtype) if accumulated.dtype != g.dtype else accumulated)
