@@ -26,3 +26,12 @@ def test_a_neutral_value_is_quiet(key, value):  # (optimizer sharding's keys: te
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         autopar.set_auto_parallel_context(**{key: value})
+
+
+def test_r0_2_ascend_switches_warn_instead_of_failing():  # MindSpore r0.2's tutorial sets them
+    keys = ("enable_task_sink", "enable_loop_sink", "enable_mem_reuse")
+    autopar.errors._warned.difference_update(f"set_context.{k}" for k in keys)
+    with pytest.warns(UserWarning) as record:
+        autopar.set_context(enable_task_sink=True, enable_loop_sink=True, enable_mem_reuse=False)
+    said = " ".join(str(w.message) for w in record)
+    assert all(f"set_context({k}=" in said for k in keys) and "accepted but not applied" in said

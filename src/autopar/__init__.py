@@ -76,6 +76,7 @@ context.on_reset(_remove_first_call_hooks)
 # name -> "module:attribute", imported on first access (PEP 562)
 _LAZY = {
     "Model": "autopar.train.model:Model",
+    "connect_network_with_dataset": "autopar.train.train_thor.dataset_helper:connect_network_with_dataset",
     "LossMonitor": "autopar.train.callbacks:LossMonitor",
     "TimeMonitor": "autopar.train.callbacks:TimeMonitor",
     "ModelCheckpoint": "autopar.train.checkpointing:ModelCheckpoint",

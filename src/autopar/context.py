@@ -15,7 +15,7 @@ from enum import Enum
 from typing import Any
 
 from autopar.context_values import check_comm_fusion, memory_bytes, warn_not_applied, warned  # noqa: F401
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, warn_once
 
 GRAPH_MODE = 0
 PYNATIVE_MODE = 1
@@ -103,6 +103,7 @@ _IGNORED_RUN_KEYS = {
     "graph_kernel_flags", "jit_config", "memory_optimize_level", "pynative_synchronize", "runtime_num_threads",
     "enable_compile_cache", "compile_cache_path", "inter_op_parallel_num", "check_bprop", "max_call_depth",
 }
+_ASCEND_TUNING_KEYS = {"enable_task_sink", "enable_loop_sink", "enable_mem_reuse"}  # MindSpore r0.x: warned, ignored
 _IGNORED_AUTO_KEYS = {"strategy_ckpt_config", "enable_alltoall", "auto_pipeline", "pipeline_result_broadcast"}
 _KNOWN_PS_KEYS = {"enable_ssl", "client_password", "server_password", "config_file_path"}
 
@@ -130,6 +131,9 @@ def set_context(**kwargs: Any) -> None:
             _run.max_device_memory = memory_bytes(value, key)
         elif key in _IGNORED_RUN_KEYS:
             continue
+        elif key in _ASCEND_TUNING_KEYS:
+            warn_once(f"set_context.{key}", f"set_context({key}={value!r}) is accepted but not applied: it tunes "
+                      f"MindSpore's Ascend execution")
         else:
             valid = ", ".join(sorted([f.name for f in fields(_RunContext)]))
             raise ConfigError(f"set_context got an unknown key {key!r}; valid keys: {valid}")

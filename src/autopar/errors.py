@@ -49,6 +49,12 @@ class UnsupportedError(AutoparError):
     """A MindSpore name autopar cannot honour on this stack; the message names it and what to use instead."""
 
 
+# What to use instead of MindSpore's graph-mode Model internals that r1.3's gradient-accumulation sample reaches
+# (Model_ACCU: _c_expression, train_thor's DatasetHelper, parallel._utils, Model._build_train_network)
+ACCUMULATE_INSTEAD = ("MindSpore's graph-mode Model internals (the Model_ACCU sample) do not exist here; accumulate "
+                      "gradients with Model(network, loss_fn, optimizer, grad_accumulation_steps=k)")
+
+
 def unsupported(name: str, instead: str) -> type:
     """A stand-in for the MindSpore name ``name``: importing it works (a script's imports all load), and its FIRST USE
     -- calling it, instantiating it, subclassing it -- raises :class:`UnsupportedError` with one line saying what to

@@ -158,3 +158,21 @@ def test_a_process_killed_while_saving_leaves_the_previous_checkpoint_intact(pro
             assert all(torch.all(p.data == float(found.step)) for p in params.values()), found.path
         # whatever the kill interrupted is at most a temporary, never a checkpoint that looks complete
         assert all(".tmp-" in p.name for p in directory.iterdir() if p not in {f.path for f in complete})
+
+
+def test_one_ranks_sliced_file_loads_alone_as_its_slices(runs):
+    """The r1.7 save/load page loads each rank's integrated_save=False file with load_checkpoint and merges them:
+    each file alone gives that rank's slices (whole tensors where the rank held them whole)."""
+    integrated = read_integrated(runs / "full" / "integrated" / "in-1_6.ckpt")["model"]
+    parts = [load_checkpoint(f) for f in sliced_files(runs)]
+    assert sorted(parts[0]) == sorted(integrated)
+    split = 0
+    for name, full in integrated.items():
+        a, b = parts[0][name], parts[1][name]
+        if a.shape == full.shape:
+            assert torch.equal(a, full) and torch.equal(b, full), name
+            continue
+        split += 1
+        dim = next(d for d in range(full.dim()) if a.shape[d] != full.shape[d])
+        assert torch.equal(torch.cat([a, b], dim), full), name
+    assert split and tuple(parts[0]["fc1.weight"].shape) == (16, 16)

@@ -1,6 +1,7 @@
 """Model.train / eval / predict and the callbacks, in one process (stand-alone)."""
 import csv
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -176,3 +177,34 @@ def test_resume_keeps_the_dynamic_loss_scale(tmp_path, monkeypatch):
     scale = whole[1]._precision.scaler.get_scale()
     assert scale < 65536.0  # the test means something only if the scale moved
     assert resumed[1]._precision.scaler.get_scale() == scale
+
+
+def test_a_reused_checkpoint_prefix_is_renamed_as_mindspore_keeping_both_runs(tmp_path, capsys):
+    """The tutorial's data-parallel block reuses its AUTO block's prefix and directory: MindSpore saves the second run
+    as ``prefix_1`` (then ``prefix_2`` ...), so nothing of the first run is overwritten or pruned."""
+    from autopar.train import CheckpointConfig, ModelCheckpoint
+
+    names = []
+    for _ in range(3):
+        net, opt = net_and_opt()
+        ckpt = ModelCheckpoint("auto_parallel", tmp_path, CheckpointConfig(save_checkpoint_steps=6,
+                                                                           keep_checkpoint_max=1))
+        Model(net, SoftmaxCrossEntropyExpand(sparse=True), opt).train(1, data(n=96), callbacks=[ckpt])
+        names.append(sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".ckpt")))
+    assert names[-1] == ["auto_parallel-1_6.ckpt", "auto_parallel_1-1_6.ckpt", "auto_parallel_2-1_6.ckpt"]
+    assert "this run saves as 'auto_parallel_1'" in capsys.readouterr().out
+    assert ckpt.latest_ckpt_file_name.endswith("auto_parallel_2-1_6.ckpt")
+
+
+@pytest.mark.parametrize("under_mpirun", [False, True])
+def test_a_progress_bar_only_on_a_terminal_of_its_own(capsys, monkeypatch, under_mpirun):
+    """mpirun gives each rank a pseudo-terminal whose output goes to mpirun's (a train.log): no bar there to glue
+    onto the loss lines."""
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
+    if under_mpirun:
+        monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "1")
+    net, opt = net_and_opt()
+    Model(net, SoftmaxCrossEntropyExpand(sparse=True), opt).train(1, data(), callbacks=[LossMonitor()])
+    out = capsys.readouterr()
+    assert ("epoch 1/1" in out.err) is not under_mpirun
+    assert all(line.startswith("epoch: ") for line in out.out.splitlines() if "loss is" in line)

@@ -77,8 +77,10 @@ def _is_mindspore_file(path: Path) -> bool:
 def load_checkpoint(ckpt_file_name: str | os.PathLike, net: torch.nn.Module | None = None,
                     strict_load: bool = False, filter_prefix: Any = None, optimizer=None,
                     **_: Any) -> dict[str, torch.nn.Parameter]:
-    """name -> Parameter of full tensors, from an integrated autopar checkpoint, one rank's sliced checkpoint
-    whose slices are whole, or a MindSpore ``.ckpt``. With ``net``, also loads them into it; with ``net`` and
+    """name -> Parameter of full tensors, from an integrated autopar checkpoint or a MindSpore ``.ckpt``; from one
+    rank's sliced checkpoint (``integrated_save=False``) alone, each tensor this rank held whole and every other as
+    this rank's slice, as MindSpore's ``load_checkpoint`` returns it (the r1.7 save/load page loads each rank's file
+    so and merges them; :func:`load_distributed_checkpoint` takes all the files and gives whole tensors). With ``net``, also loads them into it; with ``net`` and
     ``optimizer`` (an autopar checkpoint saved with its optimizer), the optimizer's state too -- what a plain
     training loop resumes from, in whatever layout the network has now."""
     path = Path(ckpt_file_name)
@@ -93,7 +95,7 @@ def load_checkpoint(ckpt_file_name: str | os.PathLike, net: torch.nn.Module | No
             store.load_integrated_into(store.read_integrated(path), net, optimizer)
         net = None  # loaded with its optimizer: the parameters below are only returned, not loaded again
     if store.is_sliced(path):
-        tensors = _full_tensors_from_slices([path]).get("model", {})
+        tensors = _rank_tensors_from_slices(path)
     elif _is_mindspore_file(path):
         from autopar.checkpoint.mindspore_ckpt import read_mindspore_checkpoint
 
@@ -108,7 +110,7 @@ def load_checkpoint(ckpt_file_name: str | os.PathLike, net: torch.nn.Module | No
     return params
 
 
-def _full_tensors_from_slices(paths: list[Path]) -> dict[str, torch.Tensor]:
+def _full_tensors_from_slices(paths: list[Path], reader: Any = None) -> dict[str, torch.Tensor]:
     """Merge the ranks' slices into full tensors (one process, no network needed)."""
     # As torch's own dcp_to_torch_save does: an empty state dict filled from the metadata (full tensors).
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
@@ -119,13 +121,45 @@ def _full_tensors_from_slices(paths: list[Path]) -> dict[str, torch.Tensor]:
     state: dict = {}
     try:
         with store.quiet_single_process():
-            _load_state_dict(state, storage_reader=MergedReader(paths), planner=_EmptyStateDictLoadPlanner(),
+            _load_state_dict(state, storage_reader=reader or MergedReader(paths), planner=_EmptyStateDictLoadPlanner(),
                              no_dist=True)
     except CheckpointError:
         raise
     except store.dcp_errors() as exc:
         raise CheckpointError(f"reading {paths[0]}: {store.failure_reason(exc)}") from None
     return state
+
+
+def _rank_tensors_from_slices(path: Path) -> dict[str, torch.Tensor]:
+    """The model tensors of one rank's sliced checkpoint: whole where the rank held them whole, else its slice."""
+    import math
+
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from autopar.checkpoint.merged_reader import MergedReader
+
+    reader = MergedReader([path], require_complete=False)
+    model = _full_tensors_from_slices([path], reader).get("model", {})  # a slice's rest stays unread (empty)
+    meta = reader.metas[0]
+    paths = meta.planner_data if isinstance(meta.planner_data, dict) else {}
+    out = {}
+    for fqn, info in meta.state_dict_metadata.items():
+        where = tuple(paths.get(fqn, ("model", fqn[len("model."):]) if fqn.startswith("model.") else ()))
+        if not isinstance(info, TensorStorageMetadata) or len(where) != 2 or where[0] != "model":
+            continue
+        name, full = where[1], model.get(where[1])
+        if full is None:
+            continue
+        covered = sum(math.prod(c.sizes) for c in info.chunks)
+        if covered >= math.prod(info.size):
+            out[name] = full
+        elif len(info.chunks) == 1:
+            chunk = info.chunks[0]
+            out[name] = full[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))].clone()
+        else:
+            raise CheckpointError(f"{path}: this rank holds {len(info.chunks)} separate pieces of '{name}'; load "
+                                  f"every rank's file with load_distributed_checkpoint")
+    return out
 
 
 def _ms_names_mapped(net: torch.nn.Module, parameter_dict: dict) -> dict:

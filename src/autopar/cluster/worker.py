@@ -161,6 +161,39 @@ def _watch_exit_calls(watchdog: "Watchdog") -> None:
             setattr(builtins, name, wrap(getattr(builtins, name)))
 
 
+def _pytest_config():
+    """The pytest ``Config`` collecting this script, when ``init()`` runs inside ``pytest script.py`` (found on
+    the calling frames: pytest keeps no global one)."""
+    if "_pytest" not in sys.modules:
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:
+        for name in ("config", "self", "session"):
+            obj = frame.f_locals.get(name)
+            obj = obj if type(obj).__name__ == "Config" else getattr(obj, "config", None)
+            if type(obj).__name__ == "Config" and type(obj).__module__.startswith("_pytest"):
+                return obj
+        frame = frame.f_back
+    return None
+
+
+def _watch_pytest_status(watchdog: "Watchdog") -> None:
+    """MindSpore's r1.x/r2.1 run scripts start each rank as ``pytest -s -v script.py``: a failed test there ends
+    the process with pytest's status, which no ``sys.exit`` call carries -- note it from pytest's session end."""
+    config = _pytest_config()
+    if config is None:
+        return
+
+    class _Status:
+        def pytest_sessionfinish(self, session, exitstatus):
+            watchdog.note_exit_status(int(exitstatus))
+
+    try:
+        config.pluginmanager.register(_Status(), "autopar-rank-status")
+    except Exception:  # noqa: BLE001 - a pytest we do not know: the atexit report stays as it is
+        pass
+
+
 class Watchdog:
     """Heartbeat + abort watcher + end-of-process report for one registered worker."""
 
@@ -185,6 +218,7 @@ class Watchdog:
         self.deadman.start()
         atexit.register(self.report_exit)
         _watch_exit_calls(self)
+        _watch_pytest_status(self)
 
     def note_exit_status(self, status: object) -> None:
         """``sys.exit(status)`` / ``exit(status)`` was called: a status other than 0/None is this rank's failure."""

@@ -59,6 +59,8 @@ class Parameter(torch.nn.Parameter):
             warn_once("Parameter.parallel_optimizer", "Parameter(parallel_optimizer=False) is accepted and not "
                       "applied: optimizer sharding (enable_parallel_optimizer) shards every parameter")
         data = default_input if isinstance(default_input, torch.Tensor) else Tensor(default_input)
+        # MindSpore flags an integer parameter (a counter, an overflow flag) trainable too; torch cannot
+        requires_grad = requires_grad and (data.is_floating_point() or data.is_complex())
         param = super().__new__(cls, data.detach(), requires_grad)
         param._ms_name = name
         param.layerwise_parallel = bool(layerwise_parallel)
@@ -119,9 +121,38 @@ def is_layerwise_parallel(param: torch.Tensor) -> bool:
 
 
 class ParameterTuple(tuple):
-    """MindSpore's ``ParameterTuple(net.trainable_params())``: a tuple of parameters (``clone`` copies them)."""
+    """MindSpore's ``ParameterTuple(net.trainable_params())``: a tuple of parameters (``clone`` copies them).
+
+    Iterating or indexing yields each parameter as it trains now: one that a parallel mode replaced by its slice
+    comes back as the replacement (:mod:`autopar.common.replaced`), an accumulation clone as one of its weight's
+    layout (:mod:`autopar.common.accumulation`)."""
+
+    def __iter__(self):
+        from autopar.common.accumulation import follow
+
+        return (follow(p) for p in tuple.__iter__(self))
+
+    def __getitem__(self, index):
+        from autopar.common.accumulation import follow
+
+        item = tuple.__getitem__(self, index)
+        return ParameterTuple(item) if isinstance(index, slice) else follow(item)
 
     def clone(self, prefix: str, init: str = "same") -> "ParameterTuple":
-        return ParameterTuple(Parameter(p.detach().clone() if init == "same" else torch.zeros_like(p),
-                                        f"{prefix}.{getattr(p, 'name', None) or i}", p.requires_grad)
-                              for i, p in enumerate(self))
+        """Copies named ``prefix.<name>`` (``init="zeros"``: zeros). ``prefix="accu_grads"`` makes MindSpore's
+        gradient-accumulation buffers, which the gradient of an updating step adds in
+        (:func:`autopar.common.accumulation.add_accumulated`)."""
+        from autopar.common import accumulation
+
+        if init not in ("same", "zeros"):
+            from autopar.common.initializer import initializer
+
+            fresh = [initializer(init, list(p.shape), p.dtype) for p in self]
+        else:
+            fresh = [p.detach().clone() if init == "same" else torch.zeros_like(p) for p in self]
+        clones = ParameterTuple(Parameter(data, f"{prefix}.{getattr(p, 'name', None) or i}", p.requires_grad)
+                                for i, (p, data) in enumerate(zip(tuple.__iter__(self), fresh)))
+        if prefix == "accu_grads":
+            for weight, clone in zip(tuple.__iter__(self), tuple.__iter__(clones)):
+                accumulation.register(clone, weight)
+        return clones

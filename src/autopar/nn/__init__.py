@@ -44,6 +44,11 @@ from autopar.nn.loss import (  # noqa: F401
     SoftmaxCrossEntropyWithLogits,
 )
 from autopar.nn.optim import SGD, Adam, AdamWeightDecay, Momentum  # noqa: F401
+from autopar.nn.wrap.loss_scale import (  # noqa: F401
+    DynamicLossScaleUpdateCell,
+    FixedLossScaleUpdateCell,
+    TrainOneStepWithLossScaleCell,
+)
 from autopar.nn.wrappers import (  # noqa: F401
     DistributedGradReducer,
     GradAccumulationCell,
@@ -53,8 +58,5 @@ from autopar.nn.wrappers import (  # noqa: F401
     WithLossCell,
 )
 
-TrainOneStepWithLossScaleCell = _unsupported(
-    "nn.TrainOneStepWithLossScaleCell", "loss scaling is for float16 training; train in float32 with "
-    "nn.TrainOneStepCell, or use Model(..., amp_level=...)")
 MicroBatchInterleaved = _unsupported(
     "nn.MicroBatchInterleaved", "it overlaps Ascend communication with compute; call the network as it is")

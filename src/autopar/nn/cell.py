@@ -71,11 +71,28 @@ class Cell(torch.nn.Module):
         """MindSpore declares dynamic input shapes for graph compilation; eager PyTorch takes any shape."""
         return self
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        params = self.__dict__.get("_parameters")
+        if (params is not None and params.get(name) is not None and isinstance(value, torch.Tensor)
+                and not isinstance(value, torch.nn.Parameter)):
+            with torch.no_grad():  # MindSpore: a tensor assigned to a Parameter attribute is an Assign
+                params[name].copy_(value.reshape(params[name].shape) if value.numel() == params[name].numel()
+                                   else value)
+            return
+        super().__setattr__(name, value)
+
     def add_flags(self, **flags: Any) -> "Cell":
-        """Graph-compiler flags: stored (``get_flags``) and warned about once -- nothing here reads them."""
+        """MindSpore's cell flags: stored (``get_flags``) and set as attributes, as MindSpore does (its own cells read
+        them: ``self.accumulation``). ``accumulation`` acts -- an accumulation step's gradients are not yet applied,
+        see :mod:`autopar.common.accumulation`; the others are graph-compiler hints and are warned about once."""
         self.__dict__.setdefault("_ms_flags", {}).update(flags)
-        warn_once("Cell.add_flags", f"Cell.add_flags({', '.join(flags)}) is accepted: the flags are MindSpore "
-                  f"graph-compiler hints and change nothing here")
+        for name, value in flags.items():
+            if name not in self._parameters and name not in self._modules and name not in self._buffers:
+                self.__dict__[name] = value
+        hints = [name for name in flags if name != "accumulation"]
+        if hints:
+            warn_once("Cell.add_flags", f"Cell.add_flags({', '.join(hints)}) is accepted: the flags are MindSpore "
+                      f"graph-compiler hints and change nothing here")
         return self
 
     def add_flags_recursive(self, **flags: Any) -> "Cell":

@@ -123,7 +123,7 @@ class TrainOneStepCell(Cell):
             raise TrainingError("TrainOneStepCell(return_grad=True) is not supported by autopar")
         self.network = network
         self.optimizer = optimizer
-        self.sens = float(sens)
+        self.sens = 1.0 if sens is None else float(sens)
         # what MindSpore's own cell holds, for subclasses that write their construct as MindSpore's does:
         # grads = self.grad(self.network, self.weights)(*inputs, sens); grads = self.grad_reducer(grads)
         from autopar.ops.composite import GradOperation
@@ -133,7 +133,11 @@ class TrainOneStepCell(Cell):
 
     @property
     def weights(self) -> tuple:
-        return tuple(p for group in self.optimizer.param_groups for p in group["params"])
+        """MindSpore's ``ParameterTuple`` of the optimizer's parameters (``weights.clone(prefix="accu_grads",
+        init="zeros")`` makes the gradient-accumulation buffers)."""
+        from autopar.common.tensor import ParameterTuple
+
+        return ParameterTuple(p for group in self.optimizer.param_groups for p in group["params"])
 
     def construct(self, *inputs: Any) -> torch.Tensor:
         with torch.enable_grad():

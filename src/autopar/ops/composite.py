@@ -8,12 +8,15 @@ arguments; ``depend(value, expr)`` orders side effects in a graph and is ``value
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import numbers
 from typing import Any, Callable
 
 import torch
 
+from autopar.common import grad_owners as owners
+from autopar.common.accumulation import add_accumulated, mini_step
 from autopar.common.replaced import resolve
 from autopar.errors import TrainingError
 
@@ -44,10 +47,19 @@ class GradOperation:
             wanted = [a for a in (inputs if self.get_all else inputs[:1]) if isinstance(a, torch.Tensor)
                       and a.requires_grad] if (self.get_all or not self.get_by_list) else []
             ws = [resolve(w) for w in weights] if self.get_by_list else []
-            grads = torch.autograd.grad(out, wanted + ws, grad_outputs=sens if sens is not None else
-                                        torch.ones_like(out), allow_unused=True)
+            if isinstance(sens, torch.Tensor) and isinstance(out, torch.Tensor) and sens.shape != out.shape:
+                # MindSpore takes a sensitivity of one element for a scalar loss ((1,) for ())
+                sens = sens.reshape(out.shape) if sens.numel() == out.numel() else sens.expand(out.shape)
+            kind, once = mini_step(ws, fn)  # MindSpore's gradient accumulation (accu_grads clones of ws)
+            with owners.returned_later() if once else contextlib.nullcontext():
+                grads = torch.autograd.grad(out, wanted + ws, grad_outputs=sens if sens is not None else
+                                            torch.ones_like(out), allow_unused=True)
             grads = tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, wanted + ws))
             input_grads, weight_grads = grads[:len(wanted)], grads[len(wanted):]
+            if kind == "update":  # the mini-step mirror: this step's gradient plus the accumulated ones
+                weight_grads = add_accumulated(ws, weight_grads, fn)
+                if once:  # reduced once, the k micro-batches' sum
+                    weight_grads = tuple(owners.complete(ws, weight_grads))
             if self.get_by_list and self.get_all:
                 return input_grads, weight_grads
             if self.get_by_list:

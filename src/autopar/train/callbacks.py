@@ -133,6 +133,21 @@ class TimeMonitor(Callback):
               f"{images:.1f} imgs/sec", flush=True)
 
 
+# Set for each rank by mpirun (Open MPI, MPICH/Hydra, PMIx): its ranks write to a pseudo-terminal of mpirun's, whose
+# output goes wherever mpirun's does -- usually a log, where a bar's carriage returns glue onto the loss lines.
+_MPI_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+
+
+def output_is_terminal() -> bool:
+    """Whether a person watches this process's output: stdout a terminal of its own (not mpirun's forwarding)."""
+    if any(var in os.environ for var in _MPI_VARS):
+        return False
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):  # replaced or closed stdout
+        return False
+
+
 class ProgressBar(Callback):
     """A tqdm bar over the steps of each epoch with the current loss (rank 0 on a terminal)."""
 

@@ -54,6 +54,7 @@ class ModelCheckpoint(Callback):
         self._last_step = -1
         self._write = True
         self._pending = False  # a save fell due inside a gradient accumulation: taken at its end
+        self._prefix_checked = False  # the prefix is made unique once, on this callback's first training
         self.saved: list[Path] = []
 
     # -- where -----------------------------------------------------------------------------------------------------
@@ -70,6 +71,16 @@ class ModelCheckpoint(Callback):
                     self.directory = self.directory / f"rank_{rank}"
         self.directory.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(self.directory, self.prefix)
+        if not self._prefix_checked:
+            self._prefix_checked = True
+            args = run_context.original_args()
+            step = args.get("cur_step_num", 0) if isinstance(args, dict) else getattr(args, "cur_step_num", 0)
+            if not step:  # a fresh run (a resumed one goes on with its own files)
+                prefix = unused_prefix(self.directory, self.prefix)
+                if prefix != self.prefix and self._write:
+                    print(f"[autopar] checkpoint prefix {self.prefix!r} is taken in {self.directory}: this run saves "
+                          f"as {prefix!r} (MindSpore's rule; the other run's files are kept)", flush=True)
+                self.prefix = prefix
         self._last_time = time.monotonic()
 
     # -- when ------------------------------------------------------------------------------------------------------
@@ -144,6 +155,21 @@ class ModelCheckpoint(Callback):
     def latest_ckpt_file_name(self) -> str | None:
         found = store.list_checkpoints(self.directory, self.prefix)
         return str(found[-1].path) if found else None
+
+
+def unused_prefix(directory: Path, prefix: str) -> str:
+    """MindSpore's rule for a prefix that checkpoints in ``directory`` already use (its
+    ``_chg_ckpt_file_name_if_same_exist``): ``prefix_N``, N one more than the largest in use (``prefix`` itself
+    counts as 0), so a second run -- the tutorial's data-parallel block after its AUTO block -- neither overwrites nor
+    prunes the first one's files (``auto_parallel-1_4.ckpt``, then ``auto_parallel_1-1_4.ckpt``)."""
+    suffix = 0
+    for found in store.list_checkpoints(directory):
+        name = store.NAME.match(found.path.name)["prefix"]
+        if name == prefix:
+            suffix = max(suffix, 1)
+        elif name.startswith(prefix + "_") and name[len(prefix) + 1:].isdigit():
+            suffix = max(suffix, int(name[len(prefix) + 1:]) + 1)
+    return f"{prefix}_{suffix}" if suffix else prefix
 
 
 def _loop_state(cb) -> dict:

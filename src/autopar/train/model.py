@@ -16,8 +16,8 @@ import torch
 
 from autopar import context as _context
 from autopar.comm import management as _comm
-from autopar.context import log_dir
-from autopar.errors import ConfigError, TrainingError
+from autopar.context import ParallelMode, log_dir  # noqa: F401  (mindspore.train.model.ParallelMode, r0.x)
+from autopar.errors import ACCUMULATE_INSTEAD, ConfigError, TrainingError, refuses
 from autopar.labels import call_loss, class_indices
 from autopar.train.callbacks import (
     Callback,
@@ -26,6 +26,7 @@ from autopar.train.callbacks import (
     MetricsRecorder,
     ProgressBar,
     RunContext,
+    output_is_terminal,
 )
 from autopar.train.metrics import Loss, build_metrics
 
@@ -95,6 +96,9 @@ class Model:
         self._accumulation = steps
         self._prepared = None
         self._micro_step = 0
+
+    @refuses("Model._build_train_network", ACCUMULATE_INSTEAD)  # r1.3's Model_ACCU calls it
+    def _build_train_network(self, *args: Any, **kwargs: Any): ...
 
     # -- properties MindSpore users reach for ------------------------------------------------------------------
     @property
@@ -242,7 +246,7 @@ class Model:
                     print(f"[autopar] resumed from {where} after step {start} (epoch {meta.epoch})", flush=True)
         if rank == 0:
             cbs.append(MetricsRecorder(log_dir()))
-            if sys.stdout.isatty():
+            if output_is_terminal():  # never a bar in a log (mpirun's forwarded output included)
                 cbs.append(ProgressBar())
         cb_list = CallbackList(cbs)
         params = CallbackParams(

@@ -48,6 +48,9 @@ class BucketReducer:
     multiplies each rank's contribution (``1 / world`` for ``gradients_mean``)."""
 
     name = "bucketed all-reduce"
+    # gradients returned under returned_later are this rank's plain local sums: several may be added up and
+    # completed once (MindSpore's gradient accumulation reduces once per k mini-steps, common/accumulation.py)
+    local_returns = True
 
     def __init__(self, params: Sequence[torch.nn.Parameter], transport, layout: "BucketLayout", scale: float,
                  group=None):
