@@ -245,7 +245,7 @@ def _plan(network, loss_fn, optimizer, sample, ctx, sample_kwargs=None):
     kwargs = {k: move(v) for k, v in (sample_kwargs or {}).items()}
     with _context.managed():  # the planner's trace calls the network: it must not parallelize itself meanwhile
         plan = make_plan(network, loss_fn, sample, kwargs)
-    plan = measured_round(network, loss_fn, optimizer, sample, plan, ctx, kwargs)
+    plan = measured_round(network, loss_fn, optimizer, sample, plan, ctx, kwargs, prepare)
     finish(plan, network)
     return plan
 

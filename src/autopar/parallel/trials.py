@@ -44,8 +44,9 @@ def _steps() -> int:
 
 
 def measured_round(network: torch.nn.Module, loss_fn: Any, optimizer: Any, sample: list, plan, ctx,
-                   sample_kwargs: dict | None = None):
-    """``plan`` or the runner-up that measured faster (every rank returns the same one)."""
+                   sample_kwargs: dict | None, prepare):
+    """``plan`` or the runner-up that measured faster (every rank returns the same one). ``prepare``: how the job
+    applies a plan (:func:`autopar.parallel.api.prepare`), given so that this module does not import its caller."""
     from autopar.planner.api import load_decision, save_decision
 
     world = plan.device_num
@@ -76,7 +77,7 @@ def measured_round(network: torch.nn.Module, loss_fn: Any, optimizer: Any, sampl
     measured = []
     try:
         for candidate in candidates:
-            measured.append(_time(network, loss_fn, optimizer, sample, candidate, ctx, sample_kwargs or {}))
+            measured.append(_time(network, loss_fn, optimizer, sample, candidate, sample_kwargs or {}, prepare))
     finally:
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
@@ -108,10 +109,8 @@ def _still_fits(plan, cached: dict) -> bool:
     return len(candidate.choice) == len(plan.choice) and (limit is None or candidate.totals.memory <= limit)
 
 
-def _time(network, loss_fn, optimizer, sample, candidate, ctx, kwargs: dict) -> float:
+def _time(network, loss_fn, optimizer, sample, candidate, kwargs: dict, prepare) -> float:
     """The slowest rank's median step of ``candidate`` on a copy of the network (inf where it failed anywhere)."""
-    from autopar.parallel.api import prepare
-
     memo: dict = {}
     net, loss, opt = copy.deepcopy((network, loss_fn, optimizer), memo)
     strategies = [(memo.get(id(target)), strategy) for target, strategy in candidate.strategies()]

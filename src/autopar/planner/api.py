@@ -94,7 +94,7 @@ def load_decision(plan: Plan) -> dict | None:
 def save_decision(plan: Plan, box: tuple) -> None:
     import json
 
-    from autopar.planner.machine import write_atomic
+    from autopar.planner.cache import write_atomic
 
     write_atomic(decision_path(plan), json.dumps({"choice": list(box), "trials": plan.trials}))
 

@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from autopar.planner.cache import cache_dir, write_atomic
+
 RING = {
     "all_reduce": lambda n: 2.0 * (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
@@ -83,7 +85,7 @@ class MachineModel:
 
 def cache_path(backend: str, world: int, threads: int | None = None) -> Path:
     """Where the calibration of (backend, world size, this host, threads per process) is kept."""
-    base = Path(os.environ.get("AUTOPAR_CACHE_DIR") or Path.home() / ".cache" / "autopar")
+    base = cache_dir()
     threads = threads or torch.get_num_threads()
     return base / f"machine-{backend}-n{world}-{socket.gethostname()}-c{os.cpu_count()}-t{threads}.json"
 
@@ -244,14 +246,6 @@ def load_or_calibrate(force: bool = False) -> MachineModel:
     if dist.is_initialized() and op_timer.enabled():  # in a job: operators timed on its own device
         model.op_timer = op_timer.OpTimer.for_this_host(management.device(), n)
     return model
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file: a reader never sees half of it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def available_memory() -> float:

@@ -47,9 +47,9 @@ class OpTimer:
     def for_this_host(cls, device: torch.device, world: int) -> "OpTimer":
         """Kept per host, thread count and world size: on a CPU the ranks share the cores, so an operator's time
         depends on how many run beside it (every rank measures at once, as they will compute at once)."""
-        from autopar.planner.machine import cache_path
+        from autopar.planner.cache import cache_dir
 
-        base = cache_path("ops", 1).parent
+        base = cache_dir()
         name = (f"ops-{device.type}-{socket.gethostname()}-c{os.cpu_count()}-t{torch.get_num_threads()}"
                 f"-n{world}.json")
         return cls(device, base / name)
@@ -57,7 +57,7 @@ class OpTimer:
     def save(self) -> None:
         if self.path is None or not self.measured:
             return
-        from autopar.planner.machine import write_atomic
+        from autopar.planner.cache import write_atomic
 
         try:
             old = json.loads(self.path.read_text()) if self.path.exists() else {}
