@@ -102,3 +102,6 @@ def test_megatron_transformer_with_torch_attention_in_a_plain_loop(procs, tmp_pa
     for res in results(tmp_path, "tr", n):
         assert res["loss"] <= TOL and res["param"] <= TOL, res
         assert res["q_local"] * n == res["q_full"]
+        # the Llama block: its rotary buffer meets DTensors in forward and backward; k split by key/value heads
+        assert res["llama_loss"] <= TOL and res["llama_param"] <= TOL, res
+        assert res["llama_k_local"] * n == 32 * 16

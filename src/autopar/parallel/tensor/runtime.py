@@ -59,6 +59,21 @@ def active_runtime() -> "SemiAutoRuntime | None":
     return getattr(_local, "runtime", None)
 
 
+_replicating: list = []
+
+
+def _replicate_plain_tensors() -> None:
+    """Tensors a network makes itself (a causal or padding mask, ``arange`` positions, a rotary table, a constant)
+    are the same on every rank: DTensor takes them as replicated where they meet laid-out tensors -- in the forward,
+    and in the backward, where autograd meets the ones it saved. torch's ``implicit_replication`` is one process-wide
+    switch (a context entered per forward would be off again when the backward runs), so it is turned on once, by
+    the first layout runtime, for the rest of the process."""
+    if not _replicating:
+        context = implicit_replication()
+        context.__enter__()
+        _replicating.append(context)
+
+
 def _execute(op: Primitive, args: tuple, kwargs: dict) -> Any:
     """How an autopar operator runs while a network of this runtime runs (installed for the call's duration)."""
     rt = active_runtime()
@@ -74,6 +89,7 @@ class SemiAutoRuntime(ParameterPlacement):
                  zero_shard_size: int | None = None):
         self.device_num = world_size()
         register_attention_rules()
+        _replicate_plain_tensors()
         # optimizer sharding (enable_parallel_optimizer): parameters stored split over the mesh axes their layout
         # replicates them on, gathered to the layout for each use (parallel.optimizer_shard.storage_placements)
         self.zero_level = zero_level
@@ -103,7 +119,6 @@ class SemiAutoRuntime(ParameterPlacement):
         self._strategy_written = False
         self.loss_root: torch.nn.Module | None = None  # network + loss, when Model gave a loss
         self._executing = None
-        self._implicit = None
         self.outputs_whole = False  # this forward handed whole outputs back (full_batch)
         self.grads = LayoutGrads(self.device_num, gradients_mean, loss_was_global=lambda: self.loss_was_global,
                                  whole_outputs=lambda: self.outputs_whole)
@@ -170,10 +185,6 @@ class SemiAutoRuntime(ParameterPlacement):
             self.loss_was_global = self.outputs_whole = False
             self._executing = _primitive.executing(_execute)
             self._executing.__enter__()
-            # tensors the network makes itself (a causal or padding mask, arange positions, a constant) are the
-            # same on every rank: DTensor takes them as replicated where they meet the laid-out activations
-            self._implicit = implicit_replication()
-            self._implicit.__enter__()
             if len(world_mesh().shape) > 1:  # a dimension may be split over two mesh axes
                 self._matmul_mode = local_matmul.enter()
         self._depth += 1
@@ -186,9 +197,6 @@ class SemiAutoRuntime(ParameterPlacement):
             executing, self._executing = self._executing, None
             if executing is not None:
                 executing.__exit__(None, None, None)
-            implicit, self._implicit = self._implicit, None
-            if implicit is not None:
-                implicit.__exit__(None, None, None)
             mode, self._matmul_mode = self._matmul_mode, None
             if mode is not None:
                 local_matmul.leave(mode)
