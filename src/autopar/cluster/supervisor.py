@@ -311,6 +311,11 @@ class Supervisor:
         for p in self.failed:
             who = f"rank {p.rank}" if p.rank is not None else "the scheduler"
             how = p.detail or describe_exit(p.popen.returncode)
+            if p.rank is None and p.popen.returncode is not None and p.popen.returncode < 0:
+                # killed from outside: its log only says how the job began; the workers were stopped with it
+                print(f"autopar: error: the scheduler (pid {p.popen.pid}) was {how}: the job lost its "
+                      f"rendezvous and every worker was stopped", file=sys.stderr)
+                continue
             print(f"autopar: error: {who} failed: {how}", file=sys.stderr)
             lines = tail(p.log)
             if lines:

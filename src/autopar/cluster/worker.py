@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import select
 import socket
 import sys
 import threading
@@ -176,9 +177,34 @@ class Watchdog:
         self._io = threading.Lock()  # one store client, two threads (watchdog, main at exit): one call at a time
         # A connection of its own: the main thread may be blocked in the store (e.g. process-group setup).
         self.store = connect(cenv, 30.0)
+        self.line = self._open_line()
         self.thread = threading.Thread(target=self._loop, name="autopar-watchdog", daemon=True)
         self._call_since: float | None = None  # when the watchdog's store call in progress began
         self.deadman = threading.Thread(target=self._deadman, name="autopar-deadman", daemon=True)
+
+    def _open_line(self) -> socket.socket | None:
+        """A plain connection to the scheduler that never carries a byte: when the scheduler's process dies, its
+        kernel closes it and it reads as ended -- seen without a store call. A store call on the connection of a
+        dead scheduler makes c10d log a warning with a C++ stack dump first (hand-started jobs do not set
+        ``TORCH_CPP_LOG_LEVEL``, and torch reads it only at import)."""
+        try:
+            line = socket.create_connection((self.cenv.master_addr, self.cenv.master_port), timeout=5.0)
+        except OSError:
+            return None
+        line.setblocking(False)
+        return line
+
+    def _scheduler_closed(self) -> bool:
+        """Has the scheduler's end of the silent connection closed (its process died)?"""
+        if self.line is None:
+            return False
+        try:
+            readable, _, _ = select.select([self.line], [], [], 0)
+            return bool(readable) and self.line.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
 
     def start(self) -> None:
         self.thread.start()
@@ -197,6 +223,8 @@ class Watchdog:
         last_ok = time.monotonic()
         limit = heartbeat_timeout()
         while not self._stop.wait(P.HEARTBEAT_INTERVAL):
+            if self._scheduler_closed() and not self._stop.is_set():
+                self._die(self._lost_scheduler())
             try:
                 with self._io:
                     self._call_since = time.monotonic()
@@ -256,6 +284,24 @@ class Watchdog:
                 return self.abort_reason
             time.sleep(0.1)
         return self.abort_reason
+
+    def ended_ranks(self, world: int) -> dict[int, str]:
+        """{rank: how it ended} of the other ranks that already reported their end ("ok", "failed: ..."): who left
+        a collective this rank is still in."""
+        out: dict[int, str] = {}
+        if not self._io.acquire(timeout=P.STORE_OP_TIMEOUT_S):
+            return out
+        try:
+            for r in range(world):
+                if r != self.rank and self.store.check([P.done_key(r)]):
+                    done = P.loads(self.store.get(P.done_key(r)))
+                    status = done.get("status", "ended")
+                    out[r] = "it ended cleanly" if status == "ok" else str(done.get("detail") or status)
+        except Exception:
+            pass  # the scheduler is gone: nothing to name
+        finally:
+            self._io.release()
+        return out
 
     def stop_as_secondary(self, reason: str) -> None:
         """This rank failed only because another did: say so, report "aborted", and exit with EXIT_ABORTED."""
