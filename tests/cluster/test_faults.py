@@ -149,6 +149,17 @@ def test_no_scheduler_and_no_peer_end_in_one_line(procs, tmp_path):
     assert f"autopar: error: cannot reach the scheduler at 127.0.0.1:{port} within 4 s" in res.stderr, res.stderr
     no_dumps(res.stderr)
     assert len(res.stderr.strip().splitlines()) == 2  # "waiting for the scheduler ..." and the error
+    assert res.stderr.startswith(f"autopar: waiting for the scheduler at 127.0.0.1:{port} for up to 4 s (to wait "
+                                 "less: AUTOPAR_CLUSTER_TIMEOUT=<seconds>, or autopar launch --cluster-timeout / "
+                                 "msrun --cluster_time_out)"), res.stderr
+    # under autopar launch: --cluster-timeout is what the workers wait (default 600 s, torchrun's rendezvous)
+    t0 = time.monotonic()
+    res = procs.run(autopar_cmd("launch", "-n", "1", "--nnodes", "2", "--node-rank", "1", "--master-addr",
+                                "127.0.0.1", "--master-port", str(port), "--token", "t", "--cluster-timeout", "3",
+                                "--log-dir", str(tmp_path / "node1"), JOB), timeout=90)
+    assert res.returncode == 1 and time.monotonic() - t0 < 45, res.stderr
+    assert f"cannot reach the scheduler at 127.0.0.1:{port} within 3 s" in res.stderr, res.stderr
+    assert "AUTOPAR_CLUSTER_TIMEOUT=3\n" in (tmp_path / "node1" / "env_1.log").read_text()
 
     table = tmp_path / "rank_table.json"
     table.write_text('{"version": "1.0", "server_count": "1", "status": "completed", "server_list": [{"server_id": '
@@ -219,3 +230,14 @@ def test_hand_started_scheduler_killed_is_one_line(procs, tmp_path):
         assert log.strip().splitlines()[-1] == f"autopar: error: lost the scheduler at 127.0.0.1:{port}; stopping"
         no_dumps(log)
     assert not procs.wait_no_leftovers()
+
+
+def test_launch_cluster_timeout_default_is_torchruns(monkeypatch):
+    from autopar.cluster.launcher import LaunchConfig, Launcher
+
+    monkeypatch.delenv("AUTOPAR_CLUSTER_TIMEOUT", raising=False)
+    assert Launcher(LaunchConfig(nproc=1, script=JOB))._base_env(0)["AUTOPAR_CLUSTER_TIMEOUT"] == "600"
+    monkeypatch.setenv("AUTOPAR_CLUSTER_TIMEOUT", "42")
+    assert Launcher(LaunchConfig(nproc=1, script=JOB))._base_env(0)["AUTOPAR_CLUSTER_TIMEOUT"] == "42"
+    launcher = Launcher(LaunchConfig(nproc=1, script=JOB, cluster_timeout=7))
+    assert launcher._base_env(0)["AUTOPAR_CLUSTER_TIMEOUT"] == "7"

@@ -56,8 +56,9 @@ def connect(cenv: ClusterEnv, timeout: float) -> dist.TCPStore:
             ) from None
         if not announced:
             announced = True
-            print(f"autopar: waiting for the scheduler at {cenv.master_addr}:{cenv.master_port} "
-                  f"(up to {timeout:.0f} s, AUTOPAR_CLUSTER_TIMEOUT)", file=sys.stderr, flush=True)
+            print(f"autopar: waiting for the scheduler at {cenv.master_addr}:{cenv.master_port} for up to "
+                  f"{timeout:.0f} s (to wait less: AUTOPAR_CLUSTER_TIMEOUT=<seconds>, or autopar launch "
+                  f"--cluster-timeout / msrun --cluster_time_out)", file=sys.stderr, flush=True)
         time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
 
