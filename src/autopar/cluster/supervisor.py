@@ -277,8 +277,9 @@ class Supervisor:
                         return exit_status(scheduler.popen.returncode)
                 return 0
             if scheduler is not None and scheduler.popen.poll() not in (None, 0):
-                # the scheduler gives up when a worker failed: name that worker if it ends within the grace
-                deadline = time.monotonic() + 5.0
+                # the scheduler gives up when a worker failed: name that worker if it ends within the grace (a
+                # scheduler killed by a signal gave up on nobody: the job ends at once)
+                deadline = time.monotonic() + (1.0 if scheduler.popen.poll() < 0 else 5.0)
                 while time.monotonic() < deadline and any(p.popen.poll() is None for p in workers):
                     time.sleep(POLL)
                 codes = {p.rank: p.popen.poll() for p in workers}
