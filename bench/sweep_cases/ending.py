@@ -10,7 +10,7 @@ import subprocess
 import time
 
 import psutil
-from sweep import PYTHON, Run, Verdict, case
+from sweep import PYTHON, TRACE_MARKS, Run, Verdict, case
 
 from sweep_cases.checkpoints import NET, _saved
 from sweep_cases.environment import INIT, MS
@@ -135,7 +135,9 @@ def torch_collective_stuck(ctx):
 # ------------------------------------------------------------------------------------------------- checkpoints
 def _named(run, *needles):
     text = run.err + run.out
-    return Verdict(run, None if run.rc == 0 or all(n in text for n in needles) else "vague")
+    if run.rc == 0 or any(mark in run.text for mark in TRACE_MARKS) or all(n in text for n in needles):
+        return Verdict(run)  # classified as usual (accepted, traceback, clear error)
+    return Verdict(run, "vague")
 
 
 @case("checkpoint", "load_distributed_checkpoint onto another shape names the tensor, both shapes, the files")
