@@ -20,6 +20,8 @@ from autopar.cluster.env import ClusterEnv, cluster_timeout, heartbeat_timeout
 from autopar.cluster.netutil import interface_towards, port_open, port_refused
 from autopar.errors import ClusterError
 
+CLEAN_END = "it ended cleanly"  # how Watchdog.ended_ranks describes a peer that reported a clean end
+
 
 def host_id(master_addr: str = "127.0.0.1") -> str:
     """Identity of this host for local-rank numbering and for naming a lost host: ``AUTOPAR_HOST_ID`` (lets one
@@ -297,7 +299,7 @@ class Watchdog:
                 if r != self.rank and self.store.check([P.done_key(r)]):
                     done = P.loads(self.store.get(P.done_key(r)))
                     status = done.get("status", "ended")
-                    out[r] = "it ended cleanly" if status == "ok" else str(done.get("detail") or status)
+                    out[r] = CLEAN_END if status == "ok" else str(done.get("detail") or status)
         except Exception:
             pass  # the scheduler is gone: nothing to name
         finally:

@@ -115,14 +115,17 @@ def _on_uncaught(exc_type, exc) -> str | None:
             import time
 
             from autopar.cluster.env import heartbeat_timeout
+            from autopar.cluster.worker import CLEAN_END
 
             # the scheduler's verdict (another rank died: abort) or the peer's own report (it ended: it left)
             deadline = time.monotonic() + heartbeat_timeout() + 2.0
             while time.monotonic() < deadline and watchdog.thread.is_alive():
                 if watchdog.abort_reason is not None:
                     watchdog.stop_as_secondary(watchdog.abort_reason)
-                if collective is not None and (ended := watchdog.ended_ranks(_state.world_size)):
-                    break
+                if collective is not None:
+                    ended = watchdog.ended_ranks(_state.world_size)
+                    if CLEAN_END in ended.values():  # a peer that failed is followed by the scheduler's abort
+                        break
                 time.sleep(0.1)
         line = _collective_line(exc, *collective, ended) if collective is not None else None
         watchdog.failure = line or f"{exc_type.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
