@@ -110,7 +110,7 @@ def _validate(cfg: LaunchConfig) -> None:
     if cfg.max_restarts < 0:
         raise ClusterError(f"--max-restarts must be 0 or more, got {cfg.max_restarts}")
     if cfg.cluster_timeout is not None and not cfg.cluster_timeout > 0:
-        raise ClusterError(f"--cluster-timeout must be a positive number of seconds, got {cfg.cluster_timeout}")
+        raise ClusterError(f"--cluster-timeout must be a positive number of seconds, got {cfg.cluster_timeout:g}")
 
 
 def _resolve(cfg: LaunchConfig) -> _Layout:
