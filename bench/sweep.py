@@ -6,6 +6,8 @@ short timeouts of the ``AUTOPAR_*_TIMEOUT`` variables, and is classified from wh
 - ``clear error``  non-zero exit with one ``error:`` line, no traceback, within the case's time bound
 - ``warned``       a bad input accepted with a warning (the flags autopar cannot honour)
 - ``held``         a fault the job survives as promised (resume exact, nothing left, one world formed)
+- ``vague``        one error line, but it does not name what the case needs named (the file, the tensor and both
+                   shapes, the missing rank, the operation)
 - ``traceback``    a Python traceback, a C++ stack dump, ``terminate called``, SIGABRT, or a failure with no error line
 - ``hang``         still running at the case's time bound (killed then), or slower than it promised
 - ``accepted``     a bad input that ran as if it were fine
@@ -39,7 +41,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
-OUTCOMES = ("clear error", "warned", "held", "traceback", "hang", "accepted", "lost", "left behind")
+OUTCOMES = ("clear error", "warned", "held", "vague", "traceback", "hang", "accepted", "lost", "left behind")
 TRACE_MARKS = ("Traceback (most recent call last)", "frame #", "terminate called", "Exception raised from")
 CONTRACT_VARS = ("MS_ROLE", "MS_WORKER_NUM", "MS_SCHED_HOST", "MS_SCHED_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                  "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK_TABLE_FILE", "RANK_ID", "RANK_SIZE",

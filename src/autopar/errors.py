@@ -102,7 +102,9 @@ _prefix: list = [lambda: ""]
 
 def on_uncaught(observer) -> None:
     """Call ``observer(exc_type, exc)`` before any uncaught exception is printed (the cluster layer records the
-    crash for the scheduler, or stops quietly when the exception only echoes another rank's death)."""
+    crash for the scheduler, or stops quietly when the exception only echoes another rank's death). An observer
+    that returns a string has it printed as the one error line instead of the traceback (a collective of torch's
+    own that failed: what the rank was doing says more than gloo's C++ location)."""
     if observer not in _observers:
         _observers.append(observer)
 
@@ -120,16 +122,23 @@ def install_excepthook() -> None:
         # after it, so that an autopar error is not printed as "[rank0]: autopar: error: ...")
 
     def hook(exc_type, exc, tb):
+        line = getattr(exc, "_autopar_line", None)
         if not getattr(exc, "_autopar_observed", False):  # an inner hook of ours (under torch's) does not observe again
             for observer in list(_observers):
                 try:
-                    observer(exc_type, exc)
+                    said = observer(exc_type, exc)
                 except Exception:  # noqa: BLE001 - reporting must never hide the error itself
-                    pass
+                    said = None
+                if isinstance(said, str) and line is None:
+                    line = said
             with contextlib.suppress(Exception):
                 exc._autopar_observed = True
-        if issubclass(exc_type, AutoparError) and not os.environ.get("AUTOPAR_TRACEBACK"):
-            print(f"autopar: error: {_prefix[0]()}{exc}", file=sys.stderr, flush=True)
+                exc._autopar_line = line
+        if os.environ.get("AUTOPAR_TRACEBACK"):
+            previous(exc_type, exc, tb)
+            return
+        if line is not None or issubclass(exc_type, AutoparError):
+            print(f"autopar: error: {_prefix[0]()}{line if line is not None else exc}", file=sys.stderr, flush=True)
             return
         previous(exc_type, exc, tb)
 

@@ -79,14 +79,35 @@ def test_sliced_checkpoints_of_two_saves_other_shapes_and_missing_files(procs, t
     assert all(torch.equal(v, torch.full_like(v, 4.0)) for v in store.read_integrated(merged)["model"].values())
 
     good = [tmp_path / "ckpt_0" / "net-1_8.ckpt", b]
-    with pytest.raises(CheckpointError, match=r"size mismatch|[Ss]hape|[Ss]ize") as info:  # was a BaseException
+    # another shape: the parameter, both shapes and the files (was DCP's "Size mismatch ... for model.0.weight")
+    with pytest.raises(CheckpointError) as info:
         load_distributed_checkpoint(net(16), good)
-    assert "\n" not in str(info.value)
+    assert str(info.value) == f"'0.weight' has shape (32, 8) in the checkpoint ({good[0]}, {b}) but (16, 8) in the network"
+    # a directory of per-rank directories (as `autopar ckpt merge DIR`), given as one path: the newest common save
+    fresh = net()
+    load_distributed_checkpoint(fresh, str(tmp_path))
+    assert all(torch.equal(v, torch.full_like(v, 8.0)) for v in fresh.state_dict().values())
+    # ... whose newest save lacks a rank: named, not an older save quietly taken (nor "too many values to unpack")
+    shutil.move(str(b), str(tmp_path / "away"))
+    with pytest.raises(CheckpointError) as info:
+        load_distributed_checkpoint(net(), str(tmp_path))
+    assert str(info.value) == (f"{tmp_path}: the newest save net-1_8.ckpt is missing a rank's slices ({tmp_path}/ckpt_1"
+                               f" (rank 1 of 2) has no net-1_8.ckpt); give the checkpoints of an older save "
+                               f"explicitly (the newest every rank has: net-1_4.ckpt)")
+    shutil.move(str(tmp_path / "away"), str(b))
+    # a rank's files lost: named with the rank (its .metadata, or a slice file the metadata lists)
+    shutil.copy(b / ".metadata", tmp_path / "metadata")
+    (b / ".metadata").unlink()
+    res = procs.run(autopar_cmd("ckpt", "merge", str(tmp_path), "--out", str(tmp_path / "m.ckpt")), timeout=120)
+    assert res.stderr.strip() == (f"autopar: error: checkpoint {b} (rank 1 of 2) has no .metadata: that rank's save "
+                                  "did not complete -- give a save every rank completed"), res.stderr
+    shutil.copy(tmp_path / "metadata", b / ".metadata")
     for f in b.glob("*.distcp"):
         f.unlink()
     with pytest.raises(CheckpointError) as info:
         load_distributed_checkpoint(net(), good)
-    assert "\n" not in str(info.value) and str(b) in str(info.value)
+    assert str(info.value) == (f"checkpoint {b} (rank 1 of 2) lacks __0_0.distcp, which its .metadata lists: that "
+                               "rank's slices are lost -- give a save every rank completed")
 
 
 def test_a_full_disk_names_the_file_and_the_reason(tmp_path):

@@ -95,9 +95,13 @@ def test_stopped_worker_and_killed_scheduler(procs, tmp_path):
     me = psutil.Process(launcher.pid)
     scheduler = next(p for p in me.children() if p.cmdline() == me.cmdline())  # forked from the launcher
     scheduler.kill()
+    t0 = time.monotonic()
     out, err = (x.decode() for x in launcher.communicate(timeout=120))
+    assert time.monotonic() - t0 < 10 + 5, time.monotonic() - t0  # within AUTOPAR_HEARTBEAT_TIMEOUT (10)
     assert launcher.returncode == 137, err
-    assert "autopar: error: the scheduler failed: killed by signal SIGKILL" in err, err
+    assert f"autopar: error: the scheduler (pid {scheduler.pid}) was killed by signal SIGKILL: the job lost its " \
+           "rendezvous and every worker was stopped" in err, err
+    assert len([line for line in err.splitlines() if line.strip()]) == 1, err
     no_dumps(out, err, *(p.read_text() for p in logs.glob("worker_*.log")))
     assert not procs.wait_no_leftovers()
 
@@ -145,6 +149,17 @@ def test_no_scheduler_and_no_peer_end_in_one_line(procs, tmp_path):
     assert f"autopar: error: cannot reach the scheduler at 127.0.0.1:{port} within 4 s" in res.stderr, res.stderr
     no_dumps(res.stderr)
     assert len(res.stderr.strip().splitlines()) == 2  # "waiting for the scheduler ..." and the error
+    assert res.stderr.startswith(f"autopar: waiting for the scheduler at 127.0.0.1:{port} for up to 4 s (to wait "
+                                 "less: AUTOPAR_CLUSTER_TIMEOUT=<seconds>, or autopar launch --cluster-timeout / "
+                                 "msrun --cluster_time_out)"), res.stderr
+    # under autopar launch: --cluster-timeout is what the workers wait (default 600 s, torchrun's rendezvous)
+    t0 = time.monotonic()
+    res = procs.run(autopar_cmd("launch", "-n", "1", "--nnodes", "2", "--node-rank", "1", "--master-addr",
+                                "127.0.0.1", "--master-port", str(port), "--token", "t", "--cluster-timeout", "3",
+                                "--log-dir", str(tmp_path / "node1"), JOB), timeout=90)
+    assert res.returncode == 1 and time.monotonic() - t0 < 45, res.stderr
+    assert f"cannot reach the scheduler at 127.0.0.1:{port} within 3 s" in res.stderr, res.stderr
+    assert "AUTOPAR_CLUSTER_TIMEOUT=3\n" in (tmp_path / "node1" / "env_1.log").read_text()
 
     table = tmp_path / "rank_table.json"
     table.write_text('{"version": "1.0", "server_count": "1", "status": "completed", "server_list": [{"server_id": '
@@ -156,3 +171,73 @@ def test_no_scheduler_and_no_peer_end_in_one_line(procs, tmp_path):
     assert res.returncode != 0 and time.monotonic() - t0 < 60
     assert "autopar: error: only 1 of 2 ranks reached the rendezvous" in res.stderr, res.stderr
     no_dumps(res.stderr)
+
+
+LEAVES_EARLY = """
+import time, torch, torch.distributed as dist
+import autopar
+autopar.init()
+steps = 3 if dist.get_rank() == 1 else 100000
+for i in range(steps):
+    if dist.get_rank() == 1 and i == 2 and STUCK:
+        time.sleep(1000)
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    time.sleep(0.01)
+"""
+
+
+def test_torch_collective_left_early_or_stuck_is_one_line(procs, tmp_path):
+    """Rank 1 leaves torch's own all_reduce loop early (exits 0), or hangs outside it: rank 0's log holds one line
+    naming itself, the operation and the script's line (and the rank that left) -- it held a gloo traceback."""
+    for stuck in (False, True):
+        script = tmp_path / f"leaves_{stuck}.py"
+        script.write_text(LEAVES_EARLY.replace("STUCK", str(stuck)))
+        logs = tmp_path / f"logs_{stuck}"
+        res = procs.run(autopar_cmd("launch", "-n", "2", "--log-dir", str(logs), str(script)),
+                        procs.env(AUTOPAR_COMM_TIMEOUT="5", AUTOPAR_HEARTBEAT_TIMEOUT="3"), timeout=120)
+        assert res.returncode == 1, res.stdout + res.stderr
+        log0 = (logs / "worker_0.log").read_text()
+        where = f"[rank 0] torch.distributed.all_reduce at {script.name}:10"
+        if stuck:
+            want = f"{where} timed out after 5 s (AUTOPAR_COMM_TIMEOUT): another rank never joined it"
+        else:
+            want = f"{where} failed: rank 1 (it ended cleanly) had already left the job"
+        assert log0.startswith(f"autopar: error: {want}") and len(log0.strip().splitlines()) == 1, log0
+        assert "autopar: error: rank 0 failed: exited with code 1" in res.stderr, res.stderr
+        no_dumps(res.stdout, res.stderr, *(p.read_text() for p in logs.glob("*.log")))
+        assert not procs.wait_no_leftovers()
+
+
+def test_hand_started_scheduler_killed_is_one_line(procs, tmp_path):
+    """A scheduler started by hand (MS_ROLE=MS_SCHED, no TORCH_CPP_LOG_LEVEL) killed while the workers train: each
+    worker stops with one line, no C++ stack dump before it (c10d printed one from the heartbeat's store call)."""
+    port = str(free_port())
+    env = dict(MS_WORKER_NUM="2", MS_SCHED_HOST="127.0.0.1", MS_SCHED_PORT=port, AUTOPAR_HEARTBEAT_TIMEOUT="3",
+               JOB_STEPS="100000")
+    sched = procs.start([PYTHON, JOB], procs.env(MS_ROLE="MS_SCHED", **env), log=tmp_path / "sched.log")
+    workers = [procs.start([PYTHON, JOB], procs.env(MS_ROLE="MS_WORKER", AUTOPAR_RANK=str(r), **env),
+                           log=tmp_path / f"w{r}.log") for r in range(2)]
+    for r in range(2):
+        wait_for(tmp_path / f"w{r}.log", f"RANK {r} OF 2")
+    time.sleep(1.5)
+    sched.kill()
+    t0 = time.monotonic()
+    assert [w.wait(timeout=60) for w in workers] == [86, 86]
+    assert time.monotonic() - t0 < 3 + 5
+    for r in range(2):
+        log = (tmp_path / f"w{r}.log").read_text()
+        assert log.strip().splitlines()[-1] == f"autopar: error: lost the scheduler at 127.0.0.1:{port}; stopping"
+        no_dumps(log)
+    assert not procs.wait_no_leftovers()
+
+
+def test_launch_cluster_timeout_default_is_torchruns(monkeypatch):
+    from autopar.cluster.launcher import LaunchConfig, Launcher
+
+    monkeypatch.delenv("AUTOPAR_CLUSTER_TIMEOUT", raising=False)
+    assert Launcher(LaunchConfig(nproc=1, script=JOB))._base_env(0)["AUTOPAR_CLUSTER_TIMEOUT"] == "600"
+    monkeypatch.setenv("AUTOPAR_CLUSTER_TIMEOUT", "42")
+    assert Launcher(LaunchConfig(nproc=1, script=JOB))._base_env(0)["AUTOPAR_CLUSTER_TIMEOUT"] == "42"
+    launcher = Launcher(LaunchConfig(nproc=1, script=JOB, cluster_timeout=7))
+    assert launcher._base_env(0)["AUTOPAR_CLUSTER_TIMEOUT"] == "7"

@@ -37,6 +37,18 @@ def test_non_divisible_shards_have_equal_size_and_cover_everything():
     assert d.get_dataset_size() == 2
 
 
+def test_more_shards_than_records_warns_once_with_the_numbers():
+    """num_shards > records: every shard still gets one row (equal steps), said once with how many repeat."""
+    with pytest.warns(UserWarning) as got:
+        parts = shard_values(3, 8, shuffle=False)
+        shard_values(3, 8, shuffle=False)
+    assert parts == [[0], [1], [2], [0], [1], [2], [0], [1]]
+    said = [str(w.message) for w in got if "num_shards" in str(w.message)]
+    assert said == ["autopar: NumpySlicesDataset: num_shards=8 is more than its 3 records: each shard sees 1 record "
+                    "per pass, and 5 of the 8 shards see a copy of another shard's record (use at most 3 shards, "
+                    "or more data)"]
+
+
 def test_shards_stay_disjoint_every_epoch_and_reshuffle():
     e0, e1 = shard_values(60, 3, epoch=0), shard_values(60, 3, epoch=1)
     for parts in (e0, e1):

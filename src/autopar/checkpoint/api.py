@@ -119,6 +119,7 @@ def _full_tensors_from_slices(paths: list[Path], reader: Any = None) -> dict[str
     from autopar.checkpoint.merged_reader import MergedReader
 
     state: dict = {}
+    MergedReader(paths).read_metadata()  # a missing or broken file named here, not logged with a traceback by DCP
     try:
         with store.quiet_single_process():
             _load_state_dict(state, storage_reader=reader or MergedReader(paths), planner=_EmptyStateDictLoadPlanner(),
@@ -210,7 +211,7 @@ def load_distributed_checkpoint(network: torch.nn.Module, checkpoint_filenames: 
     """Load the slices saved by N ranks onto this process's layout (M ranks under ``predict_strategy``, or one
     process with full tensors when it is None). ``predict_strategy``: {name: Layout} (``Model.infer_train_layout``)
     or a strategy file path."""
-    paths = [Path(p) for p in checkpoint_filenames]
+    paths = checkpoint_paths(checkpoint_filenames)
     if not paths:
         raise CheckpointError("load_distributed_checkpoint: no checkpoint files given")
     for p in paths:
@@ -229,6 +230,50 @@ def load_distributed_checkpoint(network: torch.nn.Module, checkpoint_filenames: 
         apply_layouts(network, predict_strategy)
     _check_names(network, paths, strict_load)
     store.load_sliced_into(paths, network, optimizer, with_optimizer=optimizer is not None)
+
+
+def checkpoint_paths(given: Any) -> list[Path]:
+    """The sliced checkpoints to read: a list of them; one of them; or one directory of per-rank directories
+    (``ckpt_0/``, ``ckpt_1/``, ... -- the newest checkpoint every rank has), as ``autopar ckpt merge DIR``."""
+    if isinstance(given, (str, os.PathLike)):
+        given = [given]
+    paths = [Path(p) for p in given]
+    if len(paths) == 1 and paths[0].is_dir() and not store.is_sliced(paths[0]):
+        return sliced_under(paths[0])
+    return paths
+
+
+def sliced_under(parent: Path) -> list[Path]:
+    """A parent directory of per-rank directories: the newest checkpoint name every rank has; a rank directory
+    without it is named (with the rank its other checkpoints say it is)."""
+    ranks = [d for d in sorted(parent.iterdir()) if d.is_dir() and not store.is_sliced(d)
+             and any(f.path.is_dir() for f in store.list_checkpoints(d))]
+    names = [{f.path.name for f in store.list_checkpoints(d) if f.path.is_dir()} for d in ranks]
+    if not ranks:
+        raise CheckpointError(f"{parent}: no per-rank directory of sliced checkpoints in it")
+    common = set.intersection(*names)
+    if not common:
+        raise CheckpointError(f"{parent}: no sliced checkpoint present in all of {[str(d) for d in ranks]}")
+    newest = max(common, key=lambda n: tuple(int(x) for x in n[:-5].rsplit("-", 1)[1].split("_")))
+    everywhere = set.union(*names)
+    later = max(everywhere, key=lambda n: tuple(int(x) for x in n[:-5].rsplit("-", 1)[1].split("_")))
+    if later != newest:  # the newest save lacks a rank: name it, rather than quietly take an older save
+        lacking = "; ".join(f"{d} ({_rank_of_dir(d)}) has no {later}" for d, have in zip(ranks, names)
+                            if later not in have)
+        raise CheckpointError(f"{parent}: the newest save {later} is missing a rank's slices ({lacking}); "
+                              f"give the checkpoints of an older save explicitly (the newest every rank has: "
+                              f"{newest})")
+    return [d / newest for d in ranks]
+
+
+def _rank_of_dir(directory: Path) -> str:
+    """Which rank's directory this is, as its checkpoints say."""
+    for found in reversed(store.list_checkpoints(directory)):
+        if found.path.is_dir():
+            with contextlib.suppress(CheckpointError):
+                meta = store.read_meta(found.path)
+                return f"rank {meta.rank} of {meta.world_size}"
+    return "rank unknown"
 
 
 def _check_ranks(paths: list[Path]) -> None:
@@ -270,7 +315,10 @@ def _check_names(network: torch.nn.Module, paths: list[Path], strict: bool) -> N
 
 def merge_sliced_checkpoints(checkpoint_filenames: list, out: str | os.PathLike) -> Path:
     """The ranks' slices -> one integrated checkpoint file (model and optimizer state, full tensors)."""
-    paths = [Path(p) for p in checkpoint_filenames]
+    paths = checkpoint_paths(checkpoint_filenames)
+    for p in paths:
+        if not p.exists():
+            raise CheckpointError(f"checkpoint not found: {p}")
     _check_ranks(paths)
     state = _full_tensors_from_slices(paths)
     meta = store.read_meta(paths[0])

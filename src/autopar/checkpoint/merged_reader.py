@@ -43,10 +43,19 @@ class MergedReader(StorageReader):
     def read_metadata(self) -> Metadata:
         self.metas = []
         for path, reader in zip(self.paths, self.readers):
+            if not (path / ".metadata").is_file():
+                raise CheckpointError(f"checkpoint {path} ({_whose(path)}) has no .metadata: that rank's save did not "
+                                      f"complete -- give a save every rank completed")
             try:
                 self.metas.append(reader.read_metadata())
             except Exception as exc:  # noqa: BLE001 - any unreadable metadata is a broken checkpoint
-                raise CheckpointError(f"checkpoint {path} is incomplete or corrupt: {str(exc).splitlines()[0]}") from None
+                raise CheckpointError(f"checkpoint {path} ({_whose(path)}) is incomplete or corrupt: "
+                                      f"{str(exc).splitlines()[0]}") from None
+            files = sorted({info.relative_path for info in reader_storage(self.metas[-1])})
+            lost = [f for f in files if not (path / f).is_file()]
+            if lost:
+                raise CheckpointError(f"checkpoint {path} ({_whose(path)}) lacks {', '.join(lost)}, which its .metadata "
+                                      f"lists: that rank's slices are lost -- give a save every rank completed")
         merged: dict = {}
         storage: dict = {}
         for k, md in enumerate(self.metas):
@@ -98,6 +107,33 @@ class MergedReader(StorageReader):
             done.set_result(None)
             return done
         return collect_all(futures).then(lambda _: None)
+
+
+def reader_storage(md: Metadata) -> list:
+    """The storage entries (file, offset, length) a checkpoint's metadata lists."""
+    return list((md.storage_data or {}).values())
+
+
+def _whose(path: Path) -> str:
+    """"rank r of n" from the checkpoint's own autopar.json, for naming the rank whose files are missing."""
+    import json
+
+    try:
+        meta = json.loads((path / "autopar.json").read_text())
+        return f"rank {meta.get('rank')} of {meta.get('world_size')}"
+    except (OSError, ValueError):
+        return "rank unknown"
+
+
+def check_shapes(merged: dict, network_shapes: dict[str, tuple], paths: list[Path]) -> None:
+    """The saved tensor of each of the network's parameters must have the network's (full) shape: named with the
+    files and both shapes, before DCP fails deep inside its planner."""
+    for name, shape in network_shapes.items():
+        meta = merged.get(f"model.{name}")
+        if isinstance(meta, TensorStorageMetadata) and tuple(meta.size) != tuple(shape):
+            files = ", ".join(str(p) for p in paths[:3]) + (" ..." if len(paths) > 3 else "")
+            raise CheckpointError(f"'{name}' has shape {tuple(meta.size)} in the checkpoint ({files}) but "
+                                  f"{tuple(shape)} in the network")
 
 
 def check_coverage(merged: dict, paths: list[Path]) -> None:

@@ -257,6 +257,11 @@ def load_sliced_into(paths: list[Path], network: torch.nn.Module, optimizer=None
     state = {"model": model_sd}
     if optimizer is not None and with_optimizer:
         state["optim"] = optim_sd
+    from autopar.checkpoint.merged_reader import MergedReader, check_shapes
+
+    # checked before DCP: a missing rank's file or another shape named with the files (DCP logs a traceback first)
+    merged = MergedReader(paths, require_complete=not own_slices_only).read_metadata().state_dict_metadata
+    check_shapes(merged, {k: tuple(v.shape) for k, v in model_sd.items() if isinstance(v, torch.Tensor)}, paths)
     try:
         with quiet_single_process():
             import torch.distributed.checkpoint as dcp

@@ -36,22 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(func=convert_mindspore)
 
 
-def _sliced_under(parent: Path) -> list[Path]:
-    """A parent directory of per-rank directories: the newest checkpoint name every rank has."""
-    from autopar.checkpoint.store import is_sliced, list_checkpoints
-
-    ranks = [d for d in sorted(parent.iterdir()) if d.is_dir() and not is_sliced(d)
-             and any(f.path.is_dir() for f in list_checkpoints(d))]
-    names = [{f.path.name for f in list_checkpoints(d) if f.path.is_dir()} for d in ranks]
-    common = set.intersection(*names) if names else set()
-    if not common:
-        raise CheckpointError(f"{parent}: no sliced checkpoint present in all of {[str(d) for d in ranks]}")
-    newest = max(common, key=lambda n: tuple(int(x) for x in n[:-5].rsplit("-", 1)[1].split("_")))
-    return [d / newest for d in ranks]
-
-
 def merge(args: argparse.Namespace) -> int:
-    from autopar.checkpoint.api import merge_sliced_checkpoints
+    from autopar.checkpoint.api import merge_sliced_checkpoints, sliced_under
     from autopar.checkpoint.store import is_sliced
     from autopar.cli.paths import writable_parent
 
@@ -61,7 +47,7 @@ def merge(args: argparse.Namespace) -> int:
         if not p.exists():
             raise CheckpointError(f"checkpoint not found: {p}")
     if len(paths) == 1 and paths[0].is_dir() and not is_sliced(paths[0]):
-        paths = _sliced_under(paths[0])
+        paths = sliced_under(paths[0])
     out = merge_sliced_checkpoints(paths, args.out)
     print(f"merged {len(paths)} sliced checkpoints into {out}")
     return 0

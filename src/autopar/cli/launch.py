@@ -28,6 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     table.add_argument("--rank-table", default=None, help="a MindSpore rank table (r1.x or r0.2 JSON)")
     table.add_argument("--server-id", default=None, help="this host's server_id in the rank table")
     p.add_argument("--max-restarts", type=int, default=0, help="run the job again up to K times after a failure")
+    p.add_argument("--cluster-timeout", type=float, default=None, metavar="S",
+                   help="seconds the workers wait to reach the scheduler and for all to join (default: "
+                        "AUTOPAR_CLUSTER_TIMEOUT, else 600 as torchrun's rendezvous)")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     p.set_defaults(func=run)
@@ -40,5 +43,5 @@ def run(args: argparse.Namespace) -> int:
         nproc=args.nproc, script=args.script, script_args=list(args.script_args), log_dir=args.log_dir,
         port=args.port, host=args.host, nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
         master_port=args.master_port, token=args.token, hostfile=args.hostfile, rank_table=args.rank_table,
-        server_id=args.server_id, max_restarts=args.max_restarts,
+        server_id=args.server_id, max_restarts=args.max_restarts, cluster_timeout=args.cluster_timeout,
     ))

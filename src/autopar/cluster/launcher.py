@@ -50,6 +50,10 @@ from autopar.cluster.supervisor import (  # noqa: F401 (re-exported)
 from autopar.errors import ClusterError
 
 DEFAULT_MASTER_PORT = 29500
+# Seconds the workers wait to reach the scheduler and for every worker to join: torchrun's rendezvous waits 600 s
+# (its join timeout), and so does msrun (--cluster_time_out) -- long enough for the nodes of a job to be started
+# one after another by hand, short enough that a mistyped address fails within minutes.
+DEFAULT_CLUSTER_TIMEOUT = 600
 
 
 @dataclass
@@ -76,6 +80,7 @@ class LaunchConfig:
     server_id: str | None = None
     # faults
     max_restarts: int = 0
+    cluster_timeout: float | None = None  # None: AUTOPAR_CLUSTER_TIMEOUT if set, else DEFAULT_CLUSTER_TIMEOUT
 
 
 @dataclass
@@ -104,6 +109,8 @@ def _validate(cfg: LaunchConfig) -> None:
     _check_port(cfg.master_port, "--master-port")
     if cfg.max_restarts < 0:
         raise ClusterError(f"--max-restarts must be 0 or more, got {cfg.max_restarts}")
+    if cfg.cluster_timeout is not None and not cfg.cluster_timeout > 0:
+        raise ClusterError(f"--cluster-timeout must be a positive number of seconds, got {cfg.cluster_timeout:g}")
 
 
 def _resolve(cfg: LaunchConfig) -> _Layout:
@@ -261,6 +268,10 @@ class Launcher:
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         if "OMP_NUM_THREADS" not in os.environ:  # share the cores between local workers unless the user chose
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // local))
+        if self.cfg.cluster_timeout is not None:
+            env["AUTOPAR_CLUSTER_TIMEOUT"] = f"{self.cfg.cluster_timeout:g}"
+        else:
+            env.setdefault("AUTOPAR_CLUSTER_TIMEOUT", str(DEFAULT_CLUSTER_TIMEOUT))
         env.update(self.cfg.extra_env)
         return env
 

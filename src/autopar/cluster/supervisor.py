@@ -277,8 +277,9 @@ class Supervisor:
                         return exit_status(scheduler.popen.returncode)
                 return 0
             if scheduler is not None and scheduler.popen.poll() not in (None, 0):
-                # the scheduler gives up when a worker failed: name that worker if it ends within the grace
-                deadline = time.monotonic() + 5.0
+                # the scheduler gives up when a worker failed: name that worker if it ends within the grace (a
+                # scheduler killed by a signal gave up on nobody: the job ends at once)
+                deadline = time.monotonic() + (1.0 if scheduler.popen.poll() < 0 else 5.0)
                 while time.monotonic() < deadline and any(p.popen.poll() is None for p in workers):
                     time.sleep(POLL)
                 codes = {p.rank: p.popen.poll() for p in workers}
@@ -311,6 +312,11 @@ class Supervisor:
         for p in self.failed:
             who = f"rank {p.rank}" if p.rank is not None else "the scheduler"
             how = p.detail or describe_exit(p.popen.returncode)
+            if p.rank is None and p.popen.returncode is not None and p.popen.returncode < 0:
+                # killed from outside: its log only says how the job began; the workers were stopped with it
+                print(f"autopar: error: the scheduler (pid {p.popen.pid}) was {how}: the job lost its "
+                      f"rendezvous and every worker was stopped", file=sys.stderr)
+                continue
             print(f"autopar: error: {who} failed: {how}", file=sys.stderr)
             lines = tail(p.log)
             if lines:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import select
 import socket
 import sys
 import threading
@@ -18,6 +19,8 @@ from autopar.cluster import protocol as P
 from autopar.cluster.env import ClusterEnv, cluster_timeout, heartbeat_timeout
 from autopar.cluster.netutil import interface_towards, port_open, port_refused
 from autopar.errors import ClusterError
+
+CLEAN_END = "it ended cleanly"  # how Watchdog.ended_ranks describes a peer that reported a clean end
 
 
 def host_id(master_addr: str = "127.0.0.1") -> str:
@@ -55,8 +58,9 @@ def connect(cenv: ClusterEnv, timeout: float) -> dist.TCPStore:
             ) from None
         if not announced:
             announced = True
-            print(f"autopar: waiting for the scheduler at {cenv.master_addr}:{cenv.master_port} "
-                  f"(up to {timeout:.0f} s, AUTOPAR_CLUSTER_TIMEOUT)", file=sys.stderr, flush=True)
+            print(f"autopar: waiting for the scheduler at {cenv.master_addr}:{cenv.master_port} for up to "
+                  f"{timeout:.0f} s (to wait less: AUTOPAR_CLUSTER_TIMEOUT=<seconds>, or autopar launch "
+                  f"--cluster-timeout / msrun --cluster_time_out)", file=sys.stderr, flush=True)
         time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
 
@@ -209,9 +213,34 @@ class Watchdog:
         self._io = threading.Lock()  # one store client, two threads (watchdog, main at exit): one call at a time
         # A connection of its own: the main thread may be blocked in the store (e.g. process-group setup).
         self.store = connect(cenv, 30.0)
+        self.line = self._open_line()
         self.thread = threading.Thread(target=self._loop, name="autopar-watchdog", daemon=True)
         self._call_since: float | None = None  # when the watchdog's store call in progress began
         self.deadman = threading.Thread(target=self._deadman, name="autopar-deadman", daemon=True)
+
+    def _open_line(self) -> socket.socket | None:
+        """A plain connection to the scheduler that never carries a byte: when the scheduler's process dies, its
+        kernel closes it and it reads as ended -- seen without a store call. A store call on the connection of a
+        dead scheduler makes c10d log a warning with a C++ stack dump first (hand-started jobs do not set
+        ``TORCH_CPP_LOG_LEVEL``, and torch reads it only at import)."""
+        try:
+            line = socket.create_connection((self.cenv.master_addr, self.cenv.master_port), timeout=5.0)
+        except OSError:
+            return None
+        line.setblocking(False)
+        return line
+
+    def _scheduler_closed(self) -> bool:
+        """Has the scheduler's end of the silent connection closed (its process died)?"""
+        if self.line is None:
+            return False
+        try:
+            readable, _, _ = select.select([self.line], [], [], 0)
+            return bool(readable) and self.line.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
 
     def start(self) -> None:
         self.thread.start()
@@ -231,6 +260,8 @@ class Watchdog:
         last_ok = time.monotonic()
         limit = heartbeat_timeout()
         while not self._stop.wait(P.HEARTBEAT_INTERVAL):
+            if self._scheduler_closed() and not self._stop.is_set():
+                self._die(self._lost_scheduler())
             try:
                 with self._io:
                     self._call_since = time.monotonic()
@@ -290,6 +321,24 @@ class Watchdog:
                 return self.abort_reason
             time.sleep(0.1)
         return self.abort_reason
+
+    def ended_ranks(self, world: int) -> dict[int, str]:
+        """{rank: how it ended} of the other ranks that already reported their end ("ok", "failed: ..."): who left
+        a collective this rank is still in."""
+        out: dict[int, str] = {}
+        if not self._io.acquire(timeout=P.STORE_OP_TIMEOUT_S):
+            return out
+        try:
+            for r in range(world):
+                if r != self.rank and self.store.check([P.done_key(r)]):
+                    done = P.loads(self.store.get(P.done_key(r)))
+                    status = done.get("status", "ended")
+                    out[r] = CLEAN_END if status == "ok" else str(done.get("detail") or status)
+        except Exception:
+            pass  # the scheduler is gone: nothing to name
+        finally:
+            self._io.release()
+        return out
 
     def stop_as_secondary(self, reason: str) -> None:
         """This rank failed only because another did: say so, report "aborted", and exit with EXIT_ABORTED."""

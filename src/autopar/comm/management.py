@@ -62,20 +62,75 @@ def _echoes_a_peer(exc_type, exc) -> bool:
         issubclass(exc_type, dist.DistError) or any(mark in str(exc) for mark in _PEER_LOST))
 
 
-def _on_uncaught(exc_type, exc) -> None:
-    """Before an uncaught exception is printed: a failure that only echoes another rank's death waits for the
-    scheduler's verdict and stops quietly as "aborted" (one line, EXIT_ABORTED) instead of a gloo traceback; any
-    other crash is recorded for the scheduler's report."""
-    watchdog = _state.watchdog
-    if watchdog is None:
-        return
-    if _echoes_a_peer(exc_type, exc):
-        from autopar.cluster.env import heartbeat_timeout
+def _torch_collective(exc: BaseException) -> tuple[str, str] | None:
+    """(what, where) when ``exc`` came out of one of torch's own collectives (``torch.distributed.all_reduce``,
+    DDP's gradient all-reduce, ...): the operation and the script's line that called it. None for anything else."""
+    import traceback
 
-        reason = watchdog.wait_for_abort(heartbeat_timeout() + 2.0)
-        if reason is not None:
-            watchdog.stop_as_secondary(reason)
-    watchdog.failure = f"{exc_type.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    if not isinstance(exc, RuntimeError):
+        return None
+    frames = traceback.extract_tb(exc.__traceback__)
+    torch_dir = os.path.dirname(torch.__file__)
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    c10d = [f for f in frames if f.filename.endswith(os.path.join("distributed", "distributed_c10d.py"))]
+    text = str(exc)
+    if c10d:
+        what = f"torch.distributed.{c10d[0].name}"
+    elif isinstance(exc, dist.DistError) or "gloo" in text or "NCCL" in text:
+        what = "a collective of torch's" + (" (DDP's gradient all-reduce, in backward)"
+                                            if any(f.name == "backward" for f in frames) else "")
+    else:
+        return None
+    user = [f for f in frames if not f.filename.startswith((torch_dir, ours))]
+    where = f" at {os.path.basename(user[-1].filename)}:{user[-1].lineno}" if user else ""
+    return what, where
+
+
+def _collective_line(exc: BaseException, what: str, where: str, ended: dict[int, str]) -> str:
+    """The one line for a failed collective of torch's: the operation, the script's line, and the rank that left."""
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    first = first.split("] ", 1)[1] if first.startswith("[/") and "] " in first else first  # gloo's source path
+    first = first.split(". This is typically", 1)[0]  # gloo's advice, the same for every fault
+    left = ", ".join(f"rank {r} ({status})" for r, status in sorted(ended.items()))
+    if left:
+        return f"{what}{where} failed: {left} had already left the job -- the ranks did not call the same collectives"
+    if "timed out" in first.lower() or "timeout" in first.lower():
+        from autopar.cluster.env import comm_timeout as _timeout
+
+        return (f"{what}{where} timed out after {_timeout():.0f} s (AUTOPAR_COMM_TIMEOUT): another rank never "
+                f"joined it (stuck, or calling other collectives)")
+    return f"{what}{where} failed: {first}"
+
+
+def _on_uncaught(exc_type, exc) -> str | None:
+    """Before an uncaught exception is printed: a failure that only echoes another rank's death waits for the
+    scheduler's verdict and stops quietly as "aborted" (one line, EXIT_ABORTED) instead of a gloo traceback; a
+    collective of torch's own that failed otherwise (a peer that left early, a timeout) becomes one line naming
+    the operation, the script's line and the rank that left; any crash is recorded for the scheduler's report."""
+    watchdog = _state.watchdog
+    collective = _torch_collective(exc) if _state.world_size > 1 else None
+    ended: dict[int, str] = {}
+    if watchdog is not None:
+        if _echoes_a_peer(exc_type, exc):
+            import time
+
+            from autopar.cluster.env import heartbeat_timeout
+            from autopar.cluster.worker import CLEAN_END
+
+            # the scheduler's verdict (another rank died: abort) or the peer's own report (it ended: it left)
+            deadline = time.monotonic() + heartbeat_timeout() + 2.0
+            while time.monotonic() < deadline and watchdog.thread.is_alive():
+                if watchdog.abort_reason is not None:
+                    watchdog.stop_as_secondary(watchdog.abort_reason)
+                if collective is not None:
+                    ended = watchdog.ended_ranks(_state.world_size)
+                    if CLEAN_END in ended.values():  # a peer that failed is followed by the scheduler's abort
+                        break
+                time.sleep(0.1)
+        line = _collective_line(exc, *collective, ended) if collective is not None else None
+        watchdog.failure = line or f"{exc_type.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return line
+    return _collective_line(exc, *collective, {}) if collective is not None else None
 
 
 def _install_excepthook() -> None:

@@ -60,6 +60,16 @@ class ShardSampler:
         if num_rows < 1:
             raise DatasetError(f"{self.where}: the source has no rows")
         self.num_rows = int(num_rows)
+        if self.num_shards > self.num_rows:
+            # more shards than records: every shard still gets one row per pass (equal step counts on all ranks),
+            # but the rows repeat across shards -- said once, with the numbers, instead of silently
+            from autopar.errors import warn_once
+
+            repeats = self.num_shards - self.num_rows
+            warn_once(f"sampler.more_shards:{self.where}:{self.num_shards}:{self.num_rows}",
+                      f"{self.where}: num_shards={self.num_shards} is more than its {self.num_rows} records: each "
+                      f"shard sees 1 record per pass, and {repeats} of the {self.num_shards} shards see a copy of "
+                      f"another shard's record (use at most {self.num_rows} shards, or more data)")
         return self
 
     def __len__(self) -> int:

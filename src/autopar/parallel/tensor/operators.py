@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from autopar.comm.topology import world_mesh
+from autopar.errors import StrategyError
 from autopar.layout.layout import Layout
 from autopar.layout.strategy import data_parallel_strategy, derive_plan
 from autopar.ops.math import OneHot, Reshape
@@ -35,7 +36,7 @@ def run_operator(rt, op: Primitive, args: tuple, kwargs: dict) -> Any:
     spec = op.spec(*args)
     shapes = tuple(tuple(args[i].shape) for i in positions)
     strategy = op.strategy or data_parallel_strategy(spec, shapes, rt.device_num)
-    plan = derive_plan(rt.name_of(op), spec, strategy, shapes, rt.device_num)
+    plan = _plan(rt, op, spec, strategy, shapes)
     local_args = list(args)
     mesh = world_mesh()
     regather = Regather() if rt.zero_level == "level3" else None
@@ -70,6 +71,19 @@ def run_operator(rt, op: Primitive, args: tuple, kwargs: dict) -> Any:
         out = out / math.prod(plan.device_matrix[a] for a in partial)
         reduction = "sum"
     return P.wrap_local(out, P.output_placements(plan.device_matrix, plan.output_map, partial, reduction))
+
+def _plan(rt, op: Primitive, spec, strategy: tuple, shapes: tuple):
+    """The operator's plan; a strategy that does not fit, when a strategy file gave it, names that file and the
+    shapes the operator was called with (the file was written for another network or other inputs)."""
+    try:
+        return derive_plan(rt.name_of(op), spec, strategy, shapes, rt.device_num)
+    except StrategyError as exc:
+        path = getattr(op, "_autopar_strategy_file", None)
+        if path is None:
+            raise
+        raise StrategyError(f"the strategy file {path} cannot be applied to this network: {exc}; the operator's "
+                            f"inputs here have shapes {', '.join(str(tuple(s)) for s in shapes)}") from None
+
 
 def _one_hot(rt, op: OneHot, indices, depth, on_value, off_value):
     depth = int(depth)

@@ -42,8 +42,10 @@ class LoadedStrategy:
                 continue
             if isinstance(module, ShardablePrimitive):
                 module.shard(strategy)
+                module._autopar_strategy_file = self.path  # a strategy that does not fit is then the file's
             elif isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
                 shard(module, strategy)
+                module._autopar_op._autopar_strategy_file = self.path
 
     def check(self, name: str, shape: tuple, layout: Layout, who: str) -> None:
         """The file's layout of parameter ``name`` must be that of the operator using it, for this very shape."""
@@ -54,8 +56,8 @@ class LoadedStrategy:
             raise StrategyError(f"the strategy file {self.path} was written for parameter '{name}' of shape "
                                 f"{tuple(loaded.full_shape)}, the network's has {tuple(shape)}")
         if loaded.placements() != layout.placements():
-            raise StrategyError(f"the strategy file gives parameter '{name}' the layout {loaded} but {who} needs "
-                                f"{layout}")
+            raise StrategyError(f"the strategy file {self.path} gives parameter '{name}' the layout {loaded} but "
+                                f"{who} needs {layout}")
 
 
 def operator_strategies(roots, names: dict[int, str]) -> dict[str, tuple]:
