@@ -241,3 +241,16 @@ def test_launch_cluster_timeout_default_is_torchruns(monkeypatch):
     assert Launcher(LaunchConfig(nproc=1, script=JOB))._base_env(0)["AUTOPAR_CLUSTER_TIMEOUT"] == "42"
     launcher = Launcher(LaunchConfig(nproc=1, script=JOB, cluster_timeout=7))
     assert launcher._base_env(0)["AUTOPAR_CLUSTER_TIMEOUT"] == "7"
+
+
+def test_an_abort_in_teardown_after_a_clean_end_is_not_a_failure(procs, tmp_path):
+    """torch 2.15 now and then aborts a finished process in its C++ teardown ("terminate called without an active
+    exception"): a rank whose script ended cleanly counts as ended (one warning line); an abort before the end is
+    the failure it is."""
+    res = procs.run(autopar_cmd("launch", "-n", "2", "--log-dir", str(tmp_path / "late"),
+                                str(SCRIPTS / "teardown_abort.py")), timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "aborted (SIGABRT) while its process tore down, after its script had ended cleanly" in res.stderr
+    res = procs.run(autopar_cmd("launch", "-n", "2", "--log-dir", str(tmp_path / "early"),
+                                str(SCRIPTS / "teardown_abort.py"), "early"), timeout=120)
+    assert res.returncode != 0 and "rank 1 failed: killed by signal SIGABRT" in res.stderr, res.stderr

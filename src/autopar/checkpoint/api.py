@@ -119,10 +119,11 @@ def _full_tensors_from_slices(paths: list[Path], reader: Any = None) -> dict[str
     from autopar.checkpoint.merged_reader import MergedReader
 
     state: dict = {}
-    MergedReader(paths).read_metadata()  # a missing or broken file named here, not logged with a traceback by DCP
+    reader = reader or MergedReader(paths)
+    reader.read_metadata()  # a missing or broken file named here, not logged with a traceback by DCP
     try:
         with store.quiet_single_process():
-            _load_state_dict(state, storage_reader=reader or MergedReader(paths), planner=_EmptyStateDictLoadPlanner(),
+            _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(),
                              no_dist=True)
     except CheckpointError:
         raise

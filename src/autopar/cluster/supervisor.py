@@ -174,6 +174,10 @@ class Supervisor:
 
     def spawn(self, name: str, rank: int | None, env: dict[str, str]) -> Proc:
         log = self.log_dir / f"{name}.log"
+        if rank is not None:  # where the rank says its script ended cleanly (worker._mark_clean_end)
+            mark = self.log_dir / f".{name}.ended"
+            mark.unlink(missing_ok=True)
+            env = dict(env, AUTOPAR_END_MARK=str(mark))
         with open(log, "wb") as fh:
             popen = subprocess.Popen(self.command, env=env, stdout=fh, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True,
@@ -239,7 +243,7 @@ class Supervisor:
             if self.interrupted is not None:
                 print(f"[autopar] {signal.Signals(self.interrupted).name} received: stopping the job", file=sys.stderr)
                 return 130 if self.interrupted == signal.SIGINT else 143
-            codes = {p.rank: p.popen.poll() for p in workers}
+            codes = {p.rank: self._exit_code(p) for p in workers}
             failed = [p for p in workers if codes[p.rank] not in (None, 0)]
             now = time.monotonic()
             for p in failed:
@@ -282,11 +286,30 @@ class Supervisor:
                 deadline = time.monotonic() + (1.0 if scheduler.popen.poll() < 0 else 5.0)
                 while time.monotonic() < deadline and any(p.popen.poll() is None for p in workers):
                     time.sleep(POLL)
-                codes = {p.rank: p.popen.poll() for p in workers}
+                codes = {p.rank: self._exit_code(p) for p in workers}
                 root = [p for p in workers if codes[p.rank] not in (None, 0, EXIT_ABORTED)]
                 self.failed = root or [scheduler]
                 return exit_status(codes[root[0].rank]) if root else exit_status(scheduler.popen.returncode or 1)
             time.sleep(POLL)
+
+    def _exit_code(self, p: Proc) -> int | None:
+        """The worker's exit status, where an abort in the interpreter's teardown after the script had ended cleanly
+        (its end mark written) counts as the clean end it was -- said once, as a warning."""
+        code = p.popen.poll()
+        if code != -signal.SIGABRT:
+            return code
+        try:
+            ended = (self.log_dir / f".{p.name}.ended").read_text().strip() == "ok"
+        except OSError:
+            ended = False
+        if not ended:
+            return code
+        if not getattr(p, "teardown_warned", False):
+            p.teardown_warned = True
+            print(f"[autopar] warning: rank {p.rank} aborted (SIGABRT) while its process tore down, after its "
+                  f"script had ended cleanly: counted as a clean end (torch's C++ threads at interpreter exit)",
+                  file=sys.stderr, flush=True)
+        return 0
 
     def _unjoined_exit(self, workers: list[Proc], codes: dict, unjoined: list[Proc]) -> int | None:
         """A worker that exited 0 without joining the job while others joined: the others would wait for it until

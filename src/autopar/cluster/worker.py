@@ -198,6 +198,22 @@ def _watch_pytest_status(watchdog: "Watchdog") -> None:
         pass
 
 
+END_MARK = "AUTOPAR_END_MARK"  # a file the launcher reads: this rank's script ended cleanly (see _mark_clean_end)
+
+
+def _mark_clean_end(status: object) -> None:
+    """Tell the launcher, in the file it named, that the script ended cleanly: a process that then aborts while the
+    interpreter and torch's C++ libraries tear down ("terminate called without an active exception", SIGABRT --
+    seen now and then with torch 2.15 after a job had finished) has not lost anything of the job."""
+    path = os.environ.get(END_MARK)
+    if path and status in (None, 0):
+        try:
+            with open(path, "w") as fh:
+                fh.write("ok\n")
+        except OSError:
+            pass
+
+
 class Watchdog:
     """Heartbeat + abort watcher + end-of-process report for one registered worker."""
 
@@ -386,6 +402,7 @@ class Watchdog:
             self._report("failed", self.failure)
         else:
             self._report("ok", None)
+            _mark_clean_end(self.exit_status)
         if stuck:  # still blocked in a store call (a scheduler that stopped answering): finalizing would abort
             try:
                 sys.stdout.flush()

@@ -67,7 +67,9 @@ def _torch_collective(exc: BaseException) -> tuple[str, str] | None:
     DDP's gradient all-reduce, ...): the operation and the script's line that called it. None for anything else."""
     import traceback
 
-    if not isinstance(exc, RuntimeError):
+    from autopar.errors import AutoparError
+
+    if not isinstance(exc, RuntimeError) or isinstance(exc, AutoparError):  # autopar's own collectives say it all
         return None
     frames = traceback.extract_tb(exc.__traceback__)
     torch_dir = os.path.dirname(torch.__file__)
