@@ -53,3 +53,19 @@ def test_convolutions_matmuls_and_softmax_are_timed_too(tmp_path):
     for node in graph.nodes:
         kinds[node.kind] = timer.node(node, list(node.shapes))
     assert set(kinds) == {"conv", "matmul", "softmax"} and all(v[0] > 0 for v in kinds.values()), kinds
+
+
+def test_a_convolution_that_pads_itself_is_timed_as_the_module_runs_it():
+    """The tutorial's ResNet-50 pads "same" inside its convolution's forward (its padding attribute is 0): the timer
+    runs the module's own convolution, so a 3x3 kernel on a 2x2 map works as in the network."""
+    from autopar.models import resnet50
+    from autopar.nn import SoftmaxCrossEntropyExpand
+    from autopar.planner.graph import capture
+
+    graph = capture(resnet50(num_classes=10), SoftmaxCrossEntropyExpand(sparse=True),
+                    (torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,), dtype=torch.int32)))
+    timer = OpTimer(torch.device("cpu"), None)
+    small = [n for n in graph.nodes if n.kind == "conv" and n.shapes[0][-1] <= 2 and n.shapes[1][-1] == 3]
+    assert small, "the 2x2 maps of the last stages"
+    for node in small[:2]:
+        assert timer.node(node, list(node.shapes)) is not None, node.name
