@@ -7,7 +7,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from autopar.layout.axes import axes_of_device_matrix, current_mesh_shape, mesh_axes
 from autopar.layout.layout import Layout
 
-PARTIAL_OP = {"sum": "sum", "avg": "avg"}
+PARTIAL_OP = {"sum": "sum", "avg": "avg", "max": "max", "min": "min"}  # DTensor Partial takes each
 
 
 def placements_for(layout: Layout, partial_axes: tuple[int, ...] = (), reduction: str = "sum",

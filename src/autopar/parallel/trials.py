@@ -50,7 +50,7 @@ def measured_round(network: torch.nn.Module, loss_fn: Any, optimizer: Any, sampl
     from autopar.planner.api import load_decision, save_decision
 
     world = plan.device_num
-    if not enabled(world) or plan.pipeline is not None or plan.search_mode == "sharding_propagation":
+    if not enabled(world) or plan.search_mode == "sharding_propagation":
         return plan  # (propagation is MindSpore's rule from the user's strategies, not a bet on costs: kept as is)
     cached = load_decision(plan)
     if cached and not _still_fits(plan, cached):

@@ -37,10 +37,20 @@ def _param_assignment(plan: Plan, choice: list[int]) -> dict[int, int]:
 
 def alternatives(plan: Plan, layouts: int = 3, within: float = WITHIN) -> list[Plan]:
     """The chosen plan first, then the runners-up by predicted step (at most ``layouts`` operator layouts besides
-    the chosen one). A pipeline is chosen only where nothing else fits or where it is far ahead: it is kept alone."""
-    if plan.pipeline is not None:
-        return [plan]
+    the chosen one). A chosen pipeline is measured against data parallel (or the ZeRO levels that fit): its
+    per-micro-batch costs are the least certain part of the model."""
     p, limit = plan.problem, plan.memory_limit
+    if plan.pipeline is not None:  # chosen as predicted faster: data parallel (or ZeRO) is measured beside it
+        out = [plan]
+        dp = p.dp_choice()
+        if dp is not None and plan.dp_totals is not None and (limit is None or plan.dp_totals.memory <= limit):
+            out.append(dataclasses.replace(plan, choice=dp, totals=plan.dp_totals, pure_data_parallel=True,
+                                           zero_level=None, pipeline=None, reason="data parallel"))
+        elif dp is not None:
+            out += [dataclasses.replace(plan, choice=dp, totals=z, pure_data_parallel=True, zero_level=level,
+                                        pipeline=None, reason=f"data parallel + ZeRO {level}")
+                    for level, z in (plan.zero or {}).items() if limit is None or z.memory <= limit]
+        return out
     out = [plan]
     dp = p.dp_choice()
     fits = lambda totals: limit is None or totals.memory <= limit  # noqa: E731
@@ -75,10 +85,12 @@ def alternatives(plan: Plan, layouts: int = 3, within: float = WITHIN) -> list[P
 def as_choice(plan: Plan) -> tuple:
     """What every rank needs to rebuild ``plan`` from its own copy of the problem (broadcast from rank 0)."""
     return (list(plan.choice), plan.pure_data_parallel, plan.zero_level, plan.totals.compute, plan.totals.comm,
-            plan.totals.memory, plan.reason)
+            plan.totals.memory, plan.reason, plan.pipeline is not None)
 
 
 def from_choice(plan: Plan, box: tuple) -> Plan:
-    choice, pure, level, compute, comm, memory, reason = box
+    choice, pure, level, compute, comm, memory, reason = box[:7]
+    piped = box[7] if len(box) > 7 else False  # (a decision kept by an earlier version has no pipeline flag)
     return dataclasses.replace(plan, choice=choice, pure_data_parallel=pure, zero_level=level,
-                               totals=Totals(compute, comm, memory), reason=reason)
+                               totals=Totals(compute, comm, memory), reason=reason,
+                               pipeline=plan.pipeline if piped else None)
