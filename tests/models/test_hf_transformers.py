@@ -5,18 +5,15 @@ inside ``forward``, a ``ModelOutput`` back), float64, AdamW + 2 micro-steps + ``
 one process on the same global batches, ``state_dict()`` loading into a fresh one-process model, and (sliced and
 ZeRO-3 modes) ``save_pretrained`` read back by ``from_pretrained``. One launch runs
 every case (tests/scripts/hf_train.py)."""
-import json
-
 import pytest
 
-from procutil import SCRIPTS, autopar_cmd
+from hf_cases import TOL, train_cases
 
 pytest.importorskip("transformers")
 
 MODELS = ["llama", "gpt2", "bert"]
 MODES = ["data", "zero1", "zero3", "semi", "megatron", "names", "auto", "auto_explicit", "auto_tight", "auto_megatron",
          "pipe"]
-TOL = 1e-9  # float64: exact math shows as ~1e-14
 # what the plans by names must store split: the projections, and the embedding's vocabulary (GPT-2's tied head too)
 SPLIT = {"llama": {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
                    "model.layers.1.mlp.down_proj.weight"},
@@ -27,24 +24,16 @@ SPLIT = {"llama": {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj
 
 def test_transformers_models_train_exactly_in_every_mode(procs, tmp_path):
     cases = [[m, mode] for m in MODELS for mode in MODES]
-    res = procs.run(autopar_cmd("launch", "-n", "2", "--log-dir", str(tmp_path / "logs"),
-                                str(SCRIPTS / "hf_train.py"), str(tmp_path / "out"), json.dumps(cases)), timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr + (tmp_path / "logs" / "worker_0.log").read_text()
-    for rank in range(2):
-        results = json.load(open(tmp_path / f"out.{rank}"))
-        assert sorted(results) == sorted(f"{m}/{mode}" for m, mode in cases)
-        for case, r in results.items():
-            assert "error" not in r, (rank, case, r.get("error"), r.get("trace"))
-            assert r["param"] <= TOL and r["state_dict_reload"] <= TOL, (rank, case, r)
-            model, mode = case.split("/")
-            if mode in ("megatron", "names", "zero3"):  # save_pretrained from the parallel model, from_pretrained
-                assert r["save_pretrained"] is not None and r["save_pretrained"] <= TOL, (rank, case, r)
-            if mode == "names":
-                assert SPLIT[model] <= set(r["split"]), (rank, case, r["split"])
-            elif mode in ("megatron", "auto_megatron"):
-                assert SPLIT[model] - {n for n in SPLIT[model] if "embed" in n or "wte" in n} <= set(r["split"]), \
-                    (rank, case, r["split"])
-            elif mode in ("data", "semi"):  # whole parameters (ZeRO stores slices; AUTO chooses)
-                assert not r["split"], (rank, case, r["split"])
-            elif mode == "auto_tight":  # the planner's ZeRO-3: every matrix stored as slices
-                assert SPLIT[model] - {n for n in SPLIT[model] if "wte" in n} <= set(r["split"]), (case, r)
+    for rank, case, r in train_cases(procs, tmp_path, cases):
+        model, mode = case.split("/")
+        if mode in ("megatron", "names", "zero3"):  # save_pretrained from the parallel model, from_pretrained
+            assert r["save_pretrained"] is not None and r["save_pretrained"] <= TOL, (rank, case, r)
+        if mode == "names":
+            assert SPLIT[model] <= set(r["split"]), (rank, case, r["split"])
+        elif mode in ("megatron", "auto_megatron"):
+            assert SPLIT[model] - {n for n in SPLIT[model] if "embed" in n or "wte" in n} <= set(r["split"]), \
+                (rank, case, r["split"])
+        elif mode in ("data", "semi"):  # whole parameters (ZeRO stores slices; AUTO chooses)
+            assert not r["split"], (rank, case, r["split"])
+        elif mode == "auto_tight":  # the planner's ZeRO-3: every matrix stored as slices
+            assert SPLIT[model] - {n for n in SPLIT[model] if "wte" in n} <= set(r["split"]), (case, r)

@@ -154,8 +154,7 @@ def _dispatch(state: ParallelState, network, loss_fn, optimizer, sample, ctx, sa
         if sample is None and not sample_kwargs:
             raise ConfigError("AUTO_PARALLEL plans on real shapes: give Model.train a dataset, or call the network "
                               "(or parallelize(network, sample=[inputs...]))")
-        state.plan = plan if plan is not None else _plan(network, loss_fn, optimizer, list(sample or ()), ctx,
-                                                         sample_kwargs)
+        state.plan = plan if plan is not None else _plan(network, loss_fn, optimizer, list(sample or ()), sample_kwargs)
         if state.plan.pipeline is not None:
             from autopar.parallel.pipeline.cell import attach_planned_pipeline
 
@@ -232,7 +231,7 @@ def _attach_data_parallel(state, network, ctx, layerwise: set[str]) -> None:
         state.engines.append(LocalGrads(local, state.world, ctx.gradients_mean))
 
 
-def _plan(network, loss_fn, optimizer, sample, ctx, sample_kwargs=None):
+def _plan(network, loss_fn, optimizer, sample, sample_kwargs=None):
     """AUTO_PARALLEL: the planner's choice for this network (rank 0 plans, every rank runs it), checked by the
     measured round (:mod:`autopar.parallel.trials`)."""
     from autopar.parallel.trials import measured_round
@@ -245,7 +244,7 @@ def _plan(network, loss_fn, optimizer, sample, ctx, sample_kwargs=None):
     kwargs = {k: move(v) for k, v in (sample_kwargs or {}).items()}
     with _context.managed():  # the planner's trace calls the network: it must not parallelize itself meanwhile
         plan = make_plan(network, loss_fn, sample, kwargs)
-    plan = measured_round(network, loss_fn, optimizer, sample, plan, ctx, kwargs, prepare)
+    plan = measured_round(network, loss_fn, optimizer, sample, plan, kwargs, prepare)
     finish(plan, network)
     return plan
 

@@ -19,6 +19,7 @@ timed steps (default 3).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import os
 import statistics
@@ -43,7 +44,7 @@ def _steps() -> int:
         return 3
 
 
-def measured_round(network: torch.nn.Module, loss_fn: Any, optimizer: Any, sample: list, plan, ctx,
+def measured_round(network: torch.nn.Module, loss_fn: Any, optimizer: Any, sample: list, plan,
                    sample_kwargs: dict | None, prepare):
     """``plan`` or the runner-up that measured faster (every rank returns the same one). ``prepare``: how the job
     applies a plan (:func:`autopar.parallel.api.prepare`), given so that this module does not import its caller."""
@@ -121,7 +122,7 @@ def _time(network, loss_fn, optimizer, sample, candidate, kwargs: dict, prepare)
             raise LookupError("an operator of the plan is not part of the network's copy")
         if opt is None:  # a loop that makes its optimizer later: momentum SGD stands in for its step
             opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.0, momentum=0.9)
-        prepared = prepare(net, loss, opt, list(sample), plan=dataclasses_copy(candidate, strategies),
+        prepared = prepare(net, loss, opt, list(sample), plan=_on_copy(candidate, strategies),
                            sample_kwargs=kwargs)
         forward = prepared.forward_loss if not kwargs else (lambda inputs, m=prepared.network: m(*inputs, **kwargs))
         state = prepared.state
@@ -153,10 +154,8 @@ def _time(network, loss_fn, optimizer, sample, candidate, kwargs: dict, prepare)
     return float(worst.item())
 
 
-def dataclasses_copy(candidate, strategies):
+def _on_copy(candidate, strategies):
     """``candidate`` whose strategies name the copy's operators."""
-    import dataclasses
-
     copied = dataclasses.replace(candidate)
     copied.strategies = lambda: strategies
     return copied

@@ -148,8 +148,8 @@ def dispatch_of(p: Problem) -> float:
 
 
 def totals_of(p: Problem, choice: list[int], other_compute: float) -> Totals:
-    compute = other_compute + dispatch_of(p) + sum(p.costs[n].choices[s].compute for n, s in enumerate(choice))
-    return Totals(compute, p.total(choice) - (compute - other_compute - dispatch_of(p)), p.used_memory(choice))
+    operators = sum(p.costs[n].choices[s].compute for n, s in enumerate(choice))
+    return Totals(other_compute + dispatch_of(p) + operators, p.total(choice) - operators, p.used_memory(choice))
 
 
 def _dp_totals(p: Problem, dp: list[int], other_compute: float, other_grad_bytes: float) -> Totals:
