@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from autopar.cluster.boot import BOOT_DIR
+from autopar.cluster.boot.sitecustomize import END_MARK
 from autopar.cluster.protocol import EXIT_ABORTED
 
 POLL = 0.1
@@ -174,10 +176,11 @@ class Supervisor:
 
     def spawn(self, name: str, rank: int | None, env: dict[str, str]) -> Proc:
         log = self.log_dir / f"{name}.log"
-        if rank is not None:  # where the rank says its script ended cleanly (worker._mark_clean_end)
-            mark = self.log_dir / f".{name}.ended"
-            mark.unlink(missing_ok=True)
-            env = dict(env, AUTOPAR_END_MARK=str(mark))
+        if rank is not None:  # where the rank leaves its verdict, "ok"/"failed" (boot/sitecustomize.py)
+            for stale in self.log_dir.glob(f".{name}.ended.*"):
+                stale.unlink(missing_ok=True)
+            path = os.pathsep.join(p for p in (BOOT_DIR, env.get("PYTHONPATH")) if p)
+            env = dict(env, **{END_MARK: str(self.log_dir / f".{name}.ended"), "PYTHONPATH": path})
         with open(log, "wb") as fh:
             popen = subprocess.Popen(self.command, env=env, stdout=fh, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True,
@@ -299,7 +302,7 @@ class Supervisor:
         if code != -signal.SIGABRT:
             return code
         try:
-            ended = (self.log_dir / f".{p.name}.ended").read_text().strip() == "ok"
+            ended = (self.log_dir / f".{p.name}.ended.{p.popen.pid}").read_text().strip() == "ok"
         except OSError:
             ended = False
         if not ended:

@@ -16,6 +16,7 @@ import time
 import torch.distributed as dist
 
 from autopar.cluster import protocol as P
+from autopar.cluster.boot.sitecustomize import mark_end, watch_exit_calls
 from autopar.cluster.env import ClusterEnv, cluster_timeout, heartbeat_timeout
 from autopar.cluster.netutil import interface_towards, port_open, port_refused
 from autopar.errors import ClusterError
@@ -145,24 +146,7 @@ def _watch_exit_calls(watchdog: "Watchdog") -> None:
     ``sys.exit(3)`` the script catches itself (it is still reported as failed). Under ``autopar launch`` the
     supervisor reads real exit statuses as well.
     """
-    import builtins
-
-    def wrap(original):
-        if getattr(original, "_autopar_exit", False):
-            return original
-
-        def exit(status=None):
-            watchdog.note_exit_status(status)
-            return original(status)
-
-        exit._autopar_exit = True  # type: ignore[attr-defined]
-        exit.__doc__ = getattr(original, "__doc__", None)
-        return exit
-
-    sys.exit = wrap(sys.exit)
-    for name in ("exit", "quit"):
-        if hasattr(builtins, name):
-            setattr(builtins, name, wrap(getattr(builtins, name)))
+    watch_exit_calls(watchdog.note_exit_status)
 
 
 def _pytest_config():
@@ -196,22 +180,6 @@ def _watch_pytest_status(watchdog: "Watchdog") -> None:
         config.pluginmanager.register(_Status(), "autopar-rank-status")
     except Exception:  # noqa: BLE001 - a pytest we do not know: the atexit report stays as it is
         pass
-
-
-END_MARK = "AUTOPAR_END_MARK"  # a file the launcher reads: this rank's script ended cleanly (see _mark_clean_end)
-
-
-def _mark_clean_end(status: object) -> None:
-    """Tell the launcher, in the file it named, that the script ended cleanly: a process that then aborts while the
-    interpreter and torch's C++ libraries tear down ("terminate called without an active exception", SIGABRT --
-    seen now and then with torch 2.15 after a job had finished) has not lost anything of the job."""
-    path = os.environ.get(END_MARK)
-    if path and status in (None, 0):
-        try:
-            with open(path, "w") as fh:
-                fh.write("ok\n")
-        except OSError:
-            pass
 
 
 class Watchdog:
@@ -400,9 +368,10 @@ class Watchdog:
         stuck = self.thread.is_alive() and self.thread is not threading.current_thread()
         if self.failure:
             self._report("failed", self.failure)
+            mark_end("failed")
         else:
             self._report("ok", None)
-            _mark_clean_end(self.exit_status)
+            mark_end("ok")
         if stuck:  # still blocked in a store call (a scheduler that stopped answering): finalizing would abort
             try:
                 sys.stdout.flush()
