@@ -31,13 +31,43 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster-timeout", type=float, default=None, metavar="S",
                    help="seconds the workers wait to reach the scheduler and for all to join (default: "
                         "AUTOPAR_CLUSTER_TIMEOUT, else 600 as torchrun's rendezvous)")
+    dry = p.add_argument_group("dry run (nothing is launched)")
+    dry.add_argument("--dry-run", action="store_true",
+                     help="run the script on this CPU as simulated ranks of the N-rank job (fake process group, "
+                          "tensors without storage): configuration errors and each rank's peak memory, before a "
+                          "cluster is booked; writes LOG_DIR/dryrun.json")
+    dry.add_argument("--dry-run-ranks", default=None, metavar="R,R,...",
+                     help="the ranks to simulate (default: rank 0 and the first rank of every pipeline stage)")
+    dry.add_argument("--dry-run-steps", type=int, default=2, metavar="K",
+                     help="optimizer steps to simulate (default 2: the second has the optimizer state)")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     p.set_defaults(func=run)
 
 
+def _ranks(text: str | None) -> list[int] | None:
+    from autopar.errors import ConfigError
+
+    if text is None:
+        return None
+    try:
+        return [int(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise ConfigError(f"--dry-run-ranks takes ranks separated by commas, e.g. 0,4; got {text!r}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from autopar.cluster.launcher import LaunchConfig, launch
+
+    if args.dry_run:
+        from autopar.dryrun.driver import dry_run
+
+        return dry_run(args.nproc * max(1, args.nnodes), args.script, list(args.script_args), args.log_dir,
+                       _ranks(args.dry_run_ranks), args.dry_run_steps)
+    if args.dry_run_ranks is not None or args.dry_run_steps != 2:
+        import warnings
+
+        warnings.warn("--dry-run-ranks/--dry-run-steps act only with --dry-run: ignored", stacklevel=1)
 
     return launch(LaunchConfig(
         nproc=args.nproc, script=args.script, script_args=list(args.script_args), log_dir=args.log_dir,

@@ -42,8 +42,13 @@ def make_plan(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sample:
     return plan
 
 
+last_plan: Plan | None = None  # the plan this process ran last (a dry run reports its predicted step)
+
+
 def finish(plan: Plan, network: torch.nn.Module) -> None:
     """The decision made: rank 0 writes the table and says what was chosen; the strategy file is saved."""
+    global last_plan
+    last_plan = plan
     if not dist.is_initialized() or dist.get_rank() == 0:
         _report(plan)
     path = _context.auto_parallel_context().strategy_ckpt_save_file

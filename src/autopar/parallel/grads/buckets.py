@@ -41,6 +41,7 @@ from autopar.comm.host_memory import HostGroup
 from autopar.errors import CommError, TrainingError
 from autopar.parallel.grads.engine import accumulates, accumulator, claim, release, returns_deferred, unowned
 from autopar.parallel.grads.transports import GroupTransport, HostTransport, reduce_now
+from autopar.parallel.memory_id import same_memory
 
 
 class BucketReducer:
@@ -174,7 +175,7 @@ class BucketReducer:
             return
         if grad.stride() != view.stride() and _dense(grad):  # the parameter changed layout (e.g. channels-last)
             self._views[id(p)] = view = _view_like(self.region, self.layout.offset[id(p)], p)
-        if grad.data_ptr() == view.data_ptr() and grad.stride() == view.stride():
+        if same_memory(grad, view) and grad.stride() == view.stride():
             if s != 1.0:
                 view.mul_(s)  # accumulated in place, in the region
             return
@@ -235,7 +236,7 @@ class BucketReducer:
             for p in unused:
                 if flags[self._index[id(p)]] > 0:
                     p.grad = self._views[id(p)]
-                elif p.grad is not None and p.grad.data_ptr() == self._views[id(p)].data_ptr():
+                elif p.grad is not None and same_memory(p.grad, self._views[id(p)]):
                     p.grad = None  # used by no rank, as in one process: no gradient
         for key, kept in self._carry.items():
             p = self.params[self._index[key]]

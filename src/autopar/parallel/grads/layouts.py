@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from autopar.parallel.grads.engine import accumulates, accumulator, claim, release, returns_deferred
+from autopar.parallel.memory_id import storage_id
 
 
 class LayoutGrads:
@@ -131,10 +132,10 @@ class LayoutGrads:
         from torch.distributed.tensor import DTensor
 
         if isinstance(g, DTensor) and tuple(g.placements) != placements:
-            before = g._local_tensor.untyped_storage().data_ptr()
+            before = storage_id(g._local_tensor)
             g = g.redistribute(mesh, placements)
             s = self.scale()
-            if s != 1.0 and g._local_tensor.untyped_storage().data_ptr() != before:
+            if s != 1.0 and storage_id(g._local_tensor) != before:
                 # a fresh tensor (the all-reduce of a partial sum is out of place): scale it where it lies instead
                 # of allocating and faulting in another gradient-sized buffer
                 with torch.no_grad():

@@ -51,6 +51,9 @@ def _groups(num_stages: int) -> tuple[Any, Any, int, int]:
     return mesh.get_group("pp"), mesh.get_group("dp"), rank // replicas, rank % replicas
 
 
+stages_built: list[int] = []  # the stage counts of the pipelines made in this process (a dry run simulates each)
+
+
 class PipelineParallel:
     """``network`` split before each of ``split_points`` (module names, in forward order) into
     ``len(split_points) + 1`` pieces over the world. ``step(*inputs)`` runs one training step's forward and backward
@@ -74,6 +77,7 @@ class PipelineParallel:
             raise ConfigError(f"{len(split_points) + 1} pipeline pieces do not split into virtual_stages="
                               f"{virtual_stages} per stage")
         self.num_stages = (len(split_points) + 1) // self.virtual_stages
+        stages_built.append(self.num_stages)
         self.micro_batches = int(micro_batches)
         world = dist.get_world_size()
         if world % self.num_stages:
@@ -145,7 +149,9 @@ class PipelineParallel:
         self.owner = {name: {k % self.num_stages for k in ks} for name, ks in users.items()}
         modules = [self._pieces[k] for k in mine]
         self.stage_module = modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
-        stages = [PipelineStage(self._pieces[k], k, pieces, _comm.device(), group=self.pp_group) for k in mine]
+        shapes = _static_shapes(pipe, example) if _fake_group(self.pp_group) else {}
+        stages = [PipelineStage(self._pieces[k], k, pieces, _comm.device(), group=self.pp_group, **shapes.get(k, {}))
+                  for k in mine]
         for stage in stages:
             piece = stage.submod
             if piece.reads_inputs() and not hasattr(stage, "register_forward_context"):
@@ -343,3 +349,32 @@ def _warn_prints(network: torch.nn.Module) -> None:
         warn_once("pipeline-print", f"ops.Print in a pipelined network prints nothing ({', '.join(names[:3])}): "
                                     "the stages are traced and keep tensor operations only; print outside the network")
 
+
+def _fake_group(group) -> bool:
+    """A dry run's fake process group (``autopar launch --dry-run``): no peer answers torch's shape probe."""
+    try:
+        return dist.get_backend(group) == "fake"
+    except Exception:  # noqa: BLE001 - a backend torch cannot name is a real one
+        return False
+
+
+def _static_shapes(pipe, example: tuple) -> dict[int, dict]:
+    """What every piece receives and returns, from one pass of the split network on the example micro-batch --
+    the static metadata a stage needs where no peer can answer the shape probe (a dry run's fake world)."""
+    calls = [n.target for n in pipe.split_gm.graph.nodes if n.op == "call_module" and n.target.startswith("submod_")]
+    outs: dict[int, Any] = {}
+    hooks = [pipe.split_gm.get_submodule(name).register_forward_hook(lambda m, a, o, k=k: outs.__setitem__(k, o))
+             for k, name in enumerate(calls)]
+    try:
+        with _context.managed():  # with autograd on: what needs a gradient says so in the metadata
+            pipe(*example)
+    finally:
+        for h in hooks:
+            h.remove()
+
+    def as_args(value):
+        values = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+        return tuple(v.detach().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v for v in values)
+
+    return {k: {"input_args": as_args(example if k == 0 else outs[k - 1]), "output_args": as_args(outs[k])}
+            for k in range(len(calls))}

@@ -12,21 +12,23 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from autopar.parallel.memory_id import storage_id
+
 
 class Regather(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self):
         # (storage address, device, stored param, placements) -- never the whole copy itself: autograd keeps the
         # pack hook (and so this object) with every tensor it saved, which would keep the copies alive
-        self.gathered: list[tuple[int, torch.device, DTensor, tuple]] = []
+        self.gathered: list[tuple[object, torch.device, DTensor, tuple]] = []
         super().__init__(self._pack, self._unpack)
 
     def add(self, local: torch.Tensor, stored: DTensor, placements: tuple) -> None:
-        self.gathered.append((local.untyped_storage().data_ptr(), local.device, stored, tuple(placements)))
+        self.gathered.append((storage_id(local), local.device, stored, tuple(placements)))
 
     def _pack(self, t: torch.Tensor):
         if not t.is_floating_point():
             return t
-        ptr = t.untyped_storage().data_ptr()
+        ptr = storage_id(t)
         for address, device, stored, placements in self.gathered:
             if address == ptr and device == t.device:
                 return _Note(stored, placements, tuple(t.size()), tuple(t.stride()), t.storage_offset())

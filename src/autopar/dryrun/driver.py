@@ -1,0 +1,115 @@
+"""``autopar launch --dry-run -n N script.py [args]``: which ranks to simulate, each in a process of its own (the
+fake world and its patches are per process), the report and ``LOG_DIR/dryrun.json``.
+
+By default rank 0 first; then, if it met a pipeline of S stages, the first rank of every other stage (rank
+``s * N / S`` runs stage s) -- one simulated rank per distinct role. ``ranks`` names others. A rank whose script
+stopped on an error ends the dry run with that error as one line: the configuration error a cluster would have met.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from autopar.dryrun.tracker import PARTS
+from autopar.errors import ConfigError
+
+_TIMEOUT_S = float(os.environ.get("AUTOPAR_DRYRUN_TIMEOUT", 1800))
+
+
+def _human(nbytes: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def _simulate(rank: int, world: int, script: str, args: list[str], log_dir: Path, steps: int) -> dict:
+    out, log = log_dir / f".dryrun_rank{rank}.json", log_dir / f"dryrun_rank{rank}.log"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "autopar.dryrun.runner", "--rank", str(rank), "--world", str(world),
+           "--steps", str(steps), "--out", str(out), script, *args]
+    print(f"[autopar] dry run: rank {rank} of {world} ({steps} optimizer steps; its output in {log})", flush=True)
+    with open(log, "wb") as fh:
+        try:
+            code = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  timeout=_TIMEOUT_S).returncode
+        except subprocess.TimeoutExpired:
+            return {"rank": rank, "error": f"the simulated rank did not finish within {_TIMEOUT_S:.0f} s "
+                                           "(AUTOPAR_DRYRUN_TIMEOUT)"}
+    if not out.exists():
+        tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        return {"rank": rank, "error": f"the simulated rank ended with status {code}: {tail[0]}"}
+    verdict = json.loads(out.read_text())
+    out.unlink()
+    return verdict
+
+
+def _others(first: dict, world: int, asked: list[int] | None) -> list[int]:
+    if asked is not None:
+        return [r for r in asked if r != 0]
+    stages = int(first.get("pipeline_stages") or 1)
+    if stages > 1 and world % stages == 0:
+        return [s * (world // stages) for s in range(1, stages)]
+    return []
+
+
+def _table(world: int, ranks: dict[int, dict]) -> list[str]:
+    head = f"{'rank':>5} {'peak':>11} {'parameters':>11} {'gradients':>11} {'optimizer':>11} {'activations':>11} " \
+           f"{'other':>11}   (other: communication buffers, gathered weights, data)"
+    lines = [f"[autopar] dry run of {world} ranks: memory per rank", head]
+    for rank, v in sorted(ranks.items()):
+        for label, part in (("", v), (" step", v.get("steady") or {})):
+            if not part.get("peak_bytes"):
+                continue
+            cells = " ".join(f"{_human(part.get(k, 0)):>11}" for k in PARTS)
+            lines.append(f"{str(rank) + label:>5} {_human(part['peak_bytes']):>11} {cells}")
+    lines.append("(a row 'N step' is rank N's peak during a training step once the optimizer state exists; the "
+                 "rank's row above it includes setting up -- building the model, sharding it)")
+    return lines
+
+
+def dry_run(world: int, script: str, args: list[str], log_dir: str, ranks: list[int] | None = None,
+            steps: int = 2) -> int:
+    if world < 1:
+        raise ConfigError(f"--dry-run needs -n >= 1, got {world}")
+    if steps < 1:
+        raise ConfigError(f"--dry-run-steps must be >= 1, got {steps}")
+    bad = [r for r in ranks or [] if not 0 <= r < world]
+    if bad:
+        raise ConfigError(f"--dry-run-ranks: rank {bad[0]} is not in 0..{world - 1}")
+    if not os.path.isfile(script):
+        raise ConfigError(f"script {script!r} not found")
+    started = time.monotonic()
+    logs = Path(log_dir)
+    logs.mkdir(parents=True, exist_ok=True)
+    first = _simulate(ranks[0] if ranks else 0, world, script, args, logs, steps)
+    results = {first["rank"]: first}
+    if not first.get("error"):
+        for rank in _others(first, world, ranks[1:] if ranks else None):
+            results[rank] = _simulate(rank, world, script, args, logs, steps)
+            if results[rank].get("error"):
+                break
+    predicted = next((v["predicted_step_s"] for v in results.values() if v.get("predicted_step_s")), None)
+    report = {"world": world,
+              "ranks": {str(r): {k: v for k, v in res.items() if k != "rank"} for r, res in sorted(results.items())},
+              "predicted_step_s": predicted, "seconds": round(time.monotonic() - started, 3)}
+    (logs / "dryrun.json").write_text(json.dumps(report, indent=1))
+    errors = [(r, v["error"]) for r, v in sorted(results.items()) if v.get("error")]
+    if errors:
+        rank, line = errors[0]
+        print(f"autopar: error: dry run, rank {rank} of {world}: {line} (nothing was launched; "
+              f"{logs / 'dryrun.json'})", file=sys.stderr, flush=True)
+        return 1
+    for line in _table(world, results):
+        print(line)
+    for rank, v in sorted(results.items()):
+        for w in v.get("warnings", []):
+            print(f"[autopar] dry run, rank {rank}: warning: {w}")
+    if predicted:
+        print(f"[autopar] predicted step: {predicted * 1e3:.1f} ms (AUTO_PARALLEL's plan)")
+    print(f"[autopar] dry run done in {report['seconds']:.1f} s: {logs / 'dryrun.json'}", flush=True)
+    return 0

@@ -1,0 +1,109 @@
+"""A world of N ranks inside one process: torch's fake process group (collectives that move nothing), tensors
+without storage (``FakeTensorMode``), and plain answers where a fake tensor has none.
+
+A fake tensor knows its shape, not its values: ``loss.item()``, ``torch.allclose`` and an object collective cannot
+be answered. The dry run answers them as the rank it simulates would see them in a healthy job -- every rank holds
+what this one holds (an all-gathered object is this rank's, N times; replicas agree), and a number read from a tensor
+is 1 (a step count of 0 would divide by zero in Adam's bias correction; a loss of 1 prints and compares harmlessly).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+_ANSWERED = {
+    aten.allclose.default: True,
+    aten.equal.default: True,
+    aten.is_nonzero.default: True,
+}
+
+
+class PlainAnswers(TorchDispatchMode):
+    """Answer what depends on tensor values (see the module's docstring) instead of failing."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is aten._local_scalar_dense.default:
+            t = args[0]
+            return True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)
+        if func in _ANSWERED:
+            return _ANSWERED[func]
+        return func(*args, **(kwargs or {}))
+
+
+def _all_gather_object(object_list, obj, group=None):
+    object_list[:] = [obj] * len(object_list)
+
+
+def _gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=None):
+    if object_gather_list is not None:
+        object_gather_list[:] = [obj] * len(object_gather_list)
+
+
+def _keep(*args, **kwargs):  # broadcast_object_list / scatter_object_list: every rank already holds rank 0's
+    return None
+
+
+def form(rank: int, world: int) -> None:
+    """Make torch's default process group a fake one of ``world`` ranks with this process as ``rank``, and the
+    environment say so (torchrun's variables, for scripts that read them); a script's own
+    ``init_process_group`` then joins it instead of forming a second one."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % _local_size(world)),
+                      LOCAL_WORLD_SIZE=str(_local_size(world)), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    for name in ("MS_ROLE", "MS_WORKER_NUM", "MS_SCHED_HOST", "MS_SCHED_PORT", "RANK_TABLE_FILE",
+                 "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
+        os.environ.pop(name, None)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    original = dist.init_process_group
+
+    def init_process_group(*args, **kwargs):
+        if dist.is_initialized():
+            return None
+        return original(*args, **kwargs)
+
+    dist.init_process_group = init_process_group
+    _real_meshes()
+    dist.all_gather_object = _all_gather_object
+    dist.gather_object = _gather_object
+    dist.broadcast_object_list = _keep
+    dist.scatter_object_list = _keep
+
+
+def _real_meshes() -> None:
+    """A device mesh is a small tensor of ranks that torch reads values from (which coordinate is mine): it is made
+    real, outside the fake mode, wherever the script or autopar builds one (patched before either imports it)."""
+    import torch.distributed.device_mesh as device_mesh
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    def real(original):
+        if getattr(original, "_dryrun", False):
+            return original
+
+        def call(*args, **kwargs):
+            with unset_fake_temporarily():
+                return original(*args, **kwargs)
+
+        call._dryrun = True
+        return call
+
+    device_mesh.DeviceMesh.__init__ = real(device_mesh.DeviceMesh.__init__)
+    device_mesh.init_device_mesh = real(device_mesh.init_device_mesh)
+    if hasattr(dist, "init_device_mesh"):
+        dist.init_device_mesh = device_mesh.init_device_mesh
+
+
+def _local_size(world: int) -> int:
+    return int(os.environ.get("AUTOPAR_DRYRUN_LOCAL_SIZE", min(world, 8)))
+
+
+def fake_tensors():
+    """The mode the script runs under: tensors it makes (a 6.6e9-parameter model too) have no storage; real tensors
+    it reads from files become fake on first use."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)

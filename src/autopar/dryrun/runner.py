@@ -1,0 +1,150 @@
+"""One simulated rank: ``python -m autopar.dryrun.runner --rank R --world N --steps K --out FILE script [args]``.
+
+The script runs unmodified, as ``__main__``, in a fake world (:mod:`.fake_world`) under the storage tracker
+(:mod:`.tracker`), until its K-th optimizer step (the peak of a training step is reached in the second: the
+optimizer state exists from the first) or its end. Its verdict goes to FILE as JSON: the memory report, the first
+error as one line (a configuration error autopar raises, or whatever else stopped the script, with its place in the
+script) and what the rank learnt of the job (pipeline stages, the AUTO plan's predicted step).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+import warnings
+
+
+class _Enough(BaseException):
+    """Raised from the optimizer's step hook once the simulated steps are done: unwinds the script (past its
+    ``except Exception``) to the runner."""
+
+
+def _where(exc: BaseException, script: str) -> str:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if os.path.abspath(f.filename) == script]
+    return f" (at {os.path.basename(script)}:{frames[-1].lineno})" if frames else ""
+
+
+def _error_line(exc: BaseException, script: str) -> str:
+    text = getattr(exc, "_autopar_line", None) or str(exc).strip()
+    line = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+    return line + _where(exc, script)
+
+
+def _job_facts() -> dict:
+    """What autopar's context and planner say about the job, if the script used autopar."""
+    facts: dict = {}
+    context = sys.modules.get("autopar.context")
+    if context is not None:
+        try:
+            facts["parallel_mode"] = str(context.get_auto_parallel_context("parallel_mode"))
+            facts["pipeline_stages"] = int(context.get_auto_parallel_context("pipeline_stages") or 1)
+        except Exception:  # noqa: BLE001 - facts are extras: a context we cannot read leaves them out
+            pass
+    planner = sys.modules.get("autopar.planner.api")
+    plan = getattr(planner, "last_plan", None)
+    if plan is not None:
+        facts["predicted_step_s"] = float(plan.totals.step)
+        facts["plan"] = plan.reason
+    pipeline = sys.modules.get("autopar.parallel.pipeline.runner")
+    stages = getattr(pipeline, "stages_built", None)
+    if stages:
+        facts["pipeline_stages"] = max(stages[-1], facts.get("pipeline_stages", 1))
+    return facts
+
+
+def _warnings(caught) -> list[str]:
+    """What the script and autopar warned about (torch's own notices left out), once each."""
+    said: list[str] = []
+    for w in caught:
+        if f"{os.sep}torch{os.sep}" in w.filename or "FakeTensor" in str(w.message):
+            continue
+        line = str(w.message).strip().splitlines()[0] if str(w.message).strip() else w.category.__name__
+        if line not in said:
+            said.append(line)
+    return said[:20]
+
+
+def run(world: int | None, rank: int, steps: int, script: str, script_args: list[str]) -> dict:
+    """Run the script as ``rank`` of a fake world of ``world`` ranks (``world`` None: for real, in the world the
+    launcher formed -- the measurement a dry run is checked against)."""
+    import torch
+    from torch.optim import optimizer as optim_hooks
+
+    from autopar.dryrun import fake_world
+    from autopar.dryrun.tracker import StorageTracker
+
+    if world is not None:
+        fake_world.form(rank, world)
+    tracker = StorageTracker()
+
+    def enough(opt, args, kwargs):
+        if tracker.steps >= steps:
+            raise _Enough()
+
+    script = os.path.abspath(script)
+    sys.argv = [script, *script_args]
+    sys.path.insert(0, os.path.dirname(script))
+    verdict: dict = {"rank": rank, "error": None}
+    started = time.monotonic()
+    handle = None
+    modes = (fake_world.fake_tensors(), fake_world.PlainAnswers()) if world is not None else ()
+    with contextlib.ExitStack() as stack, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for mode in modes:
+            stack.enter_context(mode)
+        stack.enter_context(tracker)
+        handle = optim_hooks.register_optimizer_step_post_hook(enough)  # after the tracker's: steps counted
+        stack.callback(handle.remove)
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except _Enough:
+            pass
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                verdict["error"] = f"the script exited with status {exc.code}"
+        except BaseException as exc:  # noqa: BLE001 - whatever stops the script is the rank's one-line verdict
+            if tracker.steps < steps:
+                verdict["error"] = _error_line(exc, script)
+                if os.environ.get("AUTOPAR_TRACEBACK"):
+                    traceback.print_exc()
+    if torch.distributed.is_initialized():
+        verdict["rank"] = torch.distributed.get_rank()
+    verdict.update(tracker.report(), seconds=round(time.monotonic() - started, 3), warnings=_warnings(caught),
+                   **_job_facts())
+    return verdict
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m autopar.dryrun.runner")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--world", type=int, default=None, help="the fake world's size (without: --measure)")
+    p.add_argument("--measure", action="store_true",
+                   help="run for real in the launcher's world, measuring the same way (OUT gets .RANK appended)")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--out", required=True)
+    p.add_argument("script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    a = p.parse_args(argv)
+    if a.measure:
+        verdict = run(None, a.rank, a.steps, a.script, a.script_args)
+        with open(f"{a.out}.{verdict['rank']}", "w") as fh:
+            json.dump(verdict, fh)
+        return 0 if not verdict["error"] else 1
+    os.environ["AUTOPAR_DRYRUN"] = "1"
+    os.environ["AUTOPAR_AUTO_TRIALS"] = "0"  # AUTO's measured round would time fake tensors: the prediction decides
+    os.environ["AUTOPAR_MEASURE_OPS"] = "0"
+    verdict = run(a.world, a.rank, a.steps, a.script, a.script_args)
+    with open(a.out, "w") as fh:
+        json.dump(verdict, fh)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the script's threads and torch's fake world need no orderly teardown: the verdict is written
+
+
+if __name__ == "__main__":
+    sys.exit(main())

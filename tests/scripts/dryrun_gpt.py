@@ -1,0 +1,45 @@
+"""A nanoGPT-style training script as its user writes it, in the mode argv[1] names -- dp, zero1, zero2, zero3,
+semi_megatron (Megatron strategies by ``autopar.shard``), pipeline (2 stages, ``PipelineParallel``), auto -- for the
+dry run's tests: the same script is run simulated (``autopar launch --dry-run``) and for real on gloo ranks.
+argv: MODE [n_layer n_embd vocab block batch] (a tiny GPT by default)."""
+import sys
+
+import torch
+from gpt import GPT, GPTConfig
+
+import autopar
+
+mode = sys.argv[1]
+sizes = [int(a) for a in sys.argv[2:7]] or [4, 128, 512, 64, 4]
+n_layer, n_embd, vocab, block, batch = sizes
+autopar.communication.init()
+n = autopar.communication.get_group_size()
+name = {"auto": "auto_parallel", "semi_megatron": "semi_auto_parallel"}.get(mode, "data_parallel")
+autopar.set_auto_parallel_context(parallel_mode=name, gradients_mean=True)
+if mode.startswith("zero"):
+    autopar.set_auto_parallel_context(enable_parallel_optimizer=True,
+                                      parallel_optimizer_config={"optimizer_level": f"level{mode[-1]}"})
+torch.manual_seed(0)
+model = GPT(GPTConfig(block_size=block, vocab_size=vocab, n_layer=n_layer, n_head=max(1, n_embd // 64),
+                      n_embd=n_embd, bias=False))
+if mode == "semi_megatron":
+    for b in model.transformer.h:
+        autopar.shard(b.attn.c_attn, ((1, 1, 1), (n, 1)))
+        autopar.shard(b.mlp.c_fc, ((1, 1, 1), (n, 1)))
+        autopar.shard(b.attn.c_proj, ((1, 1, n), (1, n)))
+        autopar.shard(b.mlp.c_proj, ((1, 1, n), (1, n)))
+opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95))
+runner = None
+if mode == "pipeline":
+    runner = autopar.PipelineParallel(model, None, micro_batches=2, split_points=[f"transformer.h.{n_layer // 2}"])
+for step in range(3):
+    x = torch.randint(0, vocab, (batch, block))
+    y = torch.randint(0, vocab, (batch, block))
+    if runner is not None:
+        runner.step(x, y)
+    else:
+        _, loss = model(x, y)
+        loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    print(f"step {step}", flush=True)
