@@ -100,7 +100,7 @@ def main() -> None:
 
 
 def table(rows: list[dict]) -> str:
-    """The README's markdown table."""
+    """The markdown table of docs/performance.md."""
     lines = ["| model | GPUs | batch | published (t, p, d) | published | predicted | error | planner's own choice |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -2,7 +2,7 @@
 import os
 import subprocess
 
-from sweep import Verdict, case
+from sweep_core import Verdict, case
 
 # Two ranks, a weight split by rows (SEMI_AUTO), sliced checkpoints of every parameter = k at "steps" 4 and 8, in
 # ckpt_<rank>/net-1_<k>.ckpt, and an integrated one at step 8 in integrated/net-1_8.ckpt.

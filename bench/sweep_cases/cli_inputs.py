@@ -1,6 +1,6 @@
 """Command-line inputs: ``autopar launch`` / ``msrun`` flags, ``autopar plan``, ``autopar data`` / ``train``, and the
 dataset and strategy inputs of scripts."""
-from sweep import PYTHON, Verdict, case
+from sweep_core import PYTHON, Verdict, case
 
 INIT = "import autopar\nautopar.init()\nprint('rank', autopar.get_rank(), 'of', autopar.get_group_size(), flush=True)\n"
 

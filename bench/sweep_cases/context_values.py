@@ -1,5 +1,5 @@
 """Context values of the wrong type or inconsistent with the job, each set where a tutorial sets it: before init()."""
-from sweep import Verdict, case
+from sweep_core import Verdict, case
 
 # (name, the calls after ``import autopar as ms``): every one must end in one clear line, exit != 0
 BAD = [

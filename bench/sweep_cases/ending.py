@@ -10,7 +10,7 @@ import subprocess
 import time
 
 import psutil
-from sweep import PYTHON, TRACE_MARKS, Run, Verdict, case
+from sweep_core import PYTHON, TRACE_MARKS, Run, Verdict, case
 
 from sweep_cases.checkpoints import NET, _saved
 from sweep_cases.environment import INIT, MS

@@ -2,7 +2,7 @@
 set wrong, and rendezvous that cannot complete."""
 import json
 
-from sweep import PYTHON, Verdict, case
+from sweep_core import PYTHON, Verdict, case
 
 INIT = "import autopar\nautopar.init()\nprint('rank', autopar.get_rank(), 'of', autopar.get_group_size(), flush=True)\n"
 

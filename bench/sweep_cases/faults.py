@@ -5,7 +5,7 @@ import os
 import signal
 import time
 
-from sweep import PYTHON, Verdict, case
+from sweep_core import PYTHON, Verdict, case
 
 JOB = "tests/scripts/job.py"
 

@@ -2,7 +2,7 @@
 
 - ``--engine ddp``     : torchrun + ``torch.nn.parallel.DistributedDataParallel`` (plain DDP, torch's defaults);
 - ``--engine autopar`` : ``autopar launch`` with only ``set_auto_parallel_context(DATA_PARALLEL)`` and ``init()``
-                         added -- the loop itself untouched (the README's "Any training loop");
+                         added -- the loop itself untouched (docs/any-loop.md);
 - ``--engine autopar --loop model``: the same network, optimizer and in-memory batches through ``Model.train``;
 - ``--engine none``    : the same processes, each training alone (compute only).
 

@@ -351,7 +351,7 @@ def set_ps_context(**kwargs: Any) -> None:
 
     ``enable_ssl=True`` is accepted but encrypts nothing, and says so once on stderr: the rendezvous admits only
     processes holding the job token (an HMAC, the token itself never crosses the wire), but the store's keys and
-    all gloo/NCCL traffic travel in clear. See README, "Security"."""
+    all gloo/NCCL traffic travel in clear. See docs/reliability.md, "Security"."""
     for key, value in kwargs.items():
         if key not in _KNOWN_PS_KEYS:
             raise ConfigError(f"set_ps_context got an unknown key {key!r}; valid keys: {', '.join(sorted(_KNOWN_PS_KEYS))}")
@@ -363,7 +363,7 @@ def set_ps_context(**kwargs: Any) -> None:
 
                 print("autopar: warning: enable_ssl=True is accepted but NOT applied: the job token keeps stray "
                       "processes out, yet rendezvous and gloo/NCCL traffic are unencrypted; run multi-host jobs on "
-                      "a trusted network (README, Security)", file=sys.stderr, flush=True)
+                      "a trusted network (docs/reliability.md, Security)", file=sys.stderr, flush=True)
             _ps.enable_ssl = bool(value)
 
 

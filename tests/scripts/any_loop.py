@@ -284,7 +284,7 @@ for mode in modes:
         for opt_kind in OPTS:
             if opt_kind == "sgd_clip" and (loop != "torch" or mode == "hybrid"):
                 # clipping is a line of the user's own loop, the other loops have no place for it; in HYBRID the
-                # layerwise slices are plain tensors whose norm torch takes per rank (README: HYBRID_PARALLEL)
+                # layerwise slices are plain tensors whose norm torch takes per rank (docs/any-loop.md: HYBRID_PARALLEL)
                 continue
             loss_name, loss_factory = LOSSES[k % len(LOSSES)]
             key = f"{mode}/{loop}/{opt_kind}/{loss_name}"

@@ -3,7 +3,7 @@
 ``@jit`` (also ``@jit(...)`` with any of MindSpore's options, and on a Cell's ``construct``) returns the function
 unchanged: on the CPU it runs eagerly, operator by operator, exactly as written -- the same results MindSpore's
 compiled graph gives, without the compile time. Whole-network compilation is ``set_context(mode=GRAPH_MODE)``
-(``torch.compile`` on the network, see the README); ``jit`` does not add a second way. ``@lazy_inline`` (a
+(``torch.compile`` on the network, see docs/performance.md); ``jit`` does not add a second way. ``@lazy_inline`` (a
 compile-time hint on a Cell's ``__init__``) likewise returns the function as it is.
 """
 from __future__ import annotations

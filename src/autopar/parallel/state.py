@@ -64,7 +64,7 @@ class ParallelState:
             yield
 
     def describe(self) -> str:
-        """One line: how this network's gradients are completed (for logs and the README's examples)."""
+        """One line: how this network's gradients are completed (for logs and the docs' examples)."""
         parts = [getattr(e, "name", type(e).__name__) + (f" over {e.transport_name}" if hasattr(e, "transport_name")
                                                          else "") for e in self.engines]
         return f"{self.mode.value} on {self.world} ranks: " + (", ".join(parts) or "no gradient communication")
