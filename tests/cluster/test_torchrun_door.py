@@ -111,7 +111,7 @@ def test_msrun_bad_flags_are_one_line(procs, tmp_path, capsys):
         (["--worker_num=2", "--local_worker_num=3"], "--local_worker_num=3 is more than --worker_num=2"),
         (["--worker_num=5", "--local_worker_num=2", "--node_rank=0"], "is not a multiple of --local_worker_num"),
         (["--worker_num=4", "--local_worker_num=2"], "2 nodes: give --node_rank"),
-        (["--worker_num=2", "--local_worker_num=2", "--sim_level=0"], "--sim_level=0"),
+        (["--worker_num=2", "--local_worker_num=2", "--sim_level=2"], "--sim_level=2: autopar simulates levels 0"),
         (["--worker_num=2", "--local_worker_num=2", "--master_port=70000"], "--master_port=70000 is not in"),
         (["--worker_num=2", "--local_worker_num=2", "--join=maybe"], "argument --join: expected True or False"),
     ]

@@ -10,7 +10,7 @@ from gpt import GPT, GPTConfig
 import autopar
 
 mode = sys.argv[1]
-sizes = [int(a) for a in sys.argv[2:7]] or [4, 128, 512, 64, 4]
+sizes = [int(a) for a in sys.argv[2:7]] or [2, 256, 512, 64, 4]
 n_layer, n_embd, vocab, block, batch = sizes
 autopar.communication.init()
 n = autopar.communication.get_group_size()
@@ -20,8 +20,8 @@ if mode.startswith("zero"):
     autopar.set_auto_parallel_context(enable_parallel_optimizer=True,
                                       parallel_optimizer_config={"optimizer_level": f"level{mode[-1]}"})
 torch.manual_seed(0)
-model = GPT(GPTConfig(block_size=block, vocab_size=vocab, n_layer=n_layer, n_head=max(1, n_embd // 64),
-                      n_embd=n_embd, bias=False))
+model = GPT(GPTConfig(block_size=block, vocab_size=vocab, n_layer=n_layer, n_head=max(1, n_embd // 32),
+                      n_embd=n_embd))
 if mode == "semi_megatron":
     for b in model.transformer.h:
         autopar.shard(b.attn.c_attn, ((1, 1, 1), (n, 1)))

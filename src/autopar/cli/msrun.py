@@ -10,8 +10,12 @@ The flags are parsed into the same :class:`~autopar.cluster.launcher.LaunchConfi
 (MindSpore's default) returns at once and leaves the job running in the background, ``--join=True`` waits and
 returns the job's exit code. ``--cluster_time_out`` is ``AUTOPAR_CLUSTER_TIMEOUT`` (negative: wait forever).
 Across nodes, export the same ``AUTOPAR_JOB_TOKEN`` on every node (node 0 prints one when it is unset): msrun has
-no flag for autopar's job token. Flags autopar cannot honour warn (``--bind_core``, ``--rank_table_file``) or are a
-one-line error (``--sim_level``).
+no flag for autopar's job token. Flags autopar cannot honour warn (``--bind_core``, ``--rank_table_file``).
+
+``--sim_level=0|1`` is MindSpore's DryRun, as ``autopar launch --dry-run``: the script runs on this CPU as rank
+``--sim_rank_id`` (default 0) of ``--worker_num`` simulated ranks, nothing is launched. Level 0 checks the
+configuration (one line at the first error); level 1 also reports the rank's peak memory and its parts (both write
+``LOG_DIR/dryrun.json``). MindSpore's levels 2 and 3 (kernels launched on an Ascend device) are a one-line error.
 """
 from __future__ import annotations
 
@@ -49,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster_time_out", type=int, default=600,
                    help="seconds for the cluster to form (default 600; negative: wait forever)")
     p.add_argument("--bind_core", type=_bool, default=False, help="accepted, not applied (warns)")
-    p.add_argument("--sim_level", type=int, default=-1, help="simulation: not supported")
-    p.add_argument("--sim_rank_id", type=int, default=0, help="simulation: not supported")
+    p.add_argument("--sim_level", type=int, default=-1,
+                   help="dry run on this CPU: 0 checks the configuration, 1 also reports peak memory")
+    p.add_argument("--sim_rank_id", type=int, default=-1, help="the rank a dry run simulates (default 0)")
     p.add_argument("--rank_table_file", default="", help="accepted, not used (warns)")
     p.add_argument("task_script", help="the training script")
     p.add_argument("task_script_args", nargs=argparse.REMAINDER, help="its arguments")
@@ -65,9 +70,9 @@ def to_config(args: argparse.Namespace):
     """msrun's flags -> the launcher's configuration (one-line errors for what cannot be honoured)."""
     from autopar.cluster.launcher import LaunchConfig
 
-    if args.sim_level != -1:
-        raise ConfigError(f"--sim_level={args.sim_level} (MindSpore's simulated compilation in one process) is not "
-                          f"supported: run the job with its real workers")
+    if args.sim_level not in (-1, 0, 1):
+        raise ConfigError(f"--sim_level={args.sim_level}: autopar simulates levels 0 (configuration) and 1 (with "
+                          "peak memory); levels 2 and 3 launch kernels on an Ascend device")
     if args.worker_num < 1 or args.local_worker_num < 1:
         raise ConfigError(f"--worker_num and --local_worker_num must be positive, got {args.worker_num} and "
                           f"{args.local_worker_num}")
@@ -82,7 +87,7 @@ def to_config(args: argparse.Namespace):
         _warn("--bind_core=True is accepted but not applied: workers share the cores (OMP_NUM_THREADS splits them)")
     if args.rank_table_file:
         _warn(f"--rank_table_file={args.rank_table_file} is not used (msrun itself forms the cluster)")
-    if args.sim_rank_id:
+    if args.sim_rank_id != -1:
         _warn("--sim_rank_id is ignored without --sim_level")
     nnodes = args.worker_num // args.local_worker_num
     token = os.environ.get("AUTOPAR_JOB_TOKEN") or None
@@ -105,6 +110,17 @@ def to_config(args: argparse.Namespace):
         token=token, extra_env={"AUTOPAR_CLUSTER_TIMEOUT": str(timeout)},
         stream_rank=0 if args.join else None,
     )
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    """``--sim_level=0|1``: MindSpore's DryRun, on autopar's (``autopar launch --dry-run``)."""
+    from autopar.dryrun.driver import dry_run
+
+    if args.worker_num < 1:
+        raise ConfigError(f"--worker_num must be positive, got {args.worker_num}")
+    ranks = [args.sim_rank_id] if args.sim_rank_id != -1 else None
+    return dry_run(args.worker_num, args.task_script, list(args.task_script_args), args.log_dir or ".", ranks,
+                   steps=1 if args.sim_level == 0 else 2, memory=args.sim_level == 1)
 
 
 def _in_background(launcher) -> int:
@@ -145,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> int:
         from autopar.cluster.launcher import Launcher
 
+        if args.sim_level in (0, 1):
+            return _simulate(args)
         launcher = Launcher(to_config(args))
         return launcher.run() if args.join else _in_background(launcher)
 

@@ -32,7 +32,8 @@ def _simulate(rank: int, world: int, script: str, args: list[str], log_dir: Path
     out.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "autopar.dryrun.runner", "--rank", str(rank), "--world", str(world),
            "--steps", str(steps), "--out", str(out), script, *args]
-    print(f"[autopar] dry run: rank {rank} of {world} ({steps} optimizer steps; its output in {log})", flush=True)
+    print(f"[autopar] dry run: rank {rank} of {world} ({steps} optimizer step{'s' if steps > 1 else ''}; its output "
+          f"in {log})", flush=True)
     with open(log, "wb") as fh:
         try:
             code = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -69,11 +70,20 @@ def _table(world: int, ranks: dict[int, dict]) -> list[str]:
             lines.append(f"{str(rank) + label:>5} {_human(part['peak_bytes']):>11} {cells}")
     lines.append("(a row 'N step' is rank N's peak during a training step once the optimizer state exists; the "
                  "rank's row above it includes setting up -- building the model, sharding it)")
+    for rank, v in sorted(ranks.items()):
+        step = v.get("steady") or {}
+        if step.get("peak_bytes") and v["peak_bytes"] > 1.2 * step["peak_bytes"] \
+                and v["parameters"] > 2 * step.get("parameters", 0):
+            lines.append(f"[autopar] rank {rank}: setting up peaks {_human(v['peak_bytes'] - step['peak_bytes'])} "
+                         f"above the training step: the network's parameters ({_human(v['parameters'])}) are built "
+                         "whole on every rank before they are sharded")
     return lines
 
 
 def dry_run(world: int, script: str, args: list[str], log_dir: str, ranks: list[int] | None = None,
-            steps: int = 2) -> int:
+            steps: int = 2, memory: bool = True) -> int:
+    """Simulate ``script`` as ranks of a ``world``-rank job; 0 when every simulated rank got through its steps
+    (``memory``: print each one's peak and its parts -- ``dryrun.json`` has them either way)."""
     if world < 1:
         raise ConfigError(f"--dry-run needs -n >= 1, got {world}")
     if steps < 1:
@@ -104,8 +114,12 @@ def dry_run(world: int, script: str, args: list[str], log_dir: str, ranks: list[
         print(f"autopar: error: dry run, rank {rank} of {world}: {line} (nothing was launched; "
               f"{logs / 'dryrun.json'})", file=sys.stderr, flush=True)
         return 1
-    for line in _table(world, results):
-        print(line)
+    if memory:
+        for line in _table(world, results):
+            print(line)
+    else:
+        print(f"[autopar] dry run: the configuration of {world} ranks holds (ranks {', '.join(map(str, results))} "
+              f"got through {steps} optimizer step{'s' if steps > 1 else ''})")
     for rank, v in sorted(results.items()):
         for w in v.get("warnings", []):
             print(f"[autopar] dry run, rank {rank}: warning: {w}")

@@ -7,10 +7,10 @@ last reference goes, each once however many views share it. The same tracker mea
 check of a dry run runs the script for real on gloo ranks under it).
 
 Parts, by what the storage turns out to be: ``parameters`` (parameters and buffers), ``gradients``, ``optimizer``
-(its state), ``activations`` (made in a forward, or a backward's temporaries), ``other`` (communication buffers and
-gathered weights: what collectives write into; data; anything else). A storage is labelled by the phase that made it
-and re-labelled when it is seen as a parameter, a gradient or optimizer state at an optimizer step, or as a
-collective's buffer.
+(its state), ``activations`` (made in a forward), ``other`` (communication buffers and gathered weights: what
+collectives write into; data; anything else). A storage is labelled by the phase that made it (a backward's: a
+gradient) and re-labelled when it is seen as a module's parameter or buffer (when the module runs), as a parameter,
+gradient or optimizer state at an optimizer step, or as a collective's buffer.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class StorageTracker(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self._live: dict[int, list] = {}  # storage key -> [nbytes, part, weakref]
-        self.totals = dict.fromkeys(PARTS, 0)
+        self.totals = dict.fromkeys((*PARTS, "data"), 0)  # "data" is reported as "other"
         self.current = 0
         self.peak = 0
         self.peak_parts = dict(self.totals)
@@ -90,7 +90,14 @@ class StorageTracker(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def _forward_in(self, module, args):
+        # the outermost call: every parameter and buffer of the network (before a runtime replaces them by slices);
+        # a module called inside it: its own (a module the network runs that it does not own)
+        tensors = (*module.parameters(), *module.buffers()) if not self._forward_depth else \
+            (*module._parameters.values(), *module._buffers.values())
         self._forward_depth += 1
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and self._label(t) == "data":  # not a gathered weight: made at setup
+                self.relabel(t, "parameters")
 
     def _forward_out(self, module, args, out):
         self._forward_depth = max(0, self._forward_depth - 1)
@@ -122,7 +129,7 @@ class StorageTracker(TorchDispatchMode):
             return "gradients"
         if self._forward_depth:
             return "activations"
-        return "parameters"
+        return "data"  # made outside any forward and step: data, or parameters (re-labelled when a module runs)
 
     # storages -----------------------------------------------------------------------------------------------
     @staticmethod
@@ -212,6 +219,10 @@ class StorageTracker(TorchDispatchMode):
         return any(isinstance(a, torch.Tensor) and self._label(a) == "other" for a in tree_flatten(args)[0])
 
     def report(self) -> dict:
-        return {"peak_bytes": int(self.peak), **{k: int(v) for k, v in self.peak_parts.items()},
-                "steady": {"peak_bytes": int(self.steady_peak), **{k: int(v) for k, v in self.steady_parts.items()}},
-                "steps": self.steps}
+        def parts(totals: dict) -> dict:
+            out = {k: int(totals[k]) for k in PARTS}
+            out["other"] += int(totals["data"])
+            return out
+
+        return {"peak_bytes": int(self.peak), **parts(self.peak_parts),
+                "steady": {"peak_bytes": int(self.steady_peak), **parts(self.steady_parts)}, "steps": self.steps}

@@ -1,0 +1,87 @@
+"""``autopar launch --dry-run``: the user's unmodified script, simulated as rank r of N on this CPU, predicts what a
+real run of it peaks at -- checked against the same script run for real on 2 and 4 gloo ranks, measured by the same
+storage tracker (itself checked against torch's MemTracker in test_tracker.py) -- in every mode; a configuration
+error stops it as one line before anything is launched; and a 6.6e9-parameter GPT on 1024 ranks is planned on this
+machine."""
+import json
+
+import pytest
+
+import autopar.dryrun.runner as runner_module
+from procutil import SCRIPTS, autopar_cmd
+
+MODES = ["dp", "zero1", "zero2", "zero3", "semi_megatron", "pipeline", "auto"]
+# The real runs: gradients reduced through the process group (the CPU-only shared-memory reducer is not what a
+# cluster runs), AUTO decided by its prediction alone (a measured round picks by timing, which varies run to run)
+ENV = {"AUTOPAR_SHARED_MEMORY": "0", "AUTOPAR_AUTO_TRIALS": "0", "AUTOPAR_MEASURE_OPS": "0"}
+# Megatron strategies on 4 ranks: heads of 32 features and more stop at the attention's ``.contiguous().view()``
+# (a DTensor whose local strides are not its wrapper's; the real run and the dry run stop alike): a narrower GPT
+SIZES = {("semi_megatron", 4): ("2", "32", "512", "64", "4")}
+
+
+def _dry(procs, tmp_path, n, *script_args, ok=True):
+    logs = tmp_path / f"dry{n}_{'_'.join(script_args)}"
+    res = procs.run(autopar_cmd("launch", "--dry-run", "-n", str(n), "--log-dir", str(logs),
+                                str(SCRIPTS / "dryrun_gpt.py"), *script_args), env=procs.env(**ENV), timeout=300)
+    if ok:
+        assert res.returncode == 0, res.stdout + res.stderr
+    return res, (json.loads((logs / "dryrun.json").read_text()) if (logs / "dryrun.json").exists() else None)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_dry_run_predicts_the_peak_of_a_real_run_in_every_mode(procs, tmp_path, n):
+    table, bad = [], []
+    for mode in MODES:
+        out = tmp_path / f"real_{mode}"
+        res = procs.run(autopar_cmd("launch", "-n", str(n), "--log-dir", str(tmp_path / f"logs_{mode}"),
+                                    runner_module.__file__, "--measure", "--out", str(out),
+                                    str(SCRIPTS / "dryrun_gpt.py"), mode, *SIZES.get((mode, n), ())),
+                        env=procs.env(**ENV), timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+        real = json.loads(open(f"{out}.0").read())
+        _, report = _dry(procs, tmp_path, n, mode, *SIZES.get((mode, n), ()))
+        dry = report["ranks"]["0"]
+        assert dry["error"] is None and real["error"] is None, (mode, dry["error"], real["error"])
+        for what in ("peak", "step"):
+            got, want = (dry, real) if what == "peak" else (dry["steady"], real["steady"])
+            ratio = got["peak_bytes"] / want["peak_bytes"]
+            table.append(f"{mode:>14} {what}: predicted {got['peak_bytes']} measured {want['peak_bytes']} {ratio:.3f}")
+            if not 0.9 <= ratio <= 1.1:
+                bad.append(table[-1])
+            # the parts add up to the peak
+            assert sum(got[k] for k in ("parameters", "gradients", "optimizer", "activations", "other")) == \
+                got["peak_bytes"], (mode, got)
+        if mode == "pipeline":  # one simulated rank per stage: rank 0 and the first of stage 1
+            assert sorted(report["ranks"]) == ["0", str(n // 2)], report["ranks"].keys()
+        if mode == "auto":
+            assert report["predicted_step_s"] and report["predicted_step_s"] > 0
+    print("\n".join(table))
+    assert not bad, "\n".join(table)
+
+
+def test_a_configuration_error_is_one_line_and_nothing_is_launched(procs, tmp_path):
+    for mode, line in (("pipeline", "ConfigError: pipeline_stages=2 does not divide the 3 ranks (at dryrun_gpt.py:"),
+                       ("semi_megatron", "cannot be split into 3 parts")):
+        res, report = _dry(procs, tmp_path, 3, mode, ok=False)
+        assert res.returncode == 1, res.stdout + res.stderr
+        errors = [e for e in res.stderr.splitlines() if e.startswith("autopar: error:")]
+        assert len(errors) == 1 and "dry run, rank 0 of 3" in errors[0] and line in errors[0], res.stderr
+        assert "Traceback" not in res.stderr and report["ranks"]["0"]["error"]
+        assert not list((tmp_path / f"dry3_{mode}").glob("scheduler*.log"))  # no job was started
+    res = procs.run(autopar_cmd("launch", "--dry-run", "-n", "4", "--dry-run-ranks", "1,9",
+                                str(SCRIPTS / "dryrun_gpt.py"), "dp"), timeout=60)
+    assert res.returncode != 0 and "rank 9 is not in 0..3" in res.stderr, res.stderr
+
+
+def test_a_6_6b_gpt_on_1024_ranks_fits_with_zero3_and_not_with_data_parallel(procs, tmp_path):
+    """GPT, 32 layers, hidden 4096, vocabulary 32000, sequence 2048 (6.6e9 parameters), one sequence per rank."""
+    big = ("32", "4096", "32000", "2048", "1")
+    reports = {mode: _dry(procs, tmp_path, 1024, mode, *big)[1] for mode in ("zero3", "dp")}
+    z, d = (reports[m]["ranks"]["0"]["steady"] for m in ("zero3", "dp"))
+    params = 4 * 6.6e9
+    assert d["parameters"] == pytest.approx(params, rel=0.02) and d["optimizer"] == pytest.approx(2 * params, rel=0.02)
+    assert z["parameters"] == pytest.approx(params / 1024, rel=0.05)
+    assert z["optimizer"] == pytest.approx(2 * params / 1024, rel=0.05)
+    state = ("parameters", "gradients", "optimizer")
+    assert sum(d[k] for k in state) > 80 * sum(z[k] for k in state)  # ZeRO-3's gradients hold one layer unsharded
+    assert d["peak_bytes"] > 100e9 > 25e9 > z["peak_bytes"]

@@ -1,0 +1,49 @@
+"""The dry run's storage tracker counts what torch's own MemTracker counts (one process, real tensors, a loop MemTracker
+accepts), and keeps counting where MemTracker refuses: a module called twice in one iteration."""
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from autopar.dryrun.tracker import StorageTracker
+
+
+def _job():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+    return net, torch.optim.AdamW(net.parameters(), lr=1e-3)
+
+
+def _steps(net, opt, k, after=None, twice=False):
+    for _ in range(k):
+        x = torch.randn(64, 256)
+        y = net(net(x)) if twice else net(x)
+        y.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if after is not None:
+            after()
+
+
+def test_the_tracker_counts_what_memtracker_counts():
+    net, opt = _job()
+    mt = MemTracker()
+    mt.track_external(net, opt)
+    with mt:
+        _steps(net, opt, 2, mt.reset_mod_stats)
+    theirs = {str(k).split(".")[-1]: v for k, v in mt.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
+    with StorageTracker() as tracker:
+        net, opt = _job()
+        _steps(net, opt, 2)
+    mine = tracker.report()
+    assert mine["peak_bytes"] == theirs["Total"]
+    assert (mine["parameters"], mine["gradients"], mine["optimizer"]) == (theirs["PARAM"], theirs["GRAD"], theirs["OPT"])
+    assert mine["steps"] == 2 and mine["steady"]["peak_bytes"] == mine["peak_bytes"]
+
+
+def test_the_tracker_counts_a_module_called_twice_and_frees_what_is_gone():
+    with StorageTracker() as tracker:
+        net, opt = _job()
+        _steps(net, opt, 2, twice=True)
+        before = tracker.current
+        del net, opt
+    assert tracker.report()["activations"] > 0
+    assert tracker.current < before  # the parameters, gradients and optimizer state went with their last reference
