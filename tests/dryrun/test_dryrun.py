@@ -8,7 +8,8 @@ import json
 import pytest
 
 import autopar.dryrun.runner as runner_module
-from procutil import SCRIPTS, autopar_cmd
+from autopar.dataset.synth import write_synthetic_cifar10
+from procutil import ROOT, SCRIPTS, autopar_cmd
 
 MODES = ["dp", "zero1", "zero2", "zero3", "semi_megatron", "pipeline", "auto"]
 # The real runs: gradients reduced through the process group (the CPU-only shared-memory reducer is not what a
@@ -71,6 +72,18 @@ def test_a_configuration_error_is_one_line_and_nothing_is_launched(procs, tmp_pa
     res = procs.run(autopar_cmd("launch", "--dry-run", "-n", "4", "--dry-run-ranks", "1,9",
                                 str(SCRIPTS / "dryrun_gpt.py"), "dp"), timeout=60)
     assert res.returncode != 0 and "rank 9 is not in 0..3" in res.stderr, res.stderr
+    res = procs.run(autopar_cmd("launch", "--dry-run", "-n", "4", "--dry-run-machine", "nope",
+                                str(SCRIPTS / "dryrun_gpt.py"), "auto"), timeout=60)
+    assert res.returncode != 0 and "unknown machine 'nope'" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_auto_plans_for_the_cluster_it_is_told(procs, tmp_path):
+    logs = tmp_path / "logs"
+    res = procs.run(autopar_cmd("launch", "--dry-run", "-n", "8", "--dry-run-machine", "h100-ib", "--log-dir",
+                                str(logs), str(SCRIPTS / "dryrun_gpt.py"), "auto"), timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "AUTO_PARALLEL's plan:" in res.stdout and "on h100-ib)" in res.stdout, res.stdout
+    assert json.loads((logs / "dryrun.json").read_text())["predicted_step_s"] > 0
 
 
 def test_a_6_6b_gpt_on_1024_ranks_fits_with_zero3_and_not_with_data_parallel(procs, tmp_path):
@@ -85,3 +98,24 @@ def test_a_6_6b_gpt_on_1024_ranks_fits_with_zero3_and_not_with_data_parallel(pro
     state = ("parameters", "gradients", "optimizer")
     assert sum(d[k] for k in state) > 80 * sum(z[k] for k in state)  # ZeRO-3's gradients hold one layer unsharded
     assert d["peak_bytes"] > 100e9 > 25e9 > z["peak_bytes"]
+
+
+def test_the_mindspore_tutorial_script_dry_runs_as_it_runs(procs, tmp_path):
+    """The MindSpore door: the CPU tutorial's resnet50_distributed_training.py (imports swapped; Model.train, the
+    CIFAR-10 reader sharded per rank, Momentum), unmodified, simulated and run for real on 2 ranks."""
+    data = write_synthetic_cifar10(tmp_path / "cifar", records_per_file=256)
+    script = str(ROOT / "examples" / "resnet50_distributed_training.py")
+    env = procs.env(IMAGE_SIZE="32", BATCH_SIZE="16", EPOCH_SIZE="1", DATA_PATH=str(data), **ENV)
+    res = procs.run(autopar_cmd("launch", "-n", "2", "--log-dir", str(tmp_path / "logs"), runner_module.__file__,
+                                "--measure", "--steps", "2", "--out", str(tmp_path / "real"), script), env=env,
+                    timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    real = json.loads((tmp_path / "real.0").read_text())
+    res = procs.run(autopar_cmd("launch", "--dry-run", "-n", "2", "--log-dir", str(tmp_path / "dry"), script),
+                    env=env, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    dry = json.loads((tmp_path / "dry" / "dryrun.json").read_text())["ranks"]["0"]
+    assert real["steps"] == dry["steps"] == 2
+    for part in ("parameters", "optimizer"):
+        assert dry["steady"][part] == real["steady"][part]
+    assert 0.9 <= dry["steady"]["peak_bytes"] / real["steady"]["peak_bytes"] <= 1.1, (dry, real)

@@ -40,6 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="the ranks to simulate (default: rank 0 and the first rank of every pipeline stage)")
     dry.add_argument("--dry-run-steps", type=int, default=2, metavar="K",
                      help="optimizer steps to simulate (default 2: the second has the optimizer state)")
+    dry.add_argument("--dry-run-machine", default=None, metavar="NAME|FILE",
+                     help="the cluster AUTO_PARALLEL plans for in a dry run: a preset (h100-ib, a100-ib) or a cluster "
+                          "JSON file (default: this host)")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     p.set_defaults(func=run)
@@ -63,11 +66,12 @@ def run(args: argparse.Namespace) -> int:
         from autopar.dryrun.driver import dry_run
 
         return dry_run(args.nproc * max(1, args.nnodes), args.script, list(args.script_args), args.log_dir,
-                       _ranks(args.dry_run_ranks), args.dry_run_steps)
-    if args.dry_run_ranks is not None or args.dry_run_steps != 2:
+                       _ranks(args.dry_run_ranks), args.dry_run_steps, machine=args.dry_run_machine)
+    if args.dry_run_ranks is not None or args.dry_run_steps != 2 or args.dry_run_machine is not None:
         import warnings
 
-        warnings.warn("--dry-run-ranks/--dry-run-steps act only with --dry-run: ignored", stacklevel=1)
+        warnings.warn("--dry-run-ranks/--dry-run-steps/--dry-run-machine act only with --dry-run: ignored",
+                      stacklevel=1)
 
     return launch(LaunchConfig(
         nproc=args.nproc, script=args.script, script_args=list(args.script_args), log_dir=args.log_dir,

@@ -81,7 +81,7 @@ def _table(world: int, ranks: dict[int, dict]) -> list[str]:
 
 
 def dry_run(world: int, script: str, args: list[str], log_dir: str, ranks: list[int] | None = None,
-            steps: int = 2, memory: bool = True) -> int:
+            steps: int = 2, memory: bool = True, machine: str | None = None) -> int:
     """Simulate ``script`` as ranks of a ``world``-rank job; 0 when every simulated rank got through its steps
     (``memory``: print each one's peak and its parts -- ``dryrun.json`` has them either way)."""
     if world < 1:
@@ -93,6 +93,11 @@ def dry_run(world: int, script: str, args: list[str], log_dir: str, ranks: list[
         raise ConfigError(f"--dry-run-ranks: rank {bad[0]} is not in 0..{world - 1}")
     if not os.path.isfile(script):
         raise ConfigError(f"script {script!r} not found")
+    if machine is not None:
+        from autopar.planner.hardware import load_cluster
+
+        load_cluster(machine)  # an unknown preset or a bad file: one line now, not in every simulated rank
+        os.environ["AUTOPAR_DRYRUN_MACHINE"] = machine
     started = time.monotonic()
     logs = Path(log_dir)
     logs.mkdir(parents=True, exist_ok=True)
@@ -123,7 +128,11 @@ def dry_run(world: int, script: str, args: list[str], log_dir: str, ranks: list[
     for rank, v in sorted(results.items()):
         for w in v.get("warnings", []):
             print(f"[autopar] dry run, rank {rank}: warning: {w}")
+    plan = next((v["plan"] for v in results.values() if v.get("plan")), None)
+    if plan:
+        print(f"[autopar] AUTO_PARALLEL's plan: {plan}")
     if predicted:
-        print(f"[autopar] predicted step: {predicted * 1e3:.1f} ms (AUTO_PARALLEL's plan)")
+        print(f"[autopar] predicted step: {predicted * 1e3:.1f} ms (AUTO_PARALLEL's cost model, on "
+              f"{os.environ.get('AUTOPAR_DRYRUN_MACHINE') or 'this host'})")
     print(f"[autopar] dry run done in {report['seconds']:.1f} s: {logs / 'dryrun.json'}", flush=True)
     return 0
