@@ -21,6 +21,7 @@ LAYERS = [
     ["autopar.parallel"],
     ["autopar.checkpoint"],
     ["autopar.train"],
+    ["autopar.dryrun"],  # a job simulated on fake tensors: runs scripts that use every layer below
     ["autopar.cli"],
     ["autopar"],  # the package itself: the public facade, importing everything, imported by nothing inside
 ]

@@ -47,3 +47,10 @@ def test_the_tracker_counts_a_module_called_twice_and_frees_what_is_gone():
         del net, opt
     assert tracker.report()["activations"] > 0
     assert tracker.current < before  # the parameters, gradients and optimizer state went with their last reference
+
+
+def test_the_tracker_leaves_torch_as_it_found_it():
+    resize = torch.UntypedStorage.resize_
+    with StorageTracker():
+        assert torch.UntypedStorage.resize_ is not resize
+    assert torch.UntypedStorage.resize_ is resize

@@ -64,9 +64,14 @@ def run(args: argparse.Namespace) -> int:
 
     if args.dry_run:
         from autopar.dryrun.driver import dry_run
+        from autopar.errors import ConfigError
 
+        if args.hostfile or args.rank_table:
+            raise ConfigError("--dry-run simulates -n N ranks per node x --nnodes nodes: give those, not "
+                              "--hostfile/--rank-table")
         return dry_run(args.nproc * max(1, args.nnodes), args.script, list(args.script_args), args.log_dir,
-                       _ranks(args.dry_run_ranks), args.dry_run_steps, machine=args.dry_run_machine)
+                       _ranks(args.dry_run_ranks), args.dry_run_steps, machine=args.dry_run_machine,
+                       local_size=args.nproc)
     if args.dry_run_ranks is not None or args.dry_run_steps != 2 or args.dry_run_machine is not None:
         import warnings
 

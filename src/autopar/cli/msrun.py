@@ -120,7 +120,8 @@ def _simulate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--worker_num must be positive, got {args.worker_num}")
     ranks = [args.sim_rank_id] if args.sim_rank_id != -1 else None
     return dry_run(args.worker_num, args.task_script, list(args.task_script_args), args.log_dir or ".", ranks,
-                   steps=1 if args.sim_level == 0 else 2, memory=args.sim_level == 1)
+                   steps=1 if args.sim_level == 0 else 2, memory=args.sim_level == 1,
+                   local_size=min(args.local_worker_num, args.worker_num))
 
 
 def _in_background(launcher) -> int:

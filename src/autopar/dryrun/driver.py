@@ -17,7 +17,7 @@ from pathlib import Path
 from autopar.dryrun.tracker import PARTS
 from autopar.errors import ConfigError
 
-_TIMEOUT_S = float(os.environ.get("AUTOPAR_DRYRUN_TIMEOUT", 1800))
+_TIMEOUT_S = float(os.environ.get("AUTOPAR_DRYRUN_TIMEOUT", 900))
 
 
 def _human(nbytes: float) -> str:
@@ -44,14 +44,17 @@ def _simulate(rank: int, world: int, script: str, args: list[str], log_dir: Path
     if not out.exists():
         tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
         return {"rank": rank, "error": f"the simulated rank ended with status {code}: {tail[0]}"}
-    verdict = json.loads(out.read_text())
+    try:
+        verdict = json.loads(out.read_text())
+    except ValueError as exc:
+        return {"rank": rank, "error": f"the simulated rank's verdict could not be read ({exc})"}
     out.unlink()
     return verdict
 
 
 def _others(first: dict, world: int, asked: list[int] | None) -> list[int]:
     if asked is not None:
-        return [r for r in asked if r != 0]
+        return [r for r in dict.fromkeys(asked) if r != first["rank"]]
     stages = int(first.get("pipeline_stages") or 1)
     if stages > 1 and world % stages == 0:
         return [s * (world // stages) for s in range(1, stages)]
@@ -81,7 +84,7 @@ def _table(world: int, ranks: dict[int, dict]) -> list[str]:
 
 
 def dry_run(world: int, script: str, args: list[str], log_dir: str, ranks: list[int] | None = None,
-            steps: int = 2, memory: bool = True, machine: str | None = None) -> int:
+            steps: int = 2, memory: bool = True, machine: str | None = None, local_size: int | None = None) -> int:
     """Simulate ``script`` as ranks of a ``world``-rank job; 0 when every simulated rank got through its steps
     (``memory``: print each one's peak and its parts -- ``dryrun.json`` has them either way)."""
     if world < 1:
@@ -90,7 +93,7 @@ def dry_run(world: int, script: str, args: list[str], log_dir: str, ranks: list[
         raise ConfigError(f"--dry-run-steps must be >= 1, got {steps}")
     bad = [r for r in ranks or [] if not 0 <= r < world]
     if bad:
-        raise ConfigError(f"--dry-run-ranks: rank {bad[0]} is not in 0..{world - 1}")
+        raise ConfigError(f"simulated rank {bad[0]} is not in 0..{world - 1} (--dry-run-ranks, --sim_rank_id)")
     if not os.path.isfile(script):
         raise ConfigError(f"script {script!r} not found")
     if machine is not None:
@@ -98,13 +101,15 @@ def dry_run(world: int, script: str, args: list[str], log_dir: str, ranks: list[
 
         load_cluster(machine)  # an unknown preset or a bad file: one line now, not in every simulated rank
         os.environ["AUTOPAR_DRYRUN_MACHINE"] = machine
+    if local_size is not None:
+        os.environ["AUTOPAR_DRYRUN_LOCAL_SIZE"] = str(local_size)
     started = time.monotonic()
     logs = Path(log_dir)
     logs.mkdir(parents=True, exist_ok=True)
     first = _simulate(ranks[0] if ranks else 0, world, script, args, logs, steps)
     results = {first["rank"]: first}
     if not first.get("error"):
-        for rank in _others(first, world, ranks[1:] if ranks else None):
+        for rank in _others(first, world, ranks):
             results[rank] = _simulate(rank, world, script, args, logs, steps)
             if results[rank].get("error"):
                 break
@@ -123,9 +128,14 @@ def dry_run(world: int, script: str, args: list[str], log_dir: str, ranks: list[
         for line in _table(world, results):
             print(line)
     else:
+        done = min(v.get("steps", 0) for v in results.values())
         print(f"[autopar] dry run: the configuration of {world} ranks holds (ranks {', '.join(map(str, results))} "
-              f"got through {steps} optimizer step{'s' if steps > 1 else ''})")
+              f"got through {done} optimizer step{'s' if done != 1 else ''})")
     for rank, v in sorted(results.items()):
+        if v.get("steps", 0) < steps:
+            print(f"[autopar] dry run, rank {rank}: warning: the script ended after {v.get('steps', 0)} of {steps} "
+                  "optimizer steps (each optimizer's step() counts): no training-step row, and no optimizer state "
+                  "unless it stepped")
         for w in v.get("warnings", []):
             print(f"[autopar] dry run, rank {rank}: warning: {w}")
     plan = next((v["plan"] for v in results.values() if v.get("plan")), None)

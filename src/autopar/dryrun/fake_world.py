@@ -4,7 +4,8 @@ without storage (``FakeTensorMode``), and plain answers where a fake tensor has 
 A fake tensor knows its shape, not its values: ``loss.item()``, ``torch.allclose`` and an object collective cannot
 be answered. The dry run answers them as the rank it simulates would see them in a healthy job -- every rank holds
 what this one holds (an all-gathered object is this rank's, N times; replicas agree), and a number read from a tensor
-is 1 (a step count of 0 would divide by zero in Adam's bias correction; a loss of 1 prints and compares harmlessly).
+is 1 (a step count of 0 would divide by zero in Adam's bias correction; a loss of 1 prints and compares harmlessly),
+a health check (``isnan``, ``isinf``, ``isfinite``) says the value is finite; a real tensor answers with its value.
 """
 from __future__ import annotations
 
@@ -22,16 +23,59 @@ _ANSWERED = {
 }
 
 
+# what a health check of a value answers in a healthy job: not NaN, not infinite, finite
+_HEALTH = {aten.isnan.default: False, aten.isinf.default: False, aten.isfinite.default: True}
+_KEEPS = {aten.any.default, aten.any.dim, aten.all.default, aten.all.dim, aten.view.default, aten.squeeze.default,
+          aten.clone.default, aten._to_copy.default, aten.sum.default, aten.max.default, aten.min.default}
+
+
 class PlainAnswers(TorchDispatchMode):
-    """Answer what depends on tensor values (see the module's docstring) instead of failing."""
+    """Answer what depends on tensor values (see the module's docstring) instead of failing; a real tensor (made
+    before the fake mode, or read from a file) answers with its real value. ``invented`` lists the lines of
+    ``script`` that read a made-up one (torch's and autopar's own reads -- Adam's step count -- are not the
+    script's business)."""
+
+    def __init__(self, script: str | None = None):
+        super().__init__()
+        self.script = script
+        self.invented: list[int] = []
+
+    def _note(self) -> None:
+        import sys
+
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code.co_filename == self.script:
+                self.invented.append(frame.f_lineno)
+                return
+            frame = frame.f_back
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is aten._local_scalar_dense.default:
+        from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+
+        if func is aten._local_scalar_dense.default or func in _ANSWERED:
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            if tensors and not any(is_fake(t) for t in tensors):
+                with unset_fake_temporarily():
+                    return func(*args, **(kwargs or {}))
+            answer = getattr(tensors[0], "_dryrun_answer", None) if tensors else None
+            if answer is not None:
+                return answer
+            self._note()
+            if func in _ANSWERED:
+                return _ANSWERED[func]
             t = args[0]
             return True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)
-        if func in _ANSWERED:
-            return _ANSWERED[func]
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        answer = _HEALTH.get(func)
+        if answer is None and func in _KEEPS and args and isinstance(args[0], torch.Tensor):
+            answer = getattr(args[0], "_dryrun_answer", None)
+        if answer is None and func is aten.logical_not.default:
+            answer = getattr(args[0], "_dryrun_answer", None)
+            answer = None if answer is None else not answer
+        if answer is not None and isinstance(out, torch.Tensor):
+            out._dryrun_answer = answer
+        return out
 
 
 def _all_gather_object(object_list, obj, group=None):
@@ -59,19 +103,47 @@ def form(rank: int, world: int) -> None:
                  "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
         os.environ.pop(name, None)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    original = dist.init_process_group
-
-    def init_process_group(*args, **kwargs):
-        if dist.is_initialized():
-            return None
-        return original(*args, **kwargs)
-
-    dist.init_process_group = init_process_group
-    _real_meshes()
+    # the fake world stays for the whole run: a script's own init joins it, its destroy keeps it (a real
+    # init_process_group after a destroy would wait for N real ranks at MASTER_ADDR)
+    dist.init_process_group = lambda *args, **kwargs: None
+    dist.destroy_process_group = lambda *args, **kwargs: None
     dist.all_gather_object = _all_gather_object
     dist.gather_object = _gather_object
     dist.broadcast_object_list = _keep
     dist.scatter_object_list = _keep
+    _real_meshes()
+    _no_files_written()
+    _scaler_steps()
+
+
+def _no_files_written() -> None:
+    """A fake tensor has no values to save: ``torch.save`` and DCP's ``save`` write nothing (a warning says what was
+    skipped) -- a checkpoint that already lies at the path stays as it was."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    def skipped(what):
+        def save(obj=None, f=None, *args, **kwargs):
+            where = f if f is not None else kwargs.get("checkpoint_id", kwargs.get("storage_writer", ""))
+            warnings.warn(f"autopar: {what}({where}) not written in a dry run", stacklevel=2)
+
+        return save
+
+    torch.save = skipped("torch.save")
+    dcp.save = skipped("torch.distributed.checkpoint.save")
+    if hasattr(dcp, "async_save"):
+        dcp.async_save = skipped("torch.distributed.checkpoint.async_save")
+
+
+def _scaler_steps() -> None:
+    """Loss scaling skips a step whose gradients hold inf/NaN -- which a fake tensor cannot rule out: it steps."""
+    from torch.amp import grad_scaler
+
+    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+        return optimizer.step(*args, **kwargs)
+
+    grad_scaler.GradScaler._maybe_opt_step = _maybe_opt_step
 
 
 def _real_meshes() -> None:

@@ -61,7 +61,8 @@ def _warnings(caught) -> list[str]:
     """What the script and autopar warned about (torch's own notices left out), once each."""
     said: list[str] = []
     for w in caught:
-        if f"{os.sep}torch{os.sep}" in w.filename or "FakeTensor" in str(w.message):
+        text = str(w.message)
+        if not text.startswith("autopar") and (f"{os.sep}torch{os.sep}" in w.filename or "FakeTensor" in text):
             continue
         line = str(w.message).strip().splitlines()[0] if str(w.message).strip() else w.category.__name__
         if line not in said:
@@ -92,7 +93,8 @@ def run(world: int | None, rank: int, steps: int, script: str, script_args: list
     verdict: dict = {"rank": rank, "error": None}
     started = time.monotonic()
     handle = None
-    modes = (fake_world.fake_tensors(), fake_world.PlainAnswers()) if world is not None else ()
+    answers = fake_world.PlainAnswers(os.path.abspath(script))
+    modes = (fake_world.fake_tensors(), answers) if world is not None else ()
     with contextlib.ExitStack() as stack, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for mode in modes:
@@ -114,9 +116,20 @@ def run(world: int | None, rank: int, steps: int, script: str, script_args: list
                     traceback.print_exc()
     if torch.distributed.is_initialized():
         verdict["rank"] = torch.distributed.get_rank()
-    verdict.update(tracker.report(), seconds=round(time.monotonic() - started, 3), warnings=_warnings(caught),
-                   **_job_facts())
+    said = _warnings(caught)
+    if answers.invented:
+        lines = ", ".join(str(n) for n in sorted(set(answers.invented))[:5])
+        said.append(f"{len(answers.invented)} values the script read from fake tensors (line {lines}: loss.item() and "
+                    "the like) were answered as 1 or True: where it sizes or steers itself by them, it ran with those")
+    verdict.update(tracker.report(), seconds=round(time.monotonic() - started, 3), warnings=said, **_job_facts())
     return verdict
+
+
+def _write(path: str, verdict: dict) -> None:
+    """Whole or not at all: the driver reads the file only when it exists."""
+    with open(f"{path}.tmp", "w") as fh:
+        json.dump(verdict, fh)
+    os.replace(f"{path}.tmp", path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,15 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.measure:
         verdict = run(None, a.rank, a.steps, a.script, a.script_args)
-        with open(f"{a.out}.{verdict['rank']}", "w") as fh:
-            json.dump(verdict, fh)
+        _write(f"{a.out}.{verdict['rank']}", verdict)
         return 0 if not verdict["error"] else 1
     os.environ["AUTOPAR_DRYRUN"] = "1"
     os.environ["AUTOPAR_AUTO_TRIALS"] = "0"  # AUTO's measured round would time fake tensors: the prediction decides
     os.environ["AUTOPAR_MEASURE_OPS"] = "0"
     verdict = run(a.world, a.rank, a.steps, a.script, a.script_args)
-    with open(a.out, "w") as fh:
-        json.dump(verdict, fh)
+    _write(a.out, verdict)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # the script's threads and torch's fake world need no orderly teardown: the verdict is written

@@ -76,17 +76,9 @@ class StorageTracker(TorchDispatchMode):
     def __exit__(self, *exc):
         for h in self._handles:
             h.remove()
-        tracker = self
-        resize = torch.UntypedStorage.resize_
-
-        def resize_(storage, size):  # FSDP2 frees and re-allocates unsharded parameters by resizing their storage
-            out = resize(storage, size)
-            tracker._resized(storage)
-            return out
-
-        torch.UntypedStorage.resize_ = resize_
-        self._undo = [lambda: setattr(torch.UntypedStorage, "resize_", resize)]
-        self._handles = []
+        for undo in reversed(self._undo):
+            undo()
+        self._handles, self._undo = [], []
         return super().__exit__(*exc)
 
     def _forward_in(self, module, args):

@@ -25,7 +25,12 @@ def _global_batch(sample: list) -> tuple:
 def make_plan(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sample: list,
               sample_kwargs: dict | None = None) -> Plan:
     ctx = _context.auto_parallel_context()
-    machine = load_or_calibrate()
+    if os.environ.get("AUTOPAR_DRYRUN"):  # fake tensors: nothing to measure (autopar launch --dry-run)
+        from autopar.planner.hardware import dry_run_machine
+
+        machine = dry_run_machine(dist.get_world_size() if dist.is_initialized() else 1)
+    else:
+        machine = load_or_calibrate()
     limit = ctx.max_device_memory or _context.run_context().max_device_memory or machine.memory_per_device
     n = dist.get_world_size() if dist.is_initialized() else 1
     batch = _global_batch(sample)

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import warnings
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from autopar.errors import ConfigError
-from autopar.planner.machine import RING, MachineModel
+from autopar.planner.machine import RING, MachineModel, available_memory, cache_path
 
 PRESET_DIR = "machines"
 
@@ -206,3 +208,18 @@ def load_cluster(name_or_path: str) -> ClusterSpec:
     except json.JSONDecodeError as e:
         raise ConfigError(f"{where}: not valid JSON ({e.msg} at line {e.lineno})") from None
     return parse_cluster(data, where)
+
+
+def dry_run_machine(n: int) -> MachineModel:
+    """The machine a dry run plans for (nothing can be measured on fake tensors): the cluster
+    ``AUTOPAR_DRYRUN_MACHINE`` names (a preset such as ``h100-ib``, or a cluster JSON file), else this host's
+    calibration where one is cached for the ``gloo`` backend, else the documented default constants."""
+    name = os.environ.get("AUTOPAR_DRYRUN_MACHINE")
+    if name:
+        return load_cluster(name).group_machine(n, 1, os.environ.get("AUTOPAR_DRYRUN_DTYPE", "fp32"))
+    warnings.warn("autopar: AUTO_PARALLEL planned for this host (its cached calibration, else default constants; "
+                  "its memory shared by the local ranks): give --dry-run-machine for the cluster's", stacklevel=2)
+    path = cache_path("gloo", n)
+    model = MachineModel.from_json(path.read_text()) if path.exists() else MachineModel(device_num=n)
+    model.memory_per_device = available_memory()
+    return model

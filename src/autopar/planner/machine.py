@@ -228,8 +228,6 @@ def load_or_calibrate(force: bool = False) -> MachineModel:
     from autopar.comm import management
 
     n = dist.get_world_size() if dist.is_initialized() else 1
-    if os.environ.get("AUTOPAR_DRYRUN"):
-        return dry_run_machine(n)
     path = cache_path(management.backend() if management.is_initialized() else "gloo", n)
     have = torch.tensor([0 if force or not path.exists() else 1])
     if dist.is_initialized():
@@ -247,21 +245,6 @@ def load_or_calibrate(force: bool = False) -> MachineModel:
 
     if dist.is_initialized() and op_timer.enabled():  # in a job: operators timed on its own device
         model.op_timer = op_timer.OpTimer.for_this_host(management.device(), n)
-    return model
-
-
-def dry_run_machine(n: int) -> MachineModel:
-    """The machine a dry run plans for (nothing can be measured on fake tensors): the cluster
-    ``AUTOPAR_DRYRUN_MACHINE`` names (a preset such as ``h100-ib``, or a cluster JSON file), else this host's
-    calibration where one is cached for the ``gloo`` backend, else the documented default constants."""
-    name = os.environ.get("AUTOPAR_DRYRUN_MACHINE")
-    if name:
-        from autopar.planner.hardware import load_cluster
-
-        return load_cluster(name).group_machine(n, 1, os.environ.get("AUTOPAR_DRYRUN_DTYPE", "fp32"))
-    path = cache_path("gloo", n)
-    model = MachineModel.from_json(path.read_text()) if path.exists() else MachineModel(device_num=n)
-    model.memory_per_device = available_memory()
     return model
 
 

@@ -77,7 +77,9 @@ def _chain() -> None:
     mine = sys.modules.pop("sitecustomize", None)
     try:
         import sitecustomize  # noqa: F401
-    except ImportError:
+    except ImportError as exc:
+        if exc.name != "sitecustomize":  # the site's own hook failed inside: site.py would say so too
+            raise
         if mine is not None:
             sys.modules["sitecustomize"] = mine
     finally:

@@ -366,15 +366,18 @@ def _static_shapes(pipe, example: tuple) -> dict[int, dict]:
     hooks = [pipe.split_gm.get_submodule(name).register_forward_hook(lambda m, a, o, k=k: outs.__setitem__(k, o))
              for k, name in enumerate(calls)]
     try:
-        with _context.managed():  # with autograd on: what needs a gradient says so in the metadata
+        with torch.no_grad(), _context.managed():  # shapes only: no graph held (the dry run counts memory)
             pipe(*example)
     finally:
         for h in hooks:
             h.remove()
 
-    def as_args(value):
-        values = tuple(value) if isinstance(value, (tuple, list)) else (value,)
-        return tuple(v.detach().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v for v in values)
+    trains = any(p.requires_grad for p in pipe.split_gm.parameters())
 
-    return {k: {"input_args": as_args(example if k == 0 else outs[k - 1]), "output_args": as_args(outs[k])}
-            for k in range(len(calls))}
+    def as_args(value, grads: bool):  # what flows between pieces carries a gradient where it is floating point
+        values = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+        return tuple(v.detach().requires_grad_(grads and v.is_floating_point()) if isinstance(v, torch.Tensor)
+                     else v for v in values)
+
+    return {k: {"input_args": as_args(example, False) if k == 0 else as_args(outs[k - 1], trains),
+                "output_args": as_args(outs[k], trains)} for k in range(len(calls))}
