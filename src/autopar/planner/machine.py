@@ -57,6 +57,14 @@ class MachineModel:
     # and unwrapping of local tensors): a layout pays it for every operator of forward and backward, data parallel
     # (plain tensors) does not. None: not measured (0).
     dispatch_seconds: float | None = None
+    # how much of a collective hides behind compute running at the same time: 1 all of it (NCCL beside the
+    # kernels), 0 none (gloo's threads take the very cores the compute runs on). None: not measured (1).
+    overlap: float | None = None
+
+    def hidden(self, comm: float, compute: float) -> float:
+        """The part of ``comm`` seconds of collectives that ``compute`` seconds running beside it hide."""
+        share = 1.0 if self.overlap is None else min(1.0, max(0.0, self.overlap))
+        return share * min(comm, compute)
 
     def optimizer_rate(self, kind: str) -> float:
         if self.optimizer_rates and kind in self.optimizer_rates:
@@ -173,7 +181,37 @@ def calibrate(sizes: tuple[int, ...] = (2**14, 2**18, 2**21, 2**23, 2**26)) -> M
     model.memory_bandwidth = _rate(lambda: dst.copy_(big), 2 * 4 * (16 << 20))  # read + write, in bytes/s
     model.optimizer_rates = _optimizer_rates(device)
     model.dispatch_seconds = _dispatch_seconds(device)
+    if n > 1:
+        model.overlap = _overlap(device)
     return model
+
+
+def _overlap(device, numel: int = 1 << 21) -> float:
+    """1 - (both - longer) / shorter for an all-reduce and matrix products started together: 1 when the collective
+    runs wholly beside the compute, 0 when they take turns (measured, not assumed: on a 2-core CPU host gloo's
+    threads and the compute share the cores)."""
+    buf = torch.ones(numel, device=device)
+    a = torch.randn(256, 256, device=device)
+    comm = _timed(lambda: dist.all_reduce(buf))
+    one = _timed(lambda: a @ a)
+    k = max(1, int(comm / max(one, 1e-7)))
+
+    def compute():
+        for _ in range(k):
+            a @ a
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    alone = _timed(compute)
+
+    def both():
+        work = dist.all_reduce(buf, async_op=True)
+        compute()
+        work.wait()
+
+    together = _timed(both)
+    shorter = max(min(comm, alone), 1e-9)
+    return float(min(1.0, max(0.0, 1.0 - (together - max(comm, alone)) / shorter)))
 
 
 def _dispatch_seconds(device, calls: int = 200) -> float:

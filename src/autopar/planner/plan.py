@@ -167,7 +167,7 @@ def _dp_totals(p: Problem, dp: list[int], other_compute: float, other_grad_bytes
     backward = sum(p.costs[k].choices[s].backward for k, s in enumerate(dp))
     others = sum(p.costs[k].choices[s].act_comm + p.costs[k].boundary_cost(p.costs[k].choices[s], machine)
                  for k, s in enumerate(dp))
-    return Totals(compute, max(0.0, allreduce - backward) + others, p.used_memory(dp))
+    return Totals(compute, allreduce - machine.hidden(allreduce, backward) + others, p.used_memory(dp))
 
 
 ZERO_WHAT = {"level1": "optimizer state", "level2": "optimizer state and gradients",
@@ -202,10 +202,11 @@ def _zero_totals(p: Problem, dp: list[int], dp_totals: Totals, other_params: flo
     for level in ("level1", "level2", "level3"):
         if level == "level3":
             memory = others + state / n + 2 * largest
-            comm = max(0.0, gather - forward) + max(0.0, gather + scatter - backward)
+            comm = (gather - machine.hidden(gather, forward)
+                    + gather + scatter - machine.hidden(gather + scatter, backward))
         else:
             memory = others + params + state / n
-            comm = max(0.0, gather - forward) + max(0.0, scatter - backward)
+            comm = gather - machine.hidden(gather, forward) + scatter - machine.hidden(scatter, backward)
         out[level] = Totals(compute, comm, memory)
     return out
 
