@@ -136,6 +136,8 @@ def main():
 
         plan = getattr(state_of(net), "plan", None)
         extra = {"auto_trials": getattr(plan, "trials", []), "auto_reason": getattr(plan, "reason", "")}
+        if plan is not None:  # the prediction of the plan that ran (the measured round may have kept a runner-up)
+            pred = plan.totals.step
     clock.report(f"{args.model}/{args.strategy}", rank, n, per_device, predicted_step_s=pred, **extra)
 
 

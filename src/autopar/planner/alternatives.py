@@ -50,6 +50,13 @@ def alternatives(plan: Plan, layouts: int = 3, within: float = WITHIN) -> list[P
             out += [dataclasses.replace(plan, choice=dp, totals=z, pure_data_parallel=True, zero_level=level,
                                         pipeline=None, reason=f"data parallel + ZeRO {level}")
                     for level, z in (plan.zero or {}).items() if limit is None or z.memory <= limit]
+        # and the best layout of the operators (what the pipeline was preferred to)
+        seen = [a for a in ([_param_assignment(plan, dp)] if dp is not None else []) if a]
+        choice = solve_ilp(p, exclude=seen) if seen and p.memory_limit == limit else None
+        if choice is not None:
+            out.append(dataclasses.replace(plan, choice=choice, totals=totals_of(p, choice, other_compute_of(plan)),
+                                           pure_data_parallel=False, zero_level=None, pipeline=None,
+                                           reason="the searched plan"))
         return out
     out = [plan]
     dp = p.dp_choice()

@@ -75,7 +75,7 @@ class MachineModel:
         if n <= 1 or nbytes <= 0:
             return 0.0
         alpha, beta = self.collectives[kind]
-        return alpha + RING[kind](n) * nbytes * beta
+        return alpha + RING.get(kind, RING["all_reduce"])(n) * nbytes * beta
 
     def compute(self, kind: str, flops: float, moved_bytes: float = 0.0) -> float:
         """Roofline: the slower of doing the arithmetic and streaming the operands through memory."""
@@ -183,7 +183,42 @@ def calibrate(sizes: tuple[int, ...] = (2**14, 2**18, 2**21, 2**23, 2**26)) -> M
     model.dispatch_seconds = _dispatch_seconds(device)
     if n > 1:
         model.overlap = _overlap(device)
+        host = _host_all_reduce(device, sizes[1:4])
+        if host is not None:
+            model.collectives["host_all_reduce"] = host
     return model
+
+
+def shared_memory_on() -> bool:
+    """``AUTOPAR_SHARED_MEMORY`` (autopar.perf.tuning's lever, read the same way): data parallel may sum through
+    shared memory."""
+    raw = os.environ.get("AUTOPAR_SHARED_MEMORY") or "1"
+    return raw.strip().lower() not in ("0", "false", "no", "off")
+
+
+def _host_all_reduce(device, sizes) -> tuple[float, float] | None:
+    """(alpha, beta) of data parallel's shared-memory sum among the ranks of one CPU host (what its bucketed
+    reducer uses there instead of gloo, :mod:`autopar.comm.host_memory`), on the all-reduce's byte scale; None
+    where it is not used (a GPU, ranks on several hosts, ``AUTOPAR_SHARED_MEMORY=0``)."""
+    from autopar.comm.host_memory import HostGroup
+
+    if device.type != "cpu" or not shared_memory_on():
+        return None
+    n, points = dist.get_world_size(), []
+    for size in sizes:
+        numel = max(size // 4, n)
+        host = HostGroup.create(numel, signature=f"calibration {numel}")
+        if host is None:
+            return None
+        host.region.fill_(1.0)
+
+        def once(host=host, numel=numel):
+            host.all_reduce_range(0, numel)
+            host.settle()
+
+        once()
+        points.append((RING["all_reduce"](n) * size, _timed(once)))
+    return _fit(points)
 
 
 def _overlap(device, numel: int = 1 << 21) -> float:

@@ -10,7 +10,7 @@ from autopar.errors import StrategyError
 from autopar.layout.layout import Layout
 from autopar.planner.costs import OPTIMIZER_SLOTS, NodeCosts, graph_costs
 from autopar.planner.graph import Graph, capture
-from autopar.planner.machine import MachineModel
+from autopar.planner.machine import MachineModel, shared_memory_on
 from autopar.planner.pipeline_plan import PipelineOption, fits, pipeline_options
 from autopar.planner.search import Problem, search
 
@@ -160,7 +160,10 @@ def _dp_totals(p: Problem, dp: list[int], other_compute: float, other_grad_bytes
         math.prod(p.costs[k].choices[s].plan.inputs[i].slice_shape) * p.graph.nodes[k].itemsize
         for k, s in enumerate(dp) for i, name in enumerate(p.graph.nodes[k].param_names) if name)
     buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
-    allreduce = buckets * machine.collective("all_reduce", grad_bytes / buckets, n)
+    # on one CPU host the float32 gradients are summed through shared memory, where that was calibrated
+    kind = "host_all_reduce" if "host_all_reduce" in machine.collectives and shared_memory_on() and all(
+        p.graph.nodes[k].itemsize == 4 for k in range(len(dp))) else "all_reduce"
+    allreduce = buckets * machine.collective(kind, grad_bytes / buckets, n)
     fused = machine.optimizer_rate("fused")  # DDP's parameters are plain tensors: the fused optimizer kernel
     compute = other_compute + sum(p.costs[k].choices[s].compute - p.costs[k].choices[s].optimizer
                                   + p.costs[k].choices[s].param_bytes / fused for k, s in enumerate(dp))
