@@ -35,3 +35,13 @@ def test_data_parallel_on_one_host_sums_through_shared_memory_where_calibrated(m
     assert _plan(host).dp_totals.comm < _plan(gloo).dp_totals.comm
     monkeypatch.setenv("AUTOPAR_SHARED_MEMORY", "0")  # the reducer will not use it: nor does the plan
     assert _plan(host).dp_totals.comm == pytest.approx(_plan(gloo).dp_totals.comm)
+
+
+def test_zero_pays_fsdp2s_measured_cost_beyond_its_collectives():
+    plain = MachineModel(device_num=2, overlap=0.0)
+    fsdp = dataclasses.replace(plain, fsdp_seconds_per_byte={"level1": 1e-10, "level3": 2e-10})
+    a, b = _plan(plain), _plan(fsdp)
+    params = 4 * (1024 * 1024 + 1024) * 4  # four Linear(1024, 1024) in float32
+    for level, rate in (("level1", 1e-10), ("level3", 2e-10)):
+        assert b.zero[level].compute - a.zero[level].compute == pytest.approx(rate * params, rel=1e-6)
+    assert b.dp_totals == a.dp_totals

@@ -210,7 +210,7 @@ def _zero_totals(p: Problem, dp: list[int], dp_totals: Totals, other_params: flo
         else:
             memory = others + params + state / n
             comm = gather - machine.hidden(gather, forward) + scatter - machine.hidden(scatter, backward)
-        out[level] = Totals(compute, comm, memory)
+        out[level] = Totals(compute + machine.fsdp_overhead(level, params), comm, memory)
     return out
 
 
