@@ -22,6 +22,15 @@ PYNATIVE_MODE = 1
 DEFAULT_LOG_DIR = "autopar_logs"
 
 
+def env_flag(name: str, default: bool) -> bool:
+    """An on/off switch from the environment (``AUTOPAR_SHARED_MEMORY=0``): unset or empty is ``default``; 0, false,
+    no and off (any case) are off; anything else is on. One reading for every switch autopar has."""
+    raw = os.environ.get(name)
+    if raw in (None, ""):
+        return default
+    return raw.strip().lower() not in ("0", "false", "no", "off")
+
+
 def log_dir() -> str:
     """Where this run writes its metrics and plans (the launcher sets ``AUTOPAR_LOG_DIR`` to its ``--log-dir``)."""
     return os.environ.get("AUTOPAR_LOG_DIR") or DEFAULT_LOG_DIR

@@ -30,11 +30,12 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
+from autopar.context import env_flag
 from autopar.planner.alternatives import alternatives, as_choice, describe, from_choice
 
 
 def enabled(world: int) -> bool:
-    return world > 1 and os.environ.get("AUTOPAR_AUTO_TRIALS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return world > 1 and env_flag("AUTOPAR_AUTO_TRIALS", True)
 
 
 def _steps() -> int:

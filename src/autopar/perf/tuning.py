@@ -35,14 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
+from autopar.context import env_flag
+
 _FUSABLE = tuple(c for c in (getattr(torch.optim, n, None) for n in ("SGD", "Adam", "AdamW", "Adagrad")) if c)
-
-
-def _flag(name: str, default: bool) -> bool:
-    raw = os.environ.get(name)
-    if raw in (None, ""):
-        return default
-    return raw.strip().lower() not in ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -57,12 +52,12 @@ class Tuning:
 
 def current() -> Tuning:
     return Tuning(
-        fused_optimizer=_flag("AUTOPAR_FUSED_OPTIMIZER", True),
+        fused_optimizer=env_flag("AUTOPAR_FUSED_OPTIMIZER", True),
         bucket_mb=float(os.environ.get("AUTOPAR_BUCKET_MB") or 25.0),
-        channels_last=_flag("AUTOPAR_CHANNELS_LAST", False),
-        small_conv=_flag("AUTOPAR_SMALL_CONV", True),
-        malloc=_flag("AUTOPAR_MALLOC", True),
-        shared_memory=_flag("AUTOPAR_SHARED_MEMORY", True),
+        channels_last=env_flag("AUTOPAR_CHANNELS_LAST", False),
+        small_conv=env_flag("AUTOPAR_SMALL_CONV", True),
+        malloc=env_flag("AUTOPAR_MALLOC", True),
+        shared_memory=env_flag("AUTOPAR_SHARED_MEMORY", True),
     )
 
 

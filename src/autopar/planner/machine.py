@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from autopar.context import env_flag
 from autopar.planner.cache import cache_dir, write_atomic
 
 RING = {
@@ -241,10 +242,8 @@ def _fsdp_seconds_per_byte(model: MachineModel, device, width: int = 1024, depth
 
 
 def shared_memory_on() -> bool:
-    """``AUTOPAR_SHARED_MEMORY`` (autopar.perf.tuning's lever, read the same way): data parallel may sum through
-    shared memory."""
-    raw = os.environ.get("AUTOPAR_SHARED_MEMORY") or "1"
-    return raw.strip().lower() not in ("0", "false", "no", "off")
+    """``AUTOPAR_SHARED_MEMORY`` (autopar.perf.tuning's lever): data parallel may sum through shared memory."""
+    return env_flag("AUTOPAR_SHARED_MEMORY", True)
 
 
 def _host_all_reduce(device, sizes) -> tuple[float, float] | None:

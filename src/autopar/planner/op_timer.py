@@ -22,11 +22,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from autopar.context import env_flag
+
 REPEATS = 3
 
 
 def enabled() -> bool:
-    return os.environ.get("AUTOPAR_MEASURE_OPS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_flag("AUTOPAR_MEASURE_OPS", True)
 
 
 class OpTimer:

@@ -36,7 +36,7 @@ from autopar import context as _context
 from autopar.common import grad_owners as owners
 from autopar.errors import ConfigError
 from autopar.labels import call_loss, class_indices
-from autopar.parallel.pipeline.split import network_output_loss, pieces_of
+from autopar.parallel.pipeline.split import network_output_loss, piece_calls, pieces_of
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -361,7 +361,7 @@ def _fake_group(group) -> bool:
 def _static_shapes(pipe, example: tuple) -> dict[int, dict]:
     """What every piece receives and returns, from one pass of the split network on the example micro-batch --
     the static metadata a stage needs where no peer can answer the shape probe (a dry run's fake world)."""
-    calls = [n.target for n in pipe.split_gm.graph.nodes if n.op == "call_module" and n.target.startswith("submod_")]
+    calls = [n.target for n in piece_calls(pipe)]
     outs: dict[int, Any] = {}
     hooks = [pipe.split_gm.get_submodule(name).register_forward_hook(lambda m, a, o, k=k: outs.__setitem__(k, o))
              for k, name in enumerate(calls)]

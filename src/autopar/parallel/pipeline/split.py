@@ -135,12 +135,17 @@ class Piece(torch.nn.Module):
         return self.graph_module(*args)
 
 
+def piece_calls(pipe) -> list:
+    """The split graph's calls of its pieces (``submod_0``, ``submod_1`` ...), in forward order."""
+    return [n for n in pipe.split_gm.graph.nodes if n.op == "call_module" and n.target.startswith("submod_")]
+
+
 def pieces_of(pipe, network: torch.nn.Module, wanted) -> tuple[dict[int, Piece], dict[str, set[int]]]:
     """The pieces ``wanted`` (indices) of ``pipe`` (a traced ``Pipe``) as :class:`Piece` modules, and for every
     parameter and buffer name the pieces that use it."""
     graph = pipe.split_gm.graph
     roots = [n for n in graph.nodes if n.op == "placeholder"]
-    calls = [n for n in graph.nodes if n.op == "call_module" and n.target.startswith("submod_")]
+    calls = piece_calls(pipe)
     pieces: dict[int, Piece] = {}
     users: dict[str, set[int]] = {}
     for k, call in enumerate(calls):
