@@ -169,6 +169,11 @@ def test_auto_parallel_job_that_only_fits_with_zero_trains_like_one_process(proc
         assert r["local_params"] * 2 == r["full_params"]
     assert "ZeRO level3 (optimizer state, gradients and weights sharded over 2)" in (
         tmp_path / "logs" / "auto_parallel_plan.txt").read_text()
+    # what FSDP2 adds was measured on this job's devices at its group sizes (both levels), and the step whole
+    kept = json.loads(next((tmp_path / "cache").glob("ops-*-n2.json")).read_text())
+    fsdp = {k: v for k, v in kept.items() if k.startswith("fsdp ")}
+    assert fsdp and all(len(v) == 2 and min(v) >= 0 for v in fsdp.values()), kept.keys()
+    assert any(k.startswith("step ") for k in kept)
 
 
 def test_auto_parallel_job_that_only_fits_as_a_pipeline_trains_like_one_process(procs, tmp_path):
@@ -203,6 +208,8 @@ def test_measured_round_keeps_the_fastest_plan_leaves_training_exact_and_is_not_
         assert "measured round" in table and "data parallel" in table, table
         rows = [line for line in table.splitlines() if "predicted" in line and "measured" in line and "ms" in line]
         assert len(rows) >= 2, table
+        trained = [line for line in table.splitlines() if line.startswith("in training: ")]
+        assert len(trained) == 1 and "predicted" in trained[0] and "median of 5" in trained[0], table
         for rank in range(2):
             r = json.load(open(tmp_path / f"{run}.{rank}"))
             assert r["diff"] <= 1e-5, r

@@ -37,11 +37,17 @@ def test_data_parallel_on_one_host_sums_through_shared_memory_where_calibrated(m
     assert _plan(host).dp_totals.comm == pytest.approx(_plan(gloo).dp_totals.comm)
 
 
-def test_zero_pays_fsdp2s_measured_cost_beyond_its_collectives():
-    plain = MachineModel(device_num=2, overlap=0.0)
-    fsdp = dataclasses.replace(plain, fsdp_seconds_per_byte={"level1": 1e-10, "level3": 2e-10})
-    a, b = _plan(plain), _plan(fsdp)
-    params = 4 * (1024 * 1024 + 1024) * 4  # four Linear(1024, 1024) in float32
-    for level, rate in (("level1", 1e-10), ("level3", 2e-10)):
-        assert b.zero[level].compute - a.zero[level].compute == pytest.approx(rate * params, rel=1e-6)
-    assert b.dp_totals == a.dp_totals
+def test_every_fsdp2_group_pays_its_own_collectives():
+    """Four groups gather and reduce-scatter apart: four times a collective's fixed cost, not once."""
+    from autopar.planner.plan import fsdp_groups
+
+    net = mlp(1024, 4)
+    assert fsdp_groups(net) == [4.0 * (1024 * 1024 + 1024)] * 4
+    tied = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10, bias=False))
+    tied[1].weight = tied[0].weight  # one parameter, two holders: the network's own group
+    assert fsdp_groups(tied) == [4.0 * 80]
+    machine = MachineModel(device_num=2, overlap=0.0, collectives={k: (1e-3, 0.0) for k in
+                                                                    MachineModel(device_num=2).collectives})
+    zero = _plan(machine).zero
+    assert zero["level1"].comm == pytest.approx(4 * 2e-3)  # alpha only: 4 gathers + 4 reduce-scatters
+    assert zero["level3"].comm == pytest.approx(4 * 3e-3)

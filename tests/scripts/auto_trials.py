@@ -25,10 +25,11 @@ def make():
 
 
 g = torch.Generator().manual_seed(1)
-X, Y = torch.randn(3, PER_RANK * n, WIDTH, generator=g), torch.randn(3, PER_RANK * n, WIDTH, generator=g)
+STEPS = 7  # the first six are timed into the plan's table (predicted against measured)
+X, Y = torch.randn(STEPS, PER_RANK * n, WIDTH, generator=g), torch.randn(STEPS, PER_RANK * n, WIDTH, generator=g)
 net = make()
 opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-for step in range(3):
+for step in range(STEPS):
     mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     loss = torch.nn.functional.mse_loss(net(X[step, mine]), Y[step, mine])
     opt.zero_grad()
@@ -38,7 +39,7 @@ for step in range(3):
 ref = make()
 ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
 with managed():
-    for step in range(3):
+    for step in range(STEPS):
         loss = torch.nn.functional.mse_loss(ref(X[step]), Y[step])
         ref_opt.zero_grad()
         loss.backward()

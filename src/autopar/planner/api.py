@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from autopar import context as _context
 from autopar.planner.machine import load_or_calibrate
-from autopar.planner.plan import Plan, plan_network
+from autopar.planner.plan import Plan, plan_network, training_line
 
 
 def _global_batch(sample: list) -> tuple:
@@ -56,6 +56,8 @@ def finish(plan: Plan, network: torch.nn.Module) -> None:
     last_plan = plan
     if not dist.is_initialized() or dist.get_rank() == 0:
         _report(plan)
+    if not os.environ.get("AUTOPAR_DRYRUN"):
+        _watch_training(plan, network)
     path = _context.auto_parallel_context().strategy_ckpt_save_file
     if path:
         _save_strategy(plan, network, path)
@@ -72,6 +74,43 @@ def _report(plan: Plan) -> None:
     elif plan.trials:
         timing += f", measured round {getattr(plan, 'trial_seconds', 0.0):.1f} s over {len(plan.trials)} plans"
     print(f"[autopar] AUTO_PARALLEL: {plan.reason} ({timing}); table in {path}", flush=True)
+
+
+TRAINING_STEPS = 5  # optimizer steps timed in training, after the first (its warm-up)
+
+
+def _watch_training(plan: Plan, network: torch.nn.Module) -> None:
+    """The prediction checked against the job itself: the first optimizer steps of training are timed (the time
+    between the ends of consecutive steps: what the user's loop takes per step, data loading included) and rank 0
+    adds predicted against measured to ``auto_parallel_plan.txt`` and to ``plan.explain()``."""
+    import statistics
+    import time
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    ends: list[float] = []
+
+    def after_step(optimizer, args, kwargs) -> None:
+        mine = {id(p) for p in network.parameters()}  # (as they are now: a plan may have replaced them)
+        if not any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
+            return  # another network's optimizer
+        ends.append(time.perf_counter())
+        if len(ends) <= TRAINING_STEPS:
+            return
+        handle.remove()
+        gaps = [b - a for a, b in zip(ends, ends[1:])]
+        plan.in_training = (statistics.median(gaps), len(gaps))
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            line = training_line(plan)
+            path = Path(_context.log_dir()) / "auto_parallel_plan.txt"
+            try:
+                with path.open("a") as f:
+                    f.write(line + "\n")
+            except OSError:
+                pass
+            print(f"[autopar] AUTO_PARALLEL {line}", flush=True)
+
+    handle = register_optimizer_step_post_hook(after_step)
 
 
 # -- a decision made once per (network, world, backend) ---------------------------------------------------------

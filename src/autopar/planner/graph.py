@@ -96,6 +96,13 @@ def _flops(kind: str, shapes, out_shape, groups: int = 1) -> float:
     return 2.0 * _numel(out_shape) * a[-1] if kind == "matmul" else 0.0
 
 
+def _labels_fit(spec, args) -> bool:
+    """Whether ``spec`` labels every tensor input dimension by dimension -- not so for an operator whose strategy
+    describes its output (MindSpore's OneHot: 1-D indices, a 2-D strategy), which then runs data-parallel."""
+    return all(not isinstance(a, torch.Tensor) or not labels or len(labels) == a.dim()
+               for a, labels in zip(args, spec.inputs))
+
+
 _VIEWS = {"reshape", "view", "transpose", "permute", "contiguous", "flatten", "unflatten", "swapaxes"}
 
 
@@ -247,12 +254,12 @@ class Tracer:
         if any(getattr(node.target, "_autopar_op", None) is op for node in self._open.values()):
             return op.compute(*args, **kwargs)  # a sharded Linear/Conv2d's own operator: the module is the node
         heavy = isinstance(op, (MatMul, BatchMatMul, Softmax))
-        if heavy or (self.every_operator and isinstance(op, ShardablePrimitive) and not getattr(op, "local", False)
-                     and tensors):
+        spec = op.spec(*args) if heavy or (self.every_operator and isinstance(op, ShardablePrimitive)
+                                           and not getattr(op, "local", False) and tensors) else None
+        if spec is not None and (heavy or _labels_fit(spec, args)):
             self.depth += 1
             kind = "softmax" if isinstance(op, Softmax) else "matmul" if heavy else "elementwise"
-            node = self.add_node(self.names.get(id(op), type(op).__name__), kind, op, op.spec(*args), tensors,
-                                 op.strategy)
+            node = self.add_node(self.names.get(id(op), type(op).__name__), kind, op, spec, tensors, op.strategy)
             out = op.compute(*args, **kwargs)
             self.depth -= 1
             self.finish_node(node, out)
@@ -353,7 +360,7 @@ def capture(network: torch.nn.Module, loss_fn: torch.nn.Module | None, inputs: t
     import time
 
     start = time.perf_counter()
-    root = network if loss_fn is None else _Pair(network, loss_fn)
+    root = with_loss(network, loss_fn)
     was_training = root.training
     root.eval()  # no BatchNorm statistics are touched by the trace
     tracer = Tracer(root, every_operator)
@@ -369,6 +376,11 @@ def capture(network: torch.nn.Module, loss_fn: torch.nn.Module | None, inputs: t
             node.param_names = tuple(p.removeprefix("network.") if p else p for p in node.param_names)
     return Graph(tracer.nodes, tracer.edges, tracer.edge_dims, tracer.joins, tracer.other_flops, tracer.other_bytes, batch,
                  time.perf_counter() - start, tracer.elementwise_bytes, tracer.tensor_calls + len(tracer.nodes))
+
+
+def with_loss(network: torch.nn.Module, loss_fn: torch.nn.Module | None) -> torch.nn.Module:
+    """The network and its loss as one module called ``(inputs..., label)`` -- as the capture traces them."""
+    return network if loss_fn is None else _Pair(network, loss_fn)
 
 
 class _Pair(torch.nn.Module):

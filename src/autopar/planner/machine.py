@@ -20,7 +20,7 @@ import os
 import socket
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -61,14 +61,13 @@ class MachineModel:
     # how much of a collective hides behind compute running at the same time: 1 all of it (NCCL beside the
     # kernels), 0 none (gloo's threads take the very cores the compute runs on). None: not measured (1).
     overlap: float | None = None
-    # seconds per byte of parameters that FSDP2 (ZeRO) costs beyond its collectives -- the copies into and out of
-    # its flat buffers, its hooks -- per level ("level1" keeps the gathered weights until the backward, "level3"
-    # gathers again): measured on a small network at calibration. None: not measured (0).
-    fsdp_seconds_per_byte: dict | None = None
-
-    def fsdp_overhead(self, level: str, param_bytes: float) -> float:
-        rates = self.fsdp_seconds_per_byte or {}
-        return float(rates.get(level, rates.get("level1", 0.0))) * param_bytes
+    def zero_exposed(self, level: str, gather: float, scatter: float, forward: float, backward: float) -> float:
+        """The part of ZeRO's collectives the passes do not hide: the weights gathered for the forward (level 3:
+        again for the backward) and the gradients reduce-scattered, each beside the pass it serves."""
+        if level == "level3":
+            return (gather - self.hidden(gather, forward)
+                    + gather + scatter - self.hidden(gather + scatter, backward))
+        return gather - self.hidden(gather, forward) + scatter - self.hidden(scatter, backward)
 
     def hidden(self, comm: float, compute: float) -> float:
         """The part of ``comm`` seconds of collectives that ``compute`` seconds running beside it hide."""
@@ -97,7 +96,8 @@ class MachineModel:
     def from_json(cls, text: str) -> "MachineModel":
         d = json.loads(text)
         d["collectives"] = {k: tuple(v) for k, v in d["collectives"].items()}
-        return cls(**d)
+        known = {f.name for f in fields(cls)}  # a calibration kept by an earlier version: its retired terms dropped
+        return cls(**{k: v for k, v in d.items() if k in known})
 
 
 def cache_path(backend: str, world: int, threads: int | None = None) -> Path:
@@ -195,50 +195,7 @@ def calibrate(sizes: tuple[int, ...] = (2**14, 2**18, 2**21, 2**23, 2**26)) -> M
         host = _host_all_reduce(device, sizes[1:4])
         if host is not None:
             model.collectives["host_all_reduce"] = host
-        model.fsdp_seconds_per_byte = _fsdp_seconds_per_byte(model, device)
     return model
-
-
-def _fsdp_seconds_per_byte(model: MachineModel, device, width: int = 1024, depth: int = 4) -> dict:
-    """FSDP2's cost beyond its calibrated collectives, per parameter byte and level: a step of ``depth`` Linear
-    layers sharded with ``fully_shard`` (as :mod:`autopar.parallel.zero.fsdp` does) against the same step unsharded,
-    less the all-gathers and reduce-scatter the model already costs (bench/auto_vs_hand.py: ZeRO was predicted
-    35-50 % fast with the collectives alone)."""
-    import copy
-
-    from torch.distributed.fsdp import fully_shard
-
-    from autopar.comm.topology import dp_mesh
-
-    n = dist.get_world_size()
-    torch.manual_seed(0)
-    plain = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)]).to(device)
-    x = torch.randn(8, width, device=device)
-    params = sum(p.numel() * p.element_size() for p in plain.parameters())
-
-    def stepper(net):
-        opt = torch.optim.SGD(net.parameters(), lr=1e-6, momentum=0.9)
-
-        def step():
-            net(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-
-        step()  # warm-up (FSDP2's lazy initialisation, the optimizer state)
-        return step
-
-    base = _timed(stepper(plain))
-    gather = model.collective("all_gather", params, n)
-    scatter = model.collective("reduce_scatter", params, n)
-    out = {}
-    for level, reshard, gathers in (("level1", False, 1), ("level3", True, 2)):
-        net = copy.deepcopy(plain)
-        for layer in net:
-            fully_shard(layer, mesh=dp_mesh(), reshard_after_forward=reshard)
-        fully_shard(net, mesh=dp_mesh(), reshard_after_forward=reshard)
-        extra = _timed(stepper(net)) - base - gathers * gather - scatter
-        out[level] = max(0.0, extra / params)
-    return out
 
 
 def shared_memory_on() -> bool:

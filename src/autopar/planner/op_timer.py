@@ -151,3 +151,74 @@ class OpTimer:
 
 
 _DTYPES = {8: torch.float64, 4: torch.float32, 2: torch.bfloat16}
+
+
+# -- the whole network ------------------------------------------------------------------------------------------
+def whole_step_seconds(timer: OpTimer, key: str, root: torch.nn.Module, inputs: tuple, kwargs: dict,
+                       device_num: int) -> float | None:
+    """Forward + backward seconds of ``root`` (the network with its loss) on this rank's share of the batch -- the
+    compute of a data-parallel step, measured whole on the job's device (every rank at once, as they will run).
+
+    Why: the operators the planner times one by one are not all a step does. Normalisations, activations, the
+    residual adds, the reshapes of attention's heads, the loss and autograd's own bookkeeping run between them; the
+    roofline put them at 1-2 ms where they measured 12-14 ms on the transformer and Llama blocks of
+    ``bench/auto_vs_hand.py`` (every plan predicted 11-15 % fast). The difference between this and the timed
+    operators is what every plan pays beside its operators. Run on a deep copy in training mode (BatchNorm's
+    statistics, the parameters' gradients and the random generators of the caller are left as they were); cached
+    per (graph, shapes) like the operators. None where it cannot run (the slice of the batch does not suit it).
+    In a job the ranks agree first (a cache on one host and not another) and keep the slowest rank's time: a step
+    ends when its last rank does, and every rank then plans with the same number."""
+    import torch.distributed as dist
+
+    together = dist.is_initialized() and dist.get_world_size() > 1
+    have = torch.tensor([1.0 if key in timer.table else 0.0])
+    if together:
+        dist.all_reduce(have, op=dist.ReduceOp.MIN)
+    if have.item():
+        return timer.table[key][1]
+    seconds = _step_seconds(timer, root, inputs, kwargs, device_num)
+    if together:
+        box = torch.tensor([-1.0 if seconds is None else seconds], dtype=torch.float64)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        failed = torch.tensor([1.0 if seconds is None else 0.0])
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        seconds = None if failed.item() else float(box.item())
+    if seconds is None:
+        return None
+    timer.table[key] = (seconds, seconds)
+    timer.measured += 1
+    return seconds
+
+
+def _step_seconds(timer: OpTimer, root: torch.nn.Module, inputs: tuple, kwargs: dict, device_num: int) -> float | None:
+    import copy
+
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    def share(t):
+        if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] % device_num == 0:
+            return t[: t.shape[0] // device_num].to(timer.device)
+        return t
+
+    try:
+        with torch.random.fork_rng(devices=[timer.device] if timer.device.type == "cuda" else []):
+            net = copy.deepcopy(root).train()
+            args, kw = tree_map(share, tuple(inputs)), tree_map(share, dict(kwargs or {}))
+
+            def step():
+                out = net(*args, **kw)
+                leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                sum(t.float().sum() for t in leaves).backward()
+                timer._sync()
+
+            step()  # warm-up: the allocator, the kernels' first calls
+            times = []
+            for _ in range(REPEATS):
+                for p in net.parameters():
+                    p.grad = None
+                t0 = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t0)
+    except Exception:  # noqa: BLE001 - a network this cannot step on a slice: the roofline stays
+        return None
+    return statistics.median(times)

@@ -8,7 +8,8 @@ import torch
 
 from autopar.errors import StrategyError
 from autopar.layout.layout import Layout
-from autopar.planner.costs import OPTIMIZER_SLOTS, NodeCosts, graph_costs
+from autopar.planner.costs import OPTIMIZER_SLOTS, NodeCosts, graph_costs, spread_between
+from autopar.planner.fsdp_timer import fsdp_seconds
 from autopar.planner.graph import Graph, capture
 from autopar.planner.machine import MachineModel, shared_memory_on
 from autopar.planner.pipeline_plan import PipelineOption, fits, pipeline_options
@@ -53,6 +54,8 @@ class Plan:
     trials: list = field(default_factory=list)  # the measured round: (plan name, predicted s, measured s), chosen first
     cached: str | None = None  # the plan file this decision was read from (a restart plans no more)
     memory_limit: float | None = None  # per device, as asked (``problem`` may be the unlimited one: ZeRO's path)
+    other_compute: float | None = None  # per device, of everything outside the nodes (measured in a job)
+    in_training: tuple | None = None  # (seconds per step, steps): the job's first steps after the plan, timed
 
     def chosen(self, n: int):
         return self.costs[n].choices[self.choice[n]]
@@ -97,6 +100,13 @@ class Plan:
         for r in rows:
             lines.append(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]:<{widths[3]}}  "
                          f"{r[4]:<{widths[4]}}  {r[5]:>10.2f}  {r[6]:>8.2f}  {r[7]:>8.1f}")
+        between = getattr(self.problem, "between", 0.0)
+        if between:
+            how = "measured: the data-parallel step whole, less its timed operators" if getattr(
+                self.problem, "between_measured", False) else "the roofline of their element-wise FLOPs"
+            lines.append(f"between the operators (normalisations, activations, residual adds, the loss): "
+                         f"{between * 1e3:.1f} ms per step under data parallel ({how}); in the compute column, "
+                         f"each operator's share as split as its output")
         t = self.totals
         dispatch = dispatch_of(self.problem) if not self.pure_data_parallel and self.pipeline is None else 0.0
         lines.append(f"plan total: step {t.step * 1e3:.1f} ms = compute {t.compute * 1e3:.1f}"
@@ -129,7 +139,17 @@ class Plan:
         if self.cached:
             lines.append(f"(decision read from {self.cached}: the same network, world and backend were planned before)")
         lines.append(f"chosen: {self.reason}")
+        if self.in_training:
+            lines.append(training_line(self))
         return "\n".join(lines)
+
+
+def training_line(plan: Plan) -> str:
+    """Predicted against measured for the plan that ran: its first steps in training (``Plan.in_training``)."""
+    measured, steps = plan.in_training
+    predicted = plan.totals.step
+    return (f"in training: {measured * 1e3:.1f} ms per step (median of {steps} after the first), predicted "
+            f"{predicted * 1e3:.1f} ms ({100 * (predicted - measured) / measured:+.0f}%)")
 
 
 def other_param_bytes(network: torch.nn.Module, graph: Graph) -> float:
@@ -139,7 +159,32 @@ def other_param_bytes(network: torch.nn.Module, graph: Graph) -> float:
 
 def other_compute_of(plan: "Plan") -> float:
     """The compute of everything outside the graph's nodes (data-parallel), per device."""
+    if plan.other_compute is not None:
+        return plan.other_compute
     return plan.problem.machine.compute("other", 3.0 * plan.graph.other_flops / plan.device_num)
+
+
+def _other_compute(network, loss_fn, sample: tuple, kwargs: dict | None, graph: Graph, costs: list[NodeCosts],
+                   machine: MachineModel) -> float:
+    """What a step computes outside the graph's nodes, per device: in a job (the machine model carries an operator
+    timer) the data-parallel step measured whole less its timed operators (:func:`op_timer.whole_step_seconds`);
+    otherwise the roofline of the element-wise FLOPs the capture counted."""
+    import hashlib
+
+    from autopar.planner.graph import with_loss
+    from autopar.planner.op_timer import whole_step_seconds
+
+    n = costs[0].device_num if costs else 1
+    roofline = machine.compute("other", 3.0 * graph.other_flops / n)
+    timer = getattr(machine, "op_timer", None)
+    operators = [nc.dp_compute for nc in costs]
+    if timer is None or None in operators:
+        return roofline
+    shapes = [[node.name, node.kind, [list(s) for s in node.shapes]] for node in graph.nodes]
+    key = "step " + hashlib.sha1(repr((shapes, type(network).__name__, type(loss_fn).__name__, n,
+                                       str(next(network.parameters(), torch.empty(0)).dtype))).encode()).hexdigest()
+    whole = whole_step_seconds(timer, key, with_loss(network, loss_fn), sample, kwargs or {}, n)
+    return roofline if whole is None else max(roofline, whole - sum(operators))
 
 
 def dispatch_of(p: Problem) -> float:
@@ -177,20 +222,47 @@ ZERO_WHAT = {"level1": "optimizer state", "level2": "optimizer state and gradien
              "level3": "optimizer state, gradients and weights"}
 
 
-def _zero_totals(p: Problem, dp: list[int], dp_totals: Totals, other_params: float) -> dict[str, Totals]:
+def fsdp_groups(network: torch.nn.Module) -> list[float]:
+    """The parameter bytes of each FSDP2 group ZeRO makes of ``network`` -- as
+    :func:`autopar.parallel.zero.fsdp.shard_optimizer` shards it: every module owning trainable parameters of its
+    own is a group, the network the rest (shared parameters, its own). Each group gathers and reduce-scatters on its
+    own: a collective's fixed cost and FSDP2's bookkeeping are paid per group."""
+    holders: dict[int, int] = {}
+    for module in network.modules():
+        for p in module.parameters(recurse=False):
+            holders[id(p)] = holders.get(id(p), 0) + 1
+    groups, grouped = [], set()
+    for module in network.modules():
+        own = list(module.parameters(recurse=False))
+        if module is network or not any(p.requires_grad for p in own) or any(holders[id(p)] > 1 for p in own):
+            continue
+        groups.append(float(sum(p.numel() * p.element_size() for p in own)))
+        grouped.update(id(p) for p in own)
+    rest = {id(p): p for p in network.parameters() if id(p) not in grouped}
+    if rest:
+        groups.append(float(sum(p.numel() * p.element_size() for p in rest.values())))
+    return groups
+
+
+def _zero_totals(p: Problem, dp: list[int], dp_totals: Totals, other_params: float,
+                 groups: list[float] | None = None) -> dict[str, Totals]:
     """Data parallel with the optimizer sharded (FSDP2, :mod:`autopar.parallel.zero.fsdp`), per level.
 
     Memory at the peak of a step: levels 1 and 2 gather every weight for forward and backward (FSDP2 keeps them
     until the backward, ``reshard_after_forward=False``) next to the 1/n slices of weights, gradients and state;
-    level 3 holds only the slices plus the largest module's gathered weights and gradient. Time: the weights are
-    all-gathered (level 3: again for the backward) and the gradients reduce-scattered, each overlapping the pass it
-    serves; the optimizer step touches 1/n of the parameters. Considered only when plain data parallel does not fit:
-    where it fits, DDP's bucketed all-reduce measured faster than FSDP2 on every level (bench/sharding.py)."""
+    level 3 holds only the slices plus the largest module's gathered weights and gradient. Time: in a job, what
+    FSDP2 adds per group, measured at the job's group sizes (:mod:`autopar.planner.fsdp_timer`); for a machine
+    file, every group's weights all-gathered (level 3: again for the backward) and its gradients
+    reduce-scattered, each overlapping the pass it serves as far as the machine hides collectives. The optimizer
+    step touches 1/n of the parameters. Considered only when plain data parallel does not fit: where it fits, DDP's
+    bucketed all-reduce measured faster than FSDP2 on every level (bench/sharding.py). ``groups``: the bytes of
+    each FSDP2 group (:func:`fsdp_groups`; one group of all parameters where not given)."""
     machine, n = p.machine, p.costs[0].device_num
     if n <= 1:
         return {}
     chosen = [p.costs[k].choices[s] for k, s in enumerate(dp)]
     params = other_params + sum(c.param_bytes for c in chosen)
+    groups = [g for g in (groups or [params]) if g > 0]
     largest = max([c.param_bytes for c in chosen] + [0.0])
     fused = params / machine.optimizer_rate("fused")  # what data parallel's totals hold for the step
     layout = params / machine.optimizer_rate("layout")  # FSDP2's parameters are DTensors: no fused kernel
@@ -198,19 +270,15 @@ def _zero_totals(p: Problem, dp: list[int], dp_totals: Totals, other_params: flo
     forward = dp_totals.compute - backward - fused
     state = params * (2 + OPTIMIZER_SLOTS)
     others = dp_totals.memory - state  # activations and what is not a parameter
-    gather = machine.collective("all_gather", params, n)
-    scatter = machine.collective("reduce_scatter", params, n)
+    gather = sum(machine.collective("all_gather", g, n) for g in groups)
+    scatter = sum(machine.collective("reduce_scatter", g, n) for g in groups)
     compute = dp_totals.compute - fused + layout / n
     out = {}
     for level in ("level1", "level2", "level3"):
-        if level == "level3":
-            memory = others + state / n + 2 * largest
-            comm = (gather - machine.hidden(gather, forward)
-                    + gather + scatter - machine.hidden(gather + scatter, backward))
-        else:
-            memory = others + params + state / n
-            comm = gather - machine.hidden(gather, forward) + scatter - machine.hidden(scatter, backward)
-        out[level] = Totals(compute + machine.fsdp_overhead(level, params), comm, memory)
+        memory = others + state / n + 2 * largest if level == "level3" else others + params + state / n
+        measured = fsdp_seconds(machine, level, groups)  # FSDP2 measured on this job's devices, in a job
+        comm = measured if measured is not None else machine.zero_exposed(level, gather, scatter, forward, backward)
+        out[level] = Totals(compute, comm, memory)
     return out
 
 
@@ -228,6 +296,9 @@ def plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, samp
     plan = _plan_network(network, loss_fn, sample, device_num, machine, search_mode, memory_limit, pipeline_note,
                          sample_kwargs)
     plan.memory_limit = memory_limit
+    timer = getattr(machine, "op_timer", None)
+    if timer is not None:  # what this plan measured (operators, the step, FSDP2's groups), for the next job
+        timer.save()
     return plan
 
 
@@ -240,15 +311,17 @@ def _plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sam
     if sample_kwargs and pipeline_note is None:
         pipeline_note = "the network takes keyword inputs, which a pipeline's stages do not pass"
     costs = graph_costs(graph, machine, device_num)
-    timer = getattr(machine, "op_timer", None)
-    if timer is not None:
-        timer.save()
+    between = _other_compute(network, loss_fn, sample, sample_kwargs, graph, costs, machine)
+    # the work between the operators goes with the operators it follows (as split as their outputs), or -- where
+    # that is unknown -- stays one data-parallel constant
+    other_compute = 0.0 if spread_between(costs, between) else between
     other_params = other_param_bytes(network, graph)
     const_memory = graph.other_activation_bytes / device_num + other_params * 3
     problem = Problem(graph, costs, machine, const_memory, memory_limit)
+    problem.between, problem.between_measured = between, getattr(machine, "op_timer", None) is not None
     user_given = any(node.fixed is not None for node in graph.nodes)
     dp = problem.dp_choice()
-    other_compute = machine.compute("other", 3.0 * graph.other_flops / device_num)
+    groups = fsdp_groups(network)
     if user_given:
         pipeline_note = pipeline_note or "the user gave strategies"
     pipelines: list[PipelineOption] = []
@@ -263,14 +336,16 @@ def _plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sam
         if user_given or dp is None:
             raise
         free = Problem(graph, costs, machine, const_memory, None)
+        free.between, free.between_measured = problem.between, problem.between_measured
         dp_totals = _dp_totals(free, dp, other_compute, other_params)
-        zero = _zero_totals(free, dp, dp_totals, other_params)
+        zero = _zero_totals(free, dp, dp_totals, other_params, groups)
         fitting = _fitting(zero, memory_limit)
         level = min(fitting, key=lambda k: fitting[k].step, default=None)
         if best_pipeline is not None and (level is None or best_pipeline.step < PIPELINE_MARGIN * fitting[level].step):
             return Plan(graph, costs, free, dp, device_num, search_mode, 0.0, _as_totals(best_pipeline), dp_totals,
                         False, f"{best_pipeline.describe()}: no layout of the operators fits the memory limit ({exc})",
-                        zero, None, pipelines, pipeline_note, best_pipeline)
+                        zero, None, pipelines, pipeline_note, best_pipeline,
+                        other_compute=other_compute)
         if level is None:
             smallest = min(zero.values(), key=lambda z: z.memory)
             leanest = sorted(pipelines, key=lambda o: o.memory)[:1]
@@ -279,10 +354,11 @@ def _plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sam
                                 f"{also}") from None
         return Plan(graph, costs, free, dp, device_num, search_mode, 0.0, zero[level], dp_totals, True,
                     f"data parallel + ZeRO {level} ({zero[level].step * 1e3:.1f} ms per step): no layout of the "
-                    f"operators fits the memory limit ({exc})", zero, level, pipelines, pipeline_note)
+                    f"operators fits the memory limit ({exc})", zero, level, pipelines, pipeline_note,
+                    other_compute=other_compute)
     searched = totals_of(problem, choice, other_compute)
     dp_totals = _dp_totals(problem, dp, other_compute, other_params) if dp is not None else None
-    zero = _zero_totals(problem, dp, dp_totals, other_params) if dp is not None and not user_given else {}
+    zero = _zero_totals(problem, dp, dp_totals, other_params, groups) if dp is not None and not user_given else {}
     totals, pure = searched, dp is not None and choice == dp
     if pure:
         totals = dp_totals
@@ -315,9 +391,10 @@ def _plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sam
         why = "does not fit" if not chosen_fits else f"takes {totals.step * 1e3:.1f} ms"
         reason = f"{best_pipeline.describe()}; without it: {reason}, which {why}"
         return Plan(graph, costs, problem, dp, device_num, search_mode, seconds, _as_totals(best_pipeline),
-                    dp_totals, False, reason, zero, None, pipelines, pipeline_note, best_pipeline)
+                    dp_totals, False, reason, zero, None, pipelines, pipeline_note, best_pipeline,
+                        other_compute=other_compute)
     return Plan(graph, costs, problem, choice, device_num, search_mode, seconds, totals, dp_totals, pure, reason,
-                zero, level, pipelines, pipeline_note)
+                zero, level, pipelines, pipeline_note, other_compute=other_compute)
 
 
 def _as_totals(option: PipelineOption) -> Totals:

@@ -69,9 +69,10 @@ class Problem:
 
 # ---------------------------------------------------------------------------------------------------- exact
 def solve_ilp(p: Problem, minimize_memory: bool = False,
-              exclude: list[dict[int, int]] = ()) -> list[int] | None:
-    """``exclude``: assignments ({node: strategy}) the answer must differ from in at least one of their nodes --
-    the next-best plans for the measured round (:mod:`autopar.planner.alternatives`)."""
+              exclude: list = ()) -> list[int] | None:
+    """``exclude``: assignments ({node: strategy}) the answer must differ from in at least one of their nodes, or
+    ``(assignment, k)``: in at least k -- the next-best plans for the measured round
+    (:mod:`autopar.planner.alternatives`)."""
     import highspy
 
     h = highspy.Highs()
@@ -93,8 +94,9 @@ def solve_ilp(p: Problem, minimize_memory: bool = False,
         if p.memory_limit is not None:
             h.addConstr(sum(p.memory[n][s] * x[n][s] for n in range(len(x)) for s in range(len(x[n])))
                         <= p.memory_limit - p.const_memory)
-    for assignment in exclude:
-        h.addConstr(sum(x[n][s] for n, s in assignment.items()) <= len(assignment) - 1)
+    for entry in exclude:
+        assignment, apart = entry if isinstance(entry, tuple) else (entry, 1)
+        h.addConstr(sum(x[n][s] for n, s in assignment.items()) <= len(assignment) - min(apart, len(assignment)))
     h.setMinimize()
     h.run()
     if h.modelStatusToString(h.getModelStatus()) != "Optimal":
