@@ -34,9 +34,12 @@ def enabled() -> bool:
 class OpTimer:
     """Forward and forward+backward seconds of single operators on ``device``, measured once per shape."""
 
-    def __init__(self, device: torch.device, path: Path | None = None):
+    def __init__(self, device: torch.device, path: Path | None = None, together: bool = False):
         self.device = device
         self.path = path
+        # in a job: every rank measures each shape at the same moment (as they will compute it: on a shared host
+        # they contend for memory bandwidth) and keeps the slowest rank's time -- one number on every rank
+        self.together = together
         self.table: dict[str, tuple[float, float]] = {}
         self.measured = 0  # shapes measured by this process (the rest came from the cache)
         if path is not None:
@@ -54,7 +57,9 @@ class OpTimer:
         base = cache_dir()
         name = (f"ops-{device.type}-{socket.gethostname()}-c{os.cpu_count()}-t{torch.get_num_threads()}"
                 f"-n{world}.json")
-        return cls(device, base / name)
+        import torch.distributed as dist
+
+        return cls(device, base / name, together=dist.is_initialized() and dist.get_world_size() > 1)
 
     def save(self) -> None:
         if self.path is None or not self.measured:
@@ -113,12 +118,30 @@ class OpTimer:
 
     def _time(self, key: tuple, dtype: torch.dtype, fn, shapes: list[tuple], grads: tuple) -> tuple[float, float] | None:
         text = repr((key, str(dtype)))
-        if text in self.table:
+        if not self.together:
+            if text in self.table:
+                return self.table[text]
+            try:
+                return self._measure(text, dtype, fn, shapes, grads)
+            except Exception:  # noqa: BLE001 - an operator this timer cannot rebuild: the roofline costs it
+                return None
+        import torch.distributed as dist
+
+        have = torch.tensor([1.0 if text in self.table else 0.0])
+        dist.all_reduce(have, op=dist.ReduceOp.MIN)  # measured on every rank, or on none
+        if have.item():
             return self.table[text]
         try:
-            return self._measure(text, dtype, fn, shapes, grads)
-        except Exception:  # noqa: BLE001 - an operator this timer cannot rebuild: the roofline costs it
+            result = self._measure(text, dtype, fn, shapes, grads)
+        except Exception:  # noqa: BLE001 - (the same shapes fail on every rank, before the first barrier)
+            result = None
+        box = torch.tensor([-1.0, -1.0] if result is None else list(result), dtype=torch.float64)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        if box[0].item() < 0:
+            self.table.pop(text, None)
             return None
+        self.table[text] = (float(box[0]), float(box[1]))
+        return self.table[text]
 
     def _measure(self, text: str, dtype: torch.dtype, fn, shapes: list[tuple], grads: tuple) -> tuple[float, float]:
         torch.manual_seed(0)
@@ -129,6 +152,10 @@ class OpTimer:
         forward, total = [], []
         for _ in range(REPEATS):
             self._sync()
+            if self.together:
+                import torch.distributed as dist
+
+                dist.barrier()
             t0 = time.perf_counter()
             with torch.no_grad():
                 fn(inputs)
