@@ -6,8 +6,8 @@ collectives measured alone, and the share grows with the group (a 4 MiB group's 
 group's 40 % low). So, as the operators are (:mod:`autopar.planner.op_timer`), each FSDP2 group size of the job --
 rounded to a power of two -- is measured once: one ``Linear`` of that many bytes stepped sharded and unsharded at
 both levels, the difference less the optimizer's (1/n of the parameters, on DTensors). Kept in the operator cache
-per host, thread count and world size. Every rank measures at once (FSDP2 is collective): the ranks first agree
-that one of them lacks the size, so a cache present on one host and not another cannot leave a rank waiting.
+per host, thread count and world size. Every rank measures at once (FSDP2 is collective), after the ranks agree
+that one of them lacks the size (:meth:`OpTimer.agreed`).
 """
 from __future__ import annotations
 
@@ -32,36 +32,25 @@ def fsdp_seconds(machine, level: str, groups: list[float]) -> float | None:
     timer = getattr(machine, "op_timer", None)
     if timer is None or not dist.is_initialized() or dist.get_world_size() < 2:
         return None
-    level = "level3" if level == "level3" else "level1"  # level 2 keeps the gathered weights as level 1 does
+    which = 1 if level == "level3" else 0  # level 2 keeps the gathered weights as level 1 does
     total = 0.0
     for g in groups:
         size = bucket(g)
-        total += _measured(machine, timer, size)[level] * g / size
+        measured = timer.agreed(f"fsdp {size}", lambda size=size: _measure(machine, timer, size))
+        if measured is None:  # FSDP2 would not step here: its collectives are costed instead
+            return None
+        # level 3 does all level 1 does and gathers again: never cheaper (two noisy measurements can say so)
+        total += (max(measured) if which else measured[0]) * g / size
     return total
 
 
-def _key(size: int) -> str:
-    return f"fsdp {size}"
-
-
-def _measured(machine, timer, size: int) -> dict[str, float]:
-    key = _key(size)
-    have = torch.tensor([1 if key in timer.table else 0])
-    dist.all_reduce(have, op=dist.ReduceOp.MIN)  # on every rank, or on none
-    if not have.item():
-        timer.table[key] = _measure(machine, timer.device, size)
-        timer.measured += 1
-    level1, level3 = timer.table[key]
-    return {"level1": level1, "level3": level3}
-
-
-def _measure(machine, device: torch.device, size: int) -> tuple[float, float]:
+def _measure(machine, timer, size: int) -> tuple[float, float]:
     from torch.distributed.fsdp import fully_shard
 
     from autopar.comm.topology import dp_mesh
     from autopar.planner.machine import _timed
 
-    n = dist.get_world_size()
+    n, device = dist.get_world_size(), timer.device
     width = max(n, int(math.sqrt(size / 4)) // n * n)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)

@@ -117,33 +117,48 @@ class OpTimer:
         return None
 
     def _time(self, key: tuple, dtype: torch.dtype, fn, shapes: list[tuple], grads: tuple) -> tuple[float, float] | None:
-        text = repr((key, str(dtype)))
+        return self.agreed(repr((key, str(dtype))), lambda: self._measure(dtype, fn, shapes, grads))
+
+    def agreed(self, key: str, measure) -> tuple | None:
+        """``table[key]``, measured by ``measure()`` (a pair of seconds) where it is not there yet; None where it
+        cannot be measured. In a job (``together``) the ranks first agree that one of them lacks it -- a cache on one
+        host and not another must not leave a rank waiting -- then every rank measures and the slowest rank's
+        numbers are kept on all of them. ``measure`` raises (the same on every rank) before its first barrier."""
         if not self.together:
-            if text in self.table:
-                return self.table[text]
-            try:
-                return self._measure(text, dtype, fn, shapes, grads)
-            except Exception:  # noqa: BLE001 - an operator this timer cannot rebuild: the roofline costs it
-                return None
+            if key not in self.table:
+                try:
+                    self.table[key] = tuple(measure())
+                except Exception:  # noqa: BLE001 - what this timer cannot rebuild: the roofline costs it
+                    return None
+                self.measured += 1
+            return self.table[key]
         import torch.distributed as dist
 
-        have = torch.tensor([1.0 if text in self.table else 0.0])
-        dist.all_reduce(have, op=dist.ReduceOp.MIN)  # measured on every rank, or on none
+        have = torch.tensor([1.0 if key in self.table else 0.0])
+        dist.all_reduce(have, op=dist.ReduceOp.MIN)
         if have.item():
-            return self.table[text]
+            return self.table[key]
         try:
-            result = self._measure(text, dtype, fn, shapes, grads)
-        except Exception:  # noqa: BLE001 - (the same shapes fail on every rank, before the first barrier)
+            result = tuple(measure())
+        except Exception:  # noqa: BLE001
             result = None
         box = torch.tensor([-1.0, -1.0] if result is None else list(result), dtype=torch.float64)
-        dist.all_reduce(box, op=dist.ReduceOp.MAX)
-        if box[0].item() < 0:
-            self.table.pop(text, None)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)  # (a rank that failed would have failed on all: same shapes)
+        if box.min().item() < 0:
+            self.table.pop(key, None)
             return None
-        self.table[text] = (float(box[0]), float(box[1]))
-        return self.table[text]
+        self.table[key] = tuple(float(v) for v in box)
+        self.measured += 1
+        return self.table[key]
 
-    def _measure(self, text: str, dtype: torch.dtype, fn, shapes: list[tuple], grads: tuple) -> tuple[float, float]:
+    def barrier(self) -> None:
+        """In a job, every rank starts the next timed repeat together (as they compute together in a step)."""
+        if self.together:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def _measure(self, dtype: torch.dtype, fn, shapes: list[tuple], grads: tuple) -> tuple[float, float]:
         torch.manual_seed(0)
         inputs = [torch.randn(s, dtype=dtype, device=self.device, requires_grad=g) for s, g in zip(shapes, grads)]
         out = fn(inputs)
@@ -152,10 +167,7 @@ class OpTimer:
         forward, total = [], []
         for _ in range(REPEATS):
             self._sync()
-            if self.together:
-                import torch.distributed as dist
-
-                dist.barrier()
+            self.barrier()
             t0 = time.perf_counter()
             with torch.no_grad():
                 fn(inputs)
@@ -167,10 +179,7 @@ class OpTimer:
             t2 = time.perf_counter()
             forward.append(t1 - t0)
             total.append(t2 - t1)
-        result = (statistics.median(forward), statistics.median(total))
-        self.table[text] = result
-        self.measured += 1
-        return result
+        return statistics.median(forward), statistics.median(total)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -193,31 +202,12 @@ def whole_step_seconds(timer: OpTimer, key: str, root: torch.nn.Module, inputs: 
     operators is what every plan pays beside its operators. Run on a deep copy in training mode (BatchNorm's
     statistics, the parameters' gradients and the random generators of the caller are left as they were); cached
     per (graph, shapes) like the operators. None where it cannot run (the slice of the batch does not suit it).
-    In a job the ranks agree first (a cache on one host and not another) and keep the slowest rank's time: a step
-    ends when its last rank does, and every rank then plans with the same number."""
-    import torch.distributed as dist
-
-    together = dist.is_initialized() and dist.get_world_size() > 1
-    have = torch.tensor([1.0 if key in timer.table else 0.0])
-    if together:
-        dist.all_reduce(have, op=dist.ReduceOp.MIN)
-    if have.item():
-        return timer.table[key][1]
-    seconds = _step_seconds(timer, root, inputs, kwargs, device_num)
-    if together:
-        box = torch.tensor([-1.0 if seconds is None else seconds], dtype=torch.float64)
-        dist.all_reduce(box, op=dist.ReduceOp.MAX)
-        failed = torch.tensor([1.0 if seconds is None else 0.0])
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        seconds = None if failed.item() else float(box.item())
-    if seconds is None:
-        return None
-    timer.table[key] = (seconds, seconds)
-    timer.measured += 1
-    return seconds
+    In a job the ranks measure together and keep the slowest rank's time (a step ends when its last rank does)."""
+    seconds = timer.agreed(key, lambda: _step_seconds(timer, root, inputs, kwargs, device_num))
+    return None if seconds is None else seconds[0]
 
 
-def _step_seconds(timer: OpTimer, root: torch.nn.Module, inputs: tuple, kwargs: dict, device_num: int) -> float | None:
+def _step_seconds(timer: OpTimer, root: torch.nn.Module, inputs: tuple, kwargs: dict, device_num: int) -> tuple:
     import copy
 
     from torch.utils._pytree import tree_flatten, tree_map
@@ -227,25 +217,24 @@ def _step_seconds(timer: OpTimer, root: torch.nn.Module, inputs: tuple, kwargs: 
             return t[: t.shape[0] // device_num].to(timer.device)
         return t
 
-    try:
-        with torch.random.fork_rng(devices=[timer.device] if timer.device.type == "cuda" else []):
-            net = copy.deepcopy(root).train()
-            args, kw = tree_map(share, tuple(inputs)), tree_map(share, dict(kwargs or {}))
+    with torch.random.fork_rng(devices=[timer.device] if timer.device.type == "cuda" else []):
+        net = copy.deepcopy(root).train()
+        args, kw = tree_map(share, tuple(inputs)), tree_map(share, dict(kwargs or {}))
 
-            def step():
-                out = net(*args, **kw)
-                leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-                sum(t.float().sum() for t in leaves).backward()
-                timer._sync()
+        def step():
+            out = net(*args, **kw)
+            leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            sum(t.float().sum() for t in leaves).backward()
+            timer._sync()
 
-            step()  # warm-up: the allocator, the kernels' first calls
-            times = []
-            for _ in range(REPEATS):
-                for p in net.parameters():
-                    p.grad = None
-                t0 = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - t0)
-    except Exception:  # noqa: BLE001 - a network this cannot step on a slice: the roofline stays
-        return None
-    return statistics.median(times)
+        step()  # warm-up: the allocator, the kernels' first calls (a network that cannot step on a slice fails here)
+        times = []
+        for _ in range(REPEATS):
+            for p in net.parameters():
+                p.grad = None
+            timer.barrier()
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    seconds = statistics.median(times)
+    return seconds, seconds
