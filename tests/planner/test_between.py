@@ -66,4 +66,4 @@ def test_a_network_that_cannot_step_on_a_slice_keeps_the_roofline(tmp_path):
 
     plan = _timed_plan(WholeBatchOnly(), (torch.randn(8, 16), torch.randn(8, 16)), tmp_path)
     roofline = plan.problem.machine.compute("other", 3.0 * plan.graph.other_flops / 2)
-    assert plan.problem.between == pytest.approx(roofline)
+    assert plan.problem.between == pytest.approx(roofline) and not plan.problem.between_measured

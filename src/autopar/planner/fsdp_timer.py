@@ -26,22 +26,23 @@ def bucket(nbytes: float) -> int:
     return 1 << max(12, round(math.log2(max(nbytes, SMALLEST))))
 
 
-def fsdp_seconds(machine, level: str, groups: list[float]) -> float | None:
-    """Seconds ZeRO at ``level`` adds to a step of FSDP2 groups of ``groups`` bytes, each group's size measured
-    (scaled by its bytes from the power of two it was measured at); None outside a job (no operator timer)."""
+def fsdp_seconds(machine, groups: list[float]) -> dict[str, float] | None:
+    """Seconds ZeRO adds to a step of FSDP2 groups of ``groups`` bytes, per level ("level1", "level2", "level3"),
+    each group's size measured (scaled by its bytes from the power of two it was measured at); None outside a job
+    (no operator timer) or where FSDP2 would not step (its collectives are costed instead)."""
     timer = getattr(machine, "op_timer", None)
     if timer is None or not dist.is_initialized() or dist.get_world_size() < 2:
         return None
-    which = 1 if level == "level3" else 0  # level 2 keeps the gathered weights as level 1 does
-    total = 0.0
+    level1 = level3 = 0.0
     for g in groups:
         size = bucket(g)
         measured = timer.agreed(f"fsdp {size}", lambda size=size: _measure(machine, timer, size))
-        if measured is None:  # FSDP2 would not step here: its collectives are costed instead
+        if measured is None:
             return None
+        level1 += measured[0] * g / size
         # level 3 does all level 1 does and gathers again: never cheaper (two noisy measurements can say so)
-        total += (max(measured) if which else measured[0]) * g / size
-    return total
+        level3 += max(measured) * g / size
+    return {"level1": level1, "level2": level1, "level3": level3}  # level 2 keeps the gathered weights as level 1
 
 
 def _measure(machine, timer, size: int) -> tuple[float, float]:

@@ -165,10 +165,11 @@ def other_compute_of(plan: "Plan") -> float:
 
 
 def _other_compute(network, loss_fn, sample: tuple, kwargs: dict | None, graph: Graph, costs: list[NodeCosts],
-                   machine: MachineModel) -> float:
-    """What a step computes outside the graph's nodes, per device: in a job (the machine model carries an operator
-    timer) the data-parallel step measured whole less its timed operators (:func:`op_timer.whole_step_seconds`);
-    otherwise the roofline of the element-wise FLOPs the capture counted."""
+                   machine: MachineModel) -> tuple[float, bool]:
+    """(seconds, measured): what a step computes outside the graph's nodes, per device. In a job (the machine model
+    carries an operator timer) the data-parallel step measured whole less its timed operators
+    (:func:`op_timer.whole_step_seconds`); otherwise, or where the step cannot be measured, the roofline of the
+    element-wise FLOPs the capture counted."""
     import hashlib
 
     from autopar.planner.graph import with_loss
@@ -179,12 +180,12 @@ def _other_compute(network, loss_fn, sample: tuple, kwargs: dict | None, graph: 
     timer = getattr(machine, "op_timer", None)
     operators = [nc.dp_compute for nc in costs]
     if timer is None or None in operators:
-        return roofline
+        return roofline, False
     shapes = [[node.name, node.kind, [list(s) for s in node.shapes]] for node in graph.nodes]
     key = "step " + hashlib.sha1(repr((shapes, type(network).__name__, type(loss_fn).__name__, n,
                                        str(next(network.parameters(), torch.empty(0)).dtype))).encode()).hexdigest()
     whole = whole_step_seconds(timer, key, with_loss(network, loss_fn), sample, kwargs or {}, n)
-    return roofline if whole is None else max(roofline, whole - sum(operators))
+    return (roofline, False) if whole is None else (max(roofline, whole - sum(operators)), True)
 
 
 def dispatch_of(p: Problem) -> float:
@@ -273,11 +274,11 @@ def _zero_totals(p: Problem, dp: list[int], dp_totals: Totals, other_params: flo
     gather = sum(machine.collective("all_gather", g, n) for g in groups)
     scatter = sum(machine.collective("reduce_scatter", g, n) for g in groups)
     compute = dp_totals.compute - fused + layout / n
+    measured = fsdp_seconds(machine, groups)  # FSDP2 measured on this job's devices, in a job
     out = {}
     for level in ("level1", "level2", "level3"):
         memory = others + state / n + 2 * largest if level == "level3" else others + params + state / n
-        measured = fsdp_seconds(machine, level, groups)  # FSDP2 measured on this job's devices, in a job
-        comm = measured if measured is not None else machine.zero_exposed(level, gather, scatter, forward, backward)
+        comm = measured[level] if measured else machine.zero_exposed(level, gather, scatter, forward, backward)
         out[level] = Totals(compute, comm, memory)
     return out
 
@@ -311,14 +312,14 @@ def _plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sam
     if sample_kwargs and pipeline_note is None:
         pipeline_note = "the network takes keyword inputs, which a pipeline's stages do not pass"
     costs = graph_costs(graph, machine, device_num)
-    between = _other_compute(network, loss_fn, sample, sample_kwargs, graph, costs, machine)
+    between, measured = _other_compute(network, loss_fn, sample, sample_kwargs, graph, costs, machine)
     # the work between the operators goes with the operators it follows (as split as their outputs), or -- where
     # that is unknown -- stays one data-parallel constant
     other_compute = 0.0 if spread_between(costs, between) else between
     other_params = other_param_bytes(network, graph)
     const_memory = graph.other_activation_bytes / device_num + other_params * 3
     problem = Problem(graph, costs, machine, const_memory, memory_limit)
-    problem.between, problem.between_measured = between, getattr(machine, "op_timer", None) is not None
+    problem.between, problem.between_measured = between, measured
     user_given = any(node.fixed is not None for node in graph.nodes)
     dp = problem.dp_choice()
     groups = fsdp_groups(network)
