@@ -314,6 +314,12 @@ class ScopedFlag:
 managed = ScopedFlag()
 is_managed = managed.on
 
+# Work autopar does on the side of the user's training -- timing an optimizer step at calibration, the planner's
+# measurements, AUTO's measured round on copies of the network: its optimizer steps are not the user's (a dry run's
+# measurement counts steps, and stopped the script after two of the calibration's).
+side_work = ScopedFlag()
+in_side_work = side_work.on
+
 
 def get_auto_parallel_context(key: str) -> Any:
     if key == "auto_parallel_search_mode":

@@ -54,3 +54,27 @@ def test_the_tracker_leaves_torch_as_it_found_it():
     with StorageTracker():
         assert torch.UntypedStorage.resize_ is not resize
     assert torch.UntypedStorage.resize_ is resize
+
+
+def test_autopar_side_work_is_neither_a_step_nor_memory_of_the_training():
+    """A calibration or the planner's measurements step optimizers and allocate large buffers of their own before
+    training starts (a cold cache in a real AUTO run): the tracker counted their steps -- the measured run stopped
+    inside the calibration after two -- and their 64 MB buffers as the run's peak."""
+    from autopar.context import side_work
+
+    with StorageTracker() as tracker:
+        with side_work():
+            probe = torch.nn.Parameter(torch.zeros(4 << 20))  # 16 MiB, as the calibration's optimizer probe
+            probe.grad = torch.ones_like(probe)
+            side = torch.optim.SGD([probe], lr=1e-9, momentum=0.9)
+            side.step()
+            side.step()
+            del probe, side
+        net, opt = _job()
+        _steps(net, opt, 2)
+    report = tracker.report()
+    with StorageTracker() as plain:
+        net, opt = _job()
+        _steps(net, opt, 2)
+    assert report["steps"] == 2 and report["steady"]["peak_bytes"] == report["peak_bytes"]
+    assert report["peak_bytes"] == plain.report()["peak_bytes"] < 48 << 20  # the network's, not the side work's

@@ -32,6 +32,10 @@ before = libc.mallinfo2().hblkhd
 block = torch.ones(5 << 20)  # 20 MB: above glibc's initial mmap threshold (128 KB), below the tuned one (32 MB)
 mapped_mb = (libc.mallinfo2().hblkhd - before) / 2**20
 del block
+before = libc.mallinfo2().hblkhd
+block = torch.ones(16 << 20)  # 64 MB: above the largest mmap threshold glibc accepts (32 MB)
+big_mapped_mb = (libc.mallinfo2().hblkhd - before) / 2**20
+del block
 
 
 def cycle():  # a step's activations: many 1 MB blocks, all freed at its end
@@ -45,7 +49,8 @@ before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(10):
     cycle()
 faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10
-print(json.dumps({"mapped_mb": mapped_mb, "faults_per_cycle": faults, "tuned": tune_allocator(net)}))
+print(json.dumps({"mapped_mb": mapped_mb, "big_mapped_mb": big_mapped_mb, "faults_per_cycle": faults,
+                  "tuned": tune_allocator(net)}))
 """
 
 
@@ -76,3 +81,6 @@ def test_prepare_keeps_freed_memory_instead_of_refaulting_it():
     # own on a busy host (77 seen in CI), so the bound is a tenth of the cycle's pages, not zero.
     cycle_pages = 16 * (1 << 20) // os.sysconf("SC_PAGE_SIZE")
     assert on["mapped_mb"] == 0 and on["faults_per_cycle"] < cycle_pages / 10, on
+    # a block above any threshold glibc accepts (a 64 MB weight's gradient, made anew every step) is mapped untuned
+    # and comes from the heap tuned: no mapping at all
+    assert off["big_mapped_mb"] >= 64 and on["big_mapped_mb"] == 0, (off, on)

@@ -164,6 +164,13 @@ def test_auto_parallel_job_calibrates_plans_and_trains_like_one_process(procs, t
         assert r["diff"] <= 1e-5 and (r["sharded"] or not searched), r
         assert r["local_params"] < r["full_params"] * 0.75 or not searched  # (a pipeline's stages are re-gathered)
     assert "AUTO_PARALLEL plan on 2 devices" in (tmp_path / "logs" / "auto_parallel_plan.txt").read_text()
+    # DTensor's redistributions between the operators and the optimizer step on the network's own parameters were
+    # measured in the job, as it runs them, and kept beside the operators
+    kept = json.loads(next((tmp_path / "cache").glob("ops-*-n2-*.json")).read_text())
+    reshards = {k: v for k, v in kept.items() if k.startswith("('reshard'")}
+    assert reshards and all(0 < fwd <= total for fwd, total in reshards.values()), kept.keys()
+    rates = [v for k, v in kept.items() if k.startswith("('optimizer'")]
+    assert len(rates) == 1 and min(rates[0]) > 0, kept.keys()
     strategy = json.loads((tmp_path / "out.strategy.json").read_text())["parameters"]
     assert any(-1 != a for e in strategy.values() for a in e["tensor_map"]) or not searched
 
@@ -181,10 +188,11 @@ def test_auto_parallel_job_that_only_fits_with_zero_trains_like_one_process(proc
         assert r["local_params"] * 2 == r["full_params"]
     assert "ZeRO level3 (optimizer state, gradients and weights sharded over 2)" in (
         tmp_path / "logs" / "auto_parallel_plan.txt").read_text()
-    # what FSDP2 adds was measured on this job's devices at its group sizes (both levels), and the step whole
-    kept = json.loads(next((tmp_path / "cache").glob("ops-*-n2.json")).read_text())
-    fsdp = {k: v for k, v in kept.items() if k.startswith("fsdp ")}
-    assert fsdp and all(len(v) == 2 and min(v) >= 0 for v in fsdp.values()), kept.keys()
+    # data parallel does not fit, so ZeRO could be chosen: its step was measured whole on this job's devices (the
+    # network sharded as ZeRO shards it, both levels), and the data-parallel step whole
+    kept = json.loads(next((tmp_path / "cache").glob("ops-*-n2-*.json")).read_text())
+    zero = {k: v for k, v in kept.items() if k.startswith("zero step ")}
+    assert len(zero) == 1 and all(len(v) == 2 and min(v) > 0 for v in zero.values()), kept.keys()
     assert any(k.startswith("step ") for k in kept)
 
 

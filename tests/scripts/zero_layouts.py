@@ -10,6 +10,7 @@ DATA_PARALLEL. Each: the parameters after 5 steps vs one process, every paramete
 state this rank holds vs the whole. Saves a sliced checkpoint (level3 / AdamW / plain_before) with its optimizer to
 CKPT_DIR/rank_<r>. Writes {case: result} to OUT_PREFIX.<rank>.
 """
+import ctypes
 import json
 import sys
 
@@ -128,10 +129,25 @@ for mode, level, opt_name, loop, size, door in cases:
         results[key] = {"error": f"{type(exc).__name__}: {str(exc)[:600]}"}
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def _allocated_bytes() -> int:
+    """Bytes the C allocator has handed out and not had back (glibc's mallinfo2: heap in use + mapped blocks).
+    Not the resident size: autopar's allocator tuning keeps freed memory with the process, so pages stay resident
+    whatever the network frees."""
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
 def forward_keeps_mib(level: str) -> float:
-    """How much memory one forward leaves for its backward with two 4096 x 4096 weights (64 MiB each, above the
-    allocator's mmap threshold, so the process's resident size shows each exactly): level 1 keeps the gathered
-    weights, level 3 gathers them again in the backward."""
+    """How much memory one forward leaves for its backward with two 4096 x 4096 weights (64 MiB each): level 1
+    keeps the gathered weights, level 3 gathers them again in the backward."""
     autopar.reset_auto_parallel_context()
     autopar.set_auto_parallel_context(parallel_mode="semi_auto_parallel", enable_parallel_optimizer=True,
                                       parallel_optimizer_config={"optimizer_level": level})
@@ -140,9 +156,9 @@ def forward_keeps_mib(level: str) -> float:
     x = torch.randn(8, 64)
     kept = []
     for _ in range(2):
-        before = int(open("/proc/self/statm").read().split()[1])
+        before = _allocated_bytes()
         loss = net(x).square().mean()
-        kept.append((int(open("/proc/self/statm").read().split()[1]) - before) * 4096 / 2**20)
+        kept.append((_allocated_bytes() - before) / 2**20)
         loss.backward()
     return kept[-1]
 

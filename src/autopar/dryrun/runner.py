@@ -76,6 +76,7 @@ def run(world: int | None, rank: int, steps: int, script: str, script_args: list
     import torch
     from torch.optim import optimizer as optim_hooks
 
+    from autopar.context import in_side_work
     from autopar.dryrun import fake_world
     from autopar.dryrun.tracker import StorageTracker
 
@@ -84,7 +85,7 @@ def run(world: int | None, rank: int, steps: int, script: str, script_args: list
     tracker = StorageTracker()
 
     def enough(opt, args, kwargs):
-        if tracker.steps >= steps:
+        if tracker.steps >= steps and not in_side_work():
             raise _Enough()
 
     script = os.path.abspath(script)

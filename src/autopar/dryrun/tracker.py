@@ -20,6 +20,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from autopar.context import in_side_work
+
 PARTS = ("parameters", "gradients", "optimizer", "activations", "other")
 aten = torch.ops.aten
 # copies out of a communication buffer are communication too: FSDP2 copies an all-gather's output into each
@@ -95,10 +97,14 @@ class StorageTracker(TorchDispatchMode):
         self._forward_depth = max(0, self._forward_depth - 1)
 
     def _step_in(self, opt, args, kwargs):
+        if in_side_work():  # autopar's own measurements (calibration, the planner): not a training step
+            return
         self._in_step = True
         self._relabel_optimizer(opt)
 
     def _step_out(self, opt, args, kwargs):
+        if in_side_work():
+            return
         self._in_step = False
         self.steps += 1
         self._relabel_optimizer(opt)  # the optimizer may hold other parameters now (autopar moves it onto slices)
@@ -145,6 +151,8 @@ class StorageTracker(TorchDispatchMode):
         entry[1] = part
 
     def _add(self, t: torch.Tensor, part: str) -> None:
+        if in_side_work():  # autopar's own measurements (a calibration's 64 MB buffers): freed before training
+            return
         st = self._storage(t)
         if st is None:
             return
@@ -152,6 +160,8 @@ class StorageTracker(TorchDispatchMode):
         if key in self._live:
             return
         nbytes = st.nbytes()
+        if not isinstance(nbytes, int):  # a symbolic size: a tensor that torch.export traces (a pipeline's split),
+            return                       # not memory the step holds (its arithmetic failed inside the tracer)
 
         def gone(_ref, key=key):
             entry = self._live.pop(key, None)

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
+from autopar import context as _context
 from autopar.context import env_flag
 from autopar.planner.alternatives import alternatives, as_choice, describe, from_choice
 
@@ -81,6 +82,8 @@ def measured_round(network: torch.nn.Module, loss_fn: Any, optimizer: Any, sampl
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     measured = []
+    side = _context.side_work()  # the copies' optimizer steps are not the user's
+    side.__enter__()
     try:
         for candidate in candidates:
             measured.append(_time(network, loss_fn, optimizer, sample, candidate, sample_kwargs or {}, prepare))
@@ -93,6 +96,7 @@ def measured_round(network: torch.nn.Module, loss_fn: Any, optimizer: Any, sampl
                 again = _time(network, loss_fn, optimizer, sample, candidates[i], sample_kwargs or {}, prepare)
                 measured[i] = (measured[i] + again) / 2
     finally:
+        side.__exit__(None, None, None)
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)

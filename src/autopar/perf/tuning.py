@@ -11,9 +11,10 @@ what it was worth. None changes results beyond float tolerance.
   matrix multiply they are (:mod:`autopar.perf.small_conv`); oneDNN is slow there, above all backward. The
   tutorial's ResNet-50 on 32x32 images: a training step 0.475 -> 0.284 s on one thread (1.67x).
 - ``AUTOPAR_MALLOC`` (default 1): with glibc, a network training on the CPU keeps its freed heap memory instead
-  of handing it back to the kernel every step (:func:`tune_allocator`). Whether glibc trims depends on the
-  allocation history; fed by the tutorial's dataset pipeline, every ResNet-50 step re-faulted ~73 MB (18,600 minor
-  page faults, 43 ms of kernel time on a 0.28 s step) -- the "framework" share of a step in ``bench/``.
+  of handing it back to the kernel every step, large blocks included (:func:`tune_allocator`). Whether glibc trims
+  depends on the allocation history; fed by the tutorial's dataset pipeline, every ResNet-50 step re-faulted ~73 MB
+  (18,600 minor page faults, 43 ms of kernel time on a 0.28 s step) -- the "framework" share of a step in
+  ``bench/``.
 - ``AUTOPAR_BUCKET_MB`` (default 25, DDP's): DATA_PARALLEL's gradient bucket size.
 - ``AUTOPAR_SHARED_MEMORY`` (default 1): DATA_PARALLEL ranks that all run on one CPU host keep their gradients in
   shared memory and sum them there (:mod:`autopar.parallel.grads.buckets`) instead of through gloo's loopback TCP.
@@ -79,7 +80,7 @@ def tune_network(network: torch.nn.Module) -> bool:
 
 
 # glibc's mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc refuses more on 64-bit hosts
 _TRIM_THRESHOLD = 1 << 30
 _allocator_tuned = False
@@ -90,9 +91,12 @@ def tune_allocator(network: torch.nn.Module) -> bool:
 
     A step frees and re-allocates the same activations. glibc serves blocks above a moving threshold with fresh
     ``mmap`` calls and trims a free heap top above 128 KB; either way the next step touches new pages and pays a
-    page fault per 4 KB. Fixed thresholds (mmap only above 32 MB, trim only above 1 GiB) end that; the price is that
-    memory freed after the peak stays with the process, which a training loop reuses every step anyway. Process-wide
-    and idempotent; a no-op off glibc, for networks on the GPU, or with ``AUTOPAR_MALLOC=0``.
+    page fault per 4 KB. A heap trimmed only above 1 GiB, and no ``mmap`` at all (glibc caps its threshold at 32 MB:
+    every larger block -- a 64 MB weight's gradient, made anew each step -- was still mapped and faulted in), end
+    that; the price is that memory freed after the peak stays with the process, which a training loop reuses every
+    step anyway. The wide MLP of ``bench/auto_vs_hand.py`` on 4 ranks: data parallel's step 567-576 -> 353-452 ms,
+    its CPU per rank 272-280 -> 175-180 ms (the 64 MB gradients' page faults). Process-wide and idempotent; a no-op
+    off glibc, for networks on the GPU, or with ``AUTOPAR_MALLOC=0``.
     """
     global _allocator_tuned
     if _allocator_tuned:
@@ -110,7 +114,7 @@ def tune_allocator(network: torch.nn.Module) -> bool:
     except (OSError, AttributeError):
         return False
     _allocator_tuned = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
+        mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)) and bool(mallopt(_M_MMAP_MAX, 0))
     return _allocator_tuned
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.errors import StrategyError
-from autopar.layout.axes import mesh_shape_for
+from autopar.layout.axes import axes_of_device_matrix, mesh_shape_for
 from autopar.layout.layout import Layout
 from autopar.layout.placements import output_placements
 from autopar.layout.strategy import OpPlan, data_parallel_strategy, derive_plan
@@ -54,6 +54,7 @@ class Choice:
     param_bytes: float = 0.0  # this device's slice of the node's parameters
     activation_bytes: float = 0.0  # activations this device keeps for the backward pass
     out_bytes: float = 0.0  # this device's share of the output (the element-wise work after it runs on as much)
+    grad_placements: tuple = ()  # per tensor input: its gradient's placements (partial over the absent axes)
 
 
 def _splittable(node: OpNode) -> list[str]:
@@ -99,8 +100,25 @@ def _local_fraction(placements, mesh: tuple[int, ...]) -> float:
     return f
 
 
-def reshard_cost(machine: MachineModel, src, dst, nbytes: float, mesh: tuple[int, ...]) -> float:
-    """Forward + backward seconds to go from placements ``src`` to ``dst`` for a tensor of ``nbytes`` in total."""
+def reshard_cost(machine: MachineModel, src, dst, nbytes: float, mesh: tuple[int, ...],
+                 shape: tuple | None = None, itemsize: int = 4, grad=None) -> float:
+    """Forward + backward seconds to go from placements ``src`` to ``dst`` for a tensor of ``nbytes`` in total: in a
+    job, DTensor's redistribution of a tensor of ``shape`` measured on its devices (:meth:`OpTimer.reshard`), its
+    backward starting from ``grad`` -- the placements of the consumer's gradient, a partial sum over the mesh axes
+    where the consumer's other operand is split (a column-split Linear's input); otherwise (or where it cannot be
+    measured) the collectives' alpha-beta model, one mesh axis at a time, and the partial gradient all-reduced."""
+    grad = tuple(dst) if grad is None else tuple(grad)
+    if tuple(src) == tuple(dst) and grad == tuple(dst):
+        return 0.0
+    timer = getattr(machine, "op_timer", None)
+    if timer is not None and shape is not None:
+        measured = timer.reshard(tuple(src), tuple(dst), tuple(shape), itemsize, grad)
+        if measured is not None:
+            return measured
+        if grad != tuple(dst):  # the consumer's partial gradient, summed as the operator's own costs do without one
+            local = nbytes * _local_fraction(dst, mesh)
+            group = math.prod(n for g, d, n in zip(grad, dst, mesh) if g != d)
+            return machine.collective("all_reduce", local, group) + reshard_cost(machine, src, dst, nbytes, mesh)
     if tuple(src) == tuple(dst):
         return 0.0
     local = nbytes * _local_fraction(src, mesh)
@@ -122,6 +140,17 @@ def reshard_cost(machine: MachineModel, src, dst, nbytes: float, mesh: tuple[int
         elif isinstance(p, Shard) and isinstance(q, Shard):
             cost += 2 * machine.collective("all_to_all", local, n)
     return cost
+
+
+def _grad_placements(plan: OpPlan, i: int, placements: tuple, mesh: tuple[int, ...]) -> tuple:
+    """The placements of input ``i``'s gradient: its own, with a partial sum over the mesh axes of the split labels
+    it does not have (as :func:`autopar.layout.placements.placements_for` gives the runtime)."""
+    out = list(placements)
+    groups = axes_of_device_matrix(plan.device_matrix, mesh)
+    for axis in plan.absent_axes(i):
+        for m in groups[axis]:
+            out[m] = Partial()
+    return tuple(out)
 
 
 def through_view(placements, dims: tuple | None) -> tuple:
@@ -236,9 +265,12 @@ class NodeCosts:
         in_pl = tuple(plan.inputs[i].placements(mesh) for i in range(len(node.shapes)))
         out_pl = output_placements(plan.device_matrix, plan.output_map, plan.partial_axes, "sum"
                                    if plan.reduction == "avg" else plan.reduction, mesh)
+        grad_pl = tuple(_grad_placements(plan, i, in_pl[i], mesh) for i in range(len(node.shapes)))
+        if timer is not None:  # in a job the redistributions into this operator are measured with their backward,
+            act_comm = 0.0     # which sums this partial gradient as the runtime does (reshard_cost)
         return Choice(strategy, plan, in_pl, out_pl, compute, backward, grad_comm, act_comm, memory, is_dp,
                       "data parallel" if is_dp else _describe(node, splits, self.device_num), optimizer, params,
-                      activations, nbytes(node.out_shape, node.itemsize) / out_split)
+                      activations, nbytes(node.out_shape, node.itemsize) / out_split, grad_pl)
 
     def comm(self, c: Choice, machine: MachineModel) -> float:
         """Everything ``c`` communicates on its own: gradient and activation all-reduces, boundary reshardings."""
@@ -250,14 +282,17 @@ class NodeCosts:
         for i, src in node.in_sources.items():
             if src == DP:
                 cost += reshard_cost(machine, dp_placements(node.shapes[i], self.device_num, self.mesh),
-                                     c.in_placements[i], nbytes(node.shapes[i], node.itemsize), self.mesh)
+                                     c.in_placements[i], nbytes(node.shapes[i], node.itemsize), self.mesh,
+                                     node.shapes[i], node.itemsize, c.grad_placements[i])
             elif src == REP:
                 cost += reshard_cost(machine, rep_placements(self.mesh), c.in_placements[i],
-                                     nbytes(node.shapes[i], node.itemsize), self.mesh)
+                                     nbytes(node.shapes[i], node.itemsize), self.mesh, node.shapes[i], node.itemsize,
+                                     c.grad_placements[i])
         if node.out_to_dp:
             cost += node.out_to_dp * reshard_cost(machine, c.out_placements,
                                                   dp_placements(node.out_shape, self.device_num, self.mesh),
-                                                  nbytes(node.out_shape, node.itemsize), self.mesh)
+                                                  nbytes(node.out_shape, node.itemsize), self.mesh, node.out_shape,
+                                                  node.itemsize)
         return cost
 
 

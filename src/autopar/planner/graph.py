@@ -75,6 +75,9 @@ class Graph:
     seconds: float = 0.0
     elementwise_bytes: float = 0.0  # memory traffic of the element-wise functions and activations between nodes
     tensor_calls: int = 0  # torch functions of one forward that made a tensor (a layout pays DTensor's dispatch each)
+    # edges whose tensor went through a function that is not linear (an activation, a normalisation): a partial sum
+    # of the producer is summed (all-reduced to whole) before it, whatever layout the consumer asks for
+    edge_resolved: frozenset = frozenset()
 
 
 def _numel(shape) -> int:
@@ -104,6 +107,14 @@ def _labels_fit(spec, args) -> bool:
 
 
 _VIEWS = {"reshape", "view", "transpose", "permute", "contiguous", "flatten", "unflatten", "swapaxes"}
+# functions through which DTensor carries a partial sum as it is (a sum of parts stays a sum of parts); any other
+# function -- an activation, a normalisation, an exponential -- needs the whole value first, so a partial sum is
+# all-reduced before it (the row-split Linears of an MLP pay an all-reduce before each ReLU, not the
+# reduce-scatter a chain of them would otherwise need)
+_LINEAR = _VIEWS | {"add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__", "__rsub__", "__isub__", "sub_",
+                    "neg", "__neg__", "clone", "to", "float", "double", "half", "bfloat16", "type_as", "__getitem__",
+                    "narrow", "split", "chunk", "unbind", "squeeze", "unsqueeze", "expand", "sum", "mean"}
+_SCALED = {"mul", "__mul__", "__rmul__", "__imul__", "mul_", "div", "__truediv__", "__itruediv__", "div_"}
 
 
 def _view_dims(before: tuple, after: tuple, dims: tuple) -> tuple:
@@ -163,6 +174,8 @@ class Tracer:
         self.source: dict[int, Any] = {}
         self.dims: dict[int, tuple] = {}  # tensor id -> producer dimension per dimension (views of a node's output)
         self.edge_dims: dict = {}
+        self.resolved: set[int] = set()  # ids of tensors a non-linear function made of a node's output
+        self.edge_resolved: set = set()
         self.tensor_calls = 0  # torch functions that made a tensor, inside modules too
         self.keep: list[torch.Tensor] = []  # ids stay unique while the trace runs
         self.depth = 0
@@ -206,6 +219,8 @@ class Tracer:
             node.in_sources[i] = src
             if isinstance(src, int):
                 self.edges.append((src, node.index, i))
+                if id(tensors[i]) in self.resolved:
+                    self.edge_resolved.add((src, node.index, i))
                 if id(tensors[i]) in self.dims:
                     self.edge_dims[(src, node.index, i)] = self.dims[id(tensors[i])]
         self.nodes.append(node)
@@ -241,6 +256,8 @@ class Tracer:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if isinstance(module, LAYOUT_TRANSPARENT) and tensors:
             self._set(out, self._src(tensors[0]))
+            if not isinstance(module, torch.nn.Identity) or id(tensors[0]) in self.resolved:
+                self._resolve(out)
             self.elementwise_bytes += 2.0 * tensors[0].numel() * tensors[0].element_size()  # read + write
             return
         self._set(out, DP)
@@ -280,7 +297,12 @@ class Tracer:
         if not tensors or not any(isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]):
             return
         first = self._src(tensors[0])
-        if getattr(func, "__name__", "") not in _VIEWS:  # views move nothing; the rest reads and writes
+        name = getattr(func, "__name__", "")
+        linear = name in _LINEAR or (name in _SCALED and len(tensors) == 1 and not any(
+            isinstance(a, torch.Tensor) and a.dim() == 0 for a in tree_flatten((args, kwargs))[0]))
+        if not linear or any(id(t) in self.resolved for t in tensors):
+            self._resolve(out)
+        if name not in _VIEWS:  # views move nothing; the rest reads and writes
             self.elementwise_bytes += sum(t.numel() * t.element_size() for t in tensors) + sum(
                 o.numel() * o.element_size() for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor))
         if isinstance(first, int) and isinstance(out, torch.Tensor):
@@ -300,6 +322,11 @@ class Tracer:
             elif isinstance(first, int) and src == DP and other.shape == tensors[0].shape:
                 self.nodes[first].out_to_dp += 1
         self._set(out, first)
+
+    def _resolve(self, out: Any) -> None:
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.resolved.add(id(t))
 
     def _follow_dims(self, func, x: torch.Tensor, out: torch.Tensor) -> None:
         dims = self.dims.get(id(x), tuple(range(x.dim())))
@@ -375,7 +402,8 @@ def capture(network: torch.nn.Module, loss_fn: torch.nn.Module | None, inputs: t
             node.name = node.name.removeprefix("network.")
             node.param_names = tuple(p.removeprefix("network.") if p else p for p in node.param_names)
     return Graph(tracer.nodes, tracer.edges, tracer.edge_dims, tracer.joins, tracer.other_flops, tracer.other_bytes, batch,
-                 time.perf_counter() - start, tracer.elementwise_bytes, tracer.tensor_calls + len(tracer.nodes))
+                 time.perf_counter() - start, tracer.elementwise_bytes, tracer.tensor_calls + len(tracer.nodes),
+                 frozenset(tracer.edge_resolved))
 
 
 def with_loss(network: torch.nn.Module, loss_fn: torch.nn.Module | None) -> torch.nn.Module:

@@ -61,6 +61,11 @@ class MachineModel:
     # how much of a collective hides behind compute running at the same time: 1 all of it (NCCL beside the
     # kernels), 0 none (gloo's threads take the very cores the compute runs on). None: not measured (1).
     overlap: float | None = None
+    # ranks sharing the cores of a CPU host (one thread each): how much longer their compute takes than its CPU time
+    # times the ranks per core -- at every collective they wait for each other, and a core can idle while the rank
+    # due on it waits. None: not measured (1).
+    turn_taking: float | None = None
+
     def zero_exposed(self, level: str, gather: float, scatter: float, forward: float, backward: float) -> float:
         """The part of ZeRO's collectives the passes do not hide: the weights gathered for the forward (level 3:
         again for the backward) and the gradients reduce-scattered, each beside the pass it serves."""
@@ -161,9 +166,16 @@ def _rate(fn, flops: float, seconds: float = 0.25) -> float:
 
 
 def calibrate(sizes: tuple[int, ...] = (2**14, 2**18, 2**21, 2**23, 2**26)) -> MachineModel:
-    """Measure this job's machine (collective: every rank must call it). A few seconds.
+    """Measure this job's machine (collective: every rank must call it). A few seconds (side work: its optimizer
+    steps are not the user's, :data:`autopar.context.side_work`)."""
+    from autopar.context import side_work
 
-    The sizes reach 64 MiB: gradients of a few hundred MB are common, and a fit on messages up to 8 MiB predicted the
+    with side_work():
+        return _calibrate(sizes)
+
+
+def _calibrate(sizes: tuple[int, ...]) -> MachineModel:
+    """The sizes reach 64 MiB: gradients of a few hundred MB are common, and a fit on messages up to 8 MiB predicted the
     268 MB all-reduce of bench/auto_vs_hand.py's MLP about 2x too fast on loopback gloo."""
     from autopar.comm import management
 
@@ -192,6 +204,7 @@ def calibrate(sizes: tuple[int, ...] = (2**14, 2**18, 2**21, 2**23, 2**26)) -> M
     model.dispatch_seconds = _dispatch_seconds(device)
     if n > 1:
         model.overlap = _overlap(device)
+        model.turn_taking = _turn_taking(device)
         host = _host_all_reduce(device, sizes[1:4])
         if host is not None:
             model.collectives["host_all_reduce"] = host
@@ -254,6 +267,50 @@ def _overlap(device, numel: int = 1 << 21) -> float:
     together = _timed(both)
     shorter = max(min(comm, alone), 1e-9)
     return float(min(1.0, max(0.0, 1.0 - (together - max(comm, alone)) / shorter)))
+
+
+def _turn_taking(device, rounds: int = 3) -> float | None:
+    """Wall time / (CPU time x ranks per core) of a loop of matrix products with a small all-reduce after each, less
+    the all-reduce's own time -- what ranks that share the cores lose to waiting for each other at every collective
+    (:attr:`MachineModel.turn_taking`). None where compute is timed by the wall clock (a GPU, threaded ranks).
+
+    Measured, not assumed: 4 ranks on this 2-core host computed 1.1-1.2x their CPU time x 2 between all-reduces
+    15 ms of CPU apart (steps predicted 15-20 % fast from CPU times alone). Where every rank has a core of its own
+    it is 1: a rank that waits leaves its own core idle, which the collective's measured time already holds."""
+    from autopar.comm import management
+    from autopar.planner.op_timer import cpu_share
+
+    share = cpu_share(device, management.get_local_size() if management.is_initialized() else 1)
+    if share <= 1.0:
+        return None
+    a, buf = torch.randn(256, 256, device=device), torch.ones(1024, device=device)
+
+    def work():  # about 15 ms of CPU: the compute between two collectives of a step here
+        for _ in range(48):
+            a @ a
+
+    def per_call(fn, reps: int = 10) -> tuple[float, float]:
+        fn()
+        dist.barrier()
+        wall, cpu = time.perf_counter(), time.thread_time()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - wall) / reps, (time.thread_time() - cpu) / reps
+
+    def both():
+        work()
+        dist.all_reduce(buf)
+
+    ratios = []
+    for _ in range(rounds):
+        _, cpu = per_call(work)
+        alone, _ = per_call(lambda: dist.all_reduce(buf))
+        together, _ = per_call(both)
+        box = torch.tensor([cpu, alone, together], dtype=torch.float64)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        cpu, alone, together = box.tolist()
+        ratios.append((together - alone) / max(share * cpu, 1e-9))
+    return float(min(2.0, max(1.0, statistics.median(ratios))))
 
 
 def _dispatch_seconds(device, calls: int = 200) -> float:
@@ -324,7 +381,7 @@ def load_or_calibrate(force: bool = False) -> MachineModel:
     from autopar.planner import op_timer
 
     if dist.is_initialized() and op_timer.enabled():  # in a job: operators timed on its own device
-        model.op_timer = op_timer.OpTimer.for_this_host(management.device(), n)
+        model.op_timer = op_timer.OpTimer.for_this_host(management.device(), n, model.turn_taking)
     return model
 
 

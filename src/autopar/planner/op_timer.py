@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from autopar.context import env_flag
 
 REPEATS = 3
+OPTIMIZER_SAMPLE = 256 * 2**20  # parameter bytes the optimizer step is timed on (beyond: the rate of those)
 
 
 def enabled() -> bool:
@@ -34,14 +35,21 @@ def enabled() -> bool:
 class OpTimer:
     """Forward and forward+backward seconds of single operators on ``device``, measured once per shape."""
 
-    def __init__(self, device: torch.device, path: Path | None = None, together: bool = False):
+    def __init__(self, device: torch.device, path: Path | None = None, together: bool = False,
+                 local_ranks: int = 1, turn_taking: float | None = None):
         self.device = device
         self.path = path
         # in a job: every rank measures each shape at the same moment (as they will compute it: on a shared host
         # they contend for memory bandwidth) and keeps the slowest rank's time -- one number on every rank
         self.together = together
+        # on a CPU with one thread per rank, compute is timed by the CPU time it takes, times how many ranks share
+        # each core (:func:`cpu_share`); elsewhere by the wall clock
+        # (and by how much more the ranks that share the cores lose to waiting for each other: machine.turn_taking)
+        self.cpu_share = cpu_share(device, local_ranks) * (turn_taking or 1.0)
         self.table: dict[str, tuple[float, float]] = {}
         self.measured = 0  # shapes measured by this process (the rest came from the cache)
+        self._agreed: set[str] = set()  # keys every rank of this job holds already: no collective to look them up
+        self._failed: set[str] = set()  # keys every rank failed to measure in this job: not tried again
         if path is not None:
             try:
                 self.table = {k: tuple(v) for k, v in json.loads(path.read_text()).items()}
@@ -49,17 +57,19 @@ class OpTimer:
                 self.table = {}
 
     @classmethod
-    def for_this_host(cls, device: torch.device, world: int) -> "OpTimer":
+    def for_this_host(cls, device: torch.device, world: int, turn_taking: float | None = None) -> "OpTimer":
         """Kept per host, thread count and world size: on a CPU the ranks share the cores, so an operator's time
         depends on how many run beside it (every rank measures at once, as they will compute at once)."""
-        from autopar.planner.cache import cache_dir
-
-        base = cache_dir()
-        name = (f"ops-{device.type}-{socket.gethostname()}-c{os.cpu_count()}-t{torch.get_num_threads()}"
-                f"-n{world}.json")
         import torch.distributed as dist
 
-        return cls(device, base / name, together=dist.is_initialized() and dist.get_world_size() > 1)
+        from autopar.comm import management
+        from autopar.planner.cache import cache_dir
+
+        local = management.get_local_size() if management.is_initialized() else 1
+        name = (f"ops-v2-{device.type}-{socket.gethostname()}-c{os.cpu_count()}-t{torch.get_num_threads()}"
+                f"-n{world}-l{local}.json")
+        return cls(device, cache_dir() / name, together=dist.is_initialized() and dist.get_world_size() > 1,
+                   local_ranks=local, turn_taking=turn_taking)
 
     def save(self) -> None:
         if self.path is None or not self.measured:
@@ -134,9 +144,14 @@ class OpTimer:
             return self.table[key]
         import torch.distributed as dist
 
+        if key in self._agreed:
+            return self.table[key]
+        if key in self._failed:
+            return None
         have = torch.tensor([1.0 if key in self.table else 0.0])
         dist.all_reduce(have, op=dist.ReduceOp.MIN)
         if have.item():
+            self._agreed.add(key)
             return self.table[key]
         try:
             result = tuple(measure())
@@ -146,10 +161,150 @@ class OpTimer:
         dist.all_reduce(box, op=dist.ReduceOp.MAX)  # (a rank that failed would have failed on all: same shapes)
         if box.min().item() < 0:
             self.table.pop(key, None)
+            self._failed.add(key)
             return None
         self.table[key] = tuple(float(v) for v in box)
+        self._agreed.add(key)
         self.measured += 1
         return self.table[key]
+
+    # -- the redistributions between them ----------------------------------------------------------------------
+    def reshard(self, src: tuple, dst: tuple, shape: tuple, itemsize: int, grad: tuple | None = None) -> float | None:
+        """Forward + backward seconds of DTensor's redistribution of a tensor of global ``shape`` from placements
+        ``src`` to ``dst`` on the job's world mesh -- the very call the layout runtime makes between two operators
+        (:func:`autopar.parallel.tensor.operators.run_operator`). None outside a job or where DTensor cannot take
+        the pair (the planner's alpha-beta model of the collectives costs it then).
+
+        Why: the model's collectives were right for a plain all-reduce and wrong for what DTensor runs. A partial
+        sum scattered over a dimension other than the first copies its chunks around the collective; gloo has no
+        all-to-all, so a change of split dimension gathers the whole tensor; a 2-D mesh redistributes one axis at a
+        time. On 4 CPU ranks the alpha-beta model put these 0.5-2x of their measured times, and ranked chains of
+        row-split Linears above Megatron's pairs, which measured 20 % faster.
+
+        ``grad``: the placements of the gradient the consumer hands back (the runtime's ``to_local(grad_placements=
+        ...)``): a partial sum where the consumer's other operand is split, reduced by the backward of this very
+        redistribution -- a reduce-scatter on the feature dimension where a column-split Linear feeds another."""
+        grad = tuple(dst) if grad is None else tuple(grad)
+        if not self.together or (tuple(src) == tuple(dst) and grad == tuple(dst)):
+            return None
+        from torch.distributed.tensor import Partial, Replicate, Shard
+
+        def name(p):
+            if isinstance(p, Shard):
+                return f"S{p.dim}" if p.dim < len(shape) else None
+            if isinstance(p, Partial):
+                return "P" if p.reduce_op == "sum" else None
+            return "R" if isinstance(p, Replicate) else None
+
+        names = [name(p) for p in tuple(src) + tuple(dst) + grad]
+        if None in names:  # a split the producer's view does not carry (costs.through_view): not a real layout
+            return None
+        dtype = _DTYPES.get(itemsize, torch.float32)
+        k = len(src)
+        key = ("reshard", tuple(int(v) for v in shape), "".join(names[:k]), "".join(names[k:2 * k]), str(dtype))
+        if grad != tuple(dst):
+            key += ("grad " + "".join(names[2 * k:]),)
+        measured = self.agreed(repr(key), lambda: self._measure_reshard(tuple(src), tuple(dst), tuple(shape), dtype,
+                                                                        grad))
+        return None if measured is None else measured[1]
+
+    def _measure_reshard(self, src: tuple, dst: tuple, shape: tuple, dtype: torch.dtype,
+                         grad: tuple) -> tuple[float, float]:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        from autopar.comm.topology import world_mesh
+
+        mesh = world_mesh()
+        if len(src) != mesh.ndim or len(dst) != mesh.ndim or len(grad) != mesh.ndim:
+            raise ValueError("placements of another mesh")
+        local_shape, _ = compute_local_shape_and_global_offset(shape, mesh, list(src))
+        stride = torch.empty(shape, device="meta").stride()
+        torch.manual_seed(0)
+        local = torch.randn(local_shape, dtype=dtype, device=self.device)
+
+        def once() -> tuple[float, float]:
+            x = local.detach().requires_grad_()
+            t0 = time.perf_counter()
+            y = DTensor.from_local(x, mesh, src, run_check=False, shape=torch.Size(shape), stride=stride)
+            out = y.redistribute(mesh, dst).to_local(grad_placements=grad)
+            self._sync()
+            t1 = time.perf_counter()
+            out.backward(torch.ones_like(out))
+            self._sync()
+            return t1 - t0, time.perf_counter() - t0
+
+        once()  # warm-up (and DTensor's redistribution plan, cached per pair)
+        forward, total = [], []
+        for _ in range(REPEATS):
+            self.barrier()
+            f, t = once()
+            forward.append(f)
+            total.append(t)
+        return statistics.median(forward), statistics.median(total)
+
+    # -- the optimizer step ------------------------------------------------------------------------------------
+    def optimizer_rates(self, network: torch.nn.Module, device_num: int) -> dict | None:
+        """Parameter bytes per second of an SGD-with-momentum step over ``network``'s own parameters, as the job
+        will run it: "fused" -- data parallel's plain tensors, the fused kernel -- and "layout" -- this rank's
+        slices as DTensors, stepped one by one (the fused kernels do not take DTensors). None outside a job.
+
+        Why: calibrated once on a 16 MiB tensor, whose parameter, gradient and momentum partly stay in the caches,
+        the layout step was put at 11.8 GB/s where the wide MLP's 128 MiB of slices stepped at 4 GB/s on 2 ranks
+        (31-36 ms predicted as 11). Measured on the job's own shapes (at most :data:`OPTIMIZER_SAMPLE` bytes of
+        them), every rank at once, kept per shapes like the operators."""
+        if not self.together:
+            return None
+        params = [p for p in network.parameters() if p.requires_grad and p.is_floating_point()]
+        shapes, total = [], 0
+        for p in params:
+            if total >= OPTIMIZER_SAMPLE:
+                break
+            shapes.append((tuple(p.shape), p.element_size()))
+            total += p.numel() * p.element_size()
+        if not shapes:
+            return None
+        key = repr(("optimizer", tuple(shapes), device_num))
+        measured = self.agreed(key, lambda: self._measure_optimizer(shapes, device_num))
+        return None if measured is None else {"fused": measured[0], "layout": measured[1]}
+
+    def _measure_optimizer(self, shapes: list, device_num: int) -> tuple[float, float]:
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        from autopar.comm.topology import world_mesh
+
+        mesh = world_mesh()
+
+        def rate(params: list, fused: bool) -> float:
+            for q in params:
+                q.grad = torch.ones_like(q)
+            try:
+                opt = torch.optim.SGD(params, lr=1e-9, momentum=0.9, fused=fused or None)
+            except (RuntimeError, TypeError):  # no fused kernel here: what data parallel then runs
+                opt = torch.optim.SGD(params, lr=1e-9, momentum=0.9)
+            opt.step()  # warm-up: the momentum buffers
+            times = []
+            for _ in range(REPEATS):
+                self.barrier()
+                t0 = self.clock()
+                opt.step()
+                self._sync()
+                times.append(self.clock() - t0)
+            nbytes = sum(q.numel() * q.element_size() for q in params)
+            return nbytes / max(self.typical(times), 1e-9)
+
+        whole = [torch.nn.Parameter(torch.zeros(s, dtype=_DTYPES.get(i, torch.float32), device=self.device))
+                 for s, i in shapes]
+        fused = rate(whole, True)
+        del whole
+
+        def piece(shape):  # this rank's slice of a layout: the first dimension split where it can be
+            return (shape[0] // device_num, *shape[1:]) if shape and shape[0] % device_num == 0 else shape
+
+        laid = [torch.nn.Parameter(distribute_tensor(torch.zeros(piece(s), dtype=_DTYPES.get(i, torch.float32),
+                                                                 device=self.device), mesh, [Replicate()] * mesh.ndim))
+                for s, i in shapes]
+        return fused, rate(laid, False)
 
     def barrier(self) -> None:
         """In a job, every rank starts the next timed repeat together (as they compute together in a step)."""
@@ -166,20 +321,34 @@ class OpTimer:
         out.backward(gout)  # warm-up: the allocator and the kernels' first calls
         forward, total = [], []
         for _ in range(REPEATS):
+            for t in inputs:  # a step's gradients are made anew (zero_grad(set_to_none=True)), not added to
+                t.grad = None
             self._sync()
             self.barrier()
-            t0 = time.perf_counter()
+            t0 = self.clock()
             with torch.no_grad():
                 fn(inputs)
             self._sync()
-            t1 = time.perf_counter()
+            t1 = self.clock()
             out = fn(inputs)
             out.backward(gout)
             self._sync()
-            t2 = time.perf_counter()
+            t2 = self.clock()
             forward.append(t1 - t0)
             total.append(t2 - t1)
-        return statistics.median(forward), statistics.median(total)
+        return self.typical(forward), self.typical(total)
+
+    def typical(self, times: list[float]) -> float:
+        """One number for repeated timings: their median, by the CPU clock scaled by the ranks per core. (Not the
+        least: ranks that start together drift apart, and the least of three CPU times is the repeat in which the
+        others' memory traffic overlapped least -- the wide MLP's products on 2 ranks were predicted 30 % fast.)"""
+        return self.cpu_share * statistics.median(times) if self.cpu_share else statistics.median(times)
+
+    def clock(self) -> float:
+        """Seconds for timing compute: where :attr:`cpu_share` applies, the CPU time of this thread (which runs the
+        operators and, on a CPU, their backward; the process's other threads -- rank 0's store server, a
+        heartbeat -- are not the network's work), else wall time."""
+        return time.thread_time() if self.cpu_share else time.perf_counter()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -187,6 +356,23 @@ class OpTimer:
 
 
 _DTYPES = {8: torch.float64, 4: torch.float32, 2: torch.bfloat16}
+
+
+def cpu_share(device: torch.device, local_ranks: int) -> float:
+    """How many ranks share each core of this host (at least 1) where compute is best timed by its CPU time --
+    ranks on the CPU with one thread each -- else 0 (time by the wall clock).
+
+    Why: four ranks on two cores take turns. Timed by the wall clock, an operator that every rank starts at once
+    lasted 1x or 2x its work by the luck of the scheduler (the same 4 MiB product measured 8.6 and 19.5 ms in two
+    jobs, and the plans built on such numbers 2x apart). Its CPU time is the work itself, steady to a few percent,
+    and a step whose ranks all compute takes that work times the ranks per core."""
+    if device.type != "cpu" or torch.get_num_threads() != 1:
+        return 0.0
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1.0, local_ranks / max(cores, 1))
 
 
 # -- the whole network ------------------------------------------------------------------------------------------
@@ -230,11 +416,11 @@ def _step_seconds(timer: OpTimer, root: torch.nn.Module, inputs: tuple, kwargs: 
         step()  # warm-up: the allocator, the kernels' first calls (a network that cannot step on a slice fails here)
         times = []
         for _ in range(REPEATS):
-            for p in net.parameters():
+            for p in net.parameters():  # made anew, as where the operators are timed
                 p.grad = None
             timer.barrier()
-            t0 = time.perf_counter()
+            t0 = timer.clock()
             step()
-            times.append(time.perf_counter() - t0)
-    seconds = statistics.median(times)
+            times.append(timer.clock() - t0)
+    seconds = timer.typical(times)
     return seconds, seconds

@@ -1,11 +1,13 @@
 """``plan_network``: from a network (and its loss and a sample batch) to a chosen, explained, applicable plan."""
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
 import torch
 
+from autopar import context as _context
 from autopar.errors import StrategyError
 from autopar.layout.layout import Layout
 from autopar.planner.costs import OPTIMIZER_SLOTS, NodeCosts, graph_costs, spread_between
@@ -170,8 +172,6 @@ def _other_compute(network, loss_fn, sample: tuple, kwargs: dict | None, graph: 
     carries an operator timer) the data-parallel step measured whole less its timed operators
     (:func:`op_timer.whole_step_seconds`); otherwise, or where the step cannot be measured, the roofline of the
     element-wise FLOPs the capture counted."""
-    import hashlib
-
     from autopar.planner.graph import with_loss
     from autopar.planner.op_timer import whole_step_seconds
 
@@ -181,11 +181,30 @@ def _other_compute(network, loss_fn, sample: tuple, kwargs: dict | None, graph: 
     operators = [nc.dp_compute for nc in costs]
     if timer is None or None in operators:
         return roofline, False
-    shapes = [[node.name, node.kind, [list(s) for s in node.shapes]] for node in graph.nodes]
-    key = "step " + hashlib.sha1(repr((shapes, type(network).__name__, type(loss_fn).__name__, n,
-                                       str(next(network.parameters(), torch.empty(0)).dtype))).encode()).hexdigest()
-    whole = whole_step_seconds(timer, key, with_loss(network, loss_fn), sample, kwargs or {}, n)
+    whole = whole_step_seconds(timer, "step " + _step_digest(network, loss_fn, graph, n), with_loss(network, loss_fn),
+                               sample, kwargs or {}, n)
     return (roofline, False) if whole is None else (max(roofline, whole - sum(operators)), True)
+
+
+def _step_digest(network, loss_fn, graph: Graph, n: int) -> str:
+    """What identifies a network's whole step in the operator cache: its graph's shapes, its classes, n, dtype."""
+    import hashlib
+
+    shapes = [[node.name, node.kind, [list(s) for s in node.shapes]] for node in graph.nodes]
+    return hashlib.sha1(repr((shapes, type(network).__name__, type(loss_fn).__name__, n,
+                              str(next(network.parameters(), torch.empty(0)).dtype))).encode()).hexdigest()
+
+
+def _zero_whole(network, loss_fn, sample: tuple, kwargs: dict | None, graph: Graph, machine: MachineModel,
+                n: int) -> dict | None:
+    """The network's ZeRO step per level, measured whole in a job (None elsewhere)."""
+    from autopar.planner.fsdp_timer import zero_step_seconds
+    from autopar.planner.graph import with_loss
+
+    if getattr(machine, "op_timer", None) is None or n < 2:
+        return None
+    return zero_step_seconds(machine, "zero step " + _step_digest(network, loss_fn, graph, n),
+                             with_loss(network, loss_fn), sample, kwargs or {}, n)
 
 
 def dispatch_of(p: Problem) -> float:
@@ -246,7 +265,7 @@ def fsdp_groups(network: torch.nn.Module) -> list[float]:
 
 
 def _zero_totals(p: Problem, dp: list[int], dp_totals: Totals, other_params: float,
-                 groups: list[float] | None = None) -> dict[str, Totals]:
+                 groups: list[float] | None = None, whole: dict | None = None) -> dict[str, Totals]:
     """Data parallel with the optimizer sharded (FSDP2, :mod:`autopar.parallel.zero.fsdp`), per level.
 
     Memory at the peak of a step: levels 1 and 2 gather every weight for forward and backward (FSDP2 keeps them
@@ -257,7 +276,9 @@ def _zero_totals(p: Problem, dp: list[int], dp_totals: Totals, other_params: flo
     reduce-scattered, each overlapping the pass it serves as far as the machine hides collectives. The optimizer
     step touches 1/n of the parameters. Considered only when plain data parallel does not fit: where it fits, DDP's
     bucketed all-reduce measured faster than FSDP2 on every level (bench/sharding.py). ``groups``: the bytes of
-    each FSDP2 group (:func:`fsdp_groups`; one group of all parameters where not given)."""
+    each FSDP2 group (:func:`fsdp_groups`; one group of all parameters where not given). ``whole``: per level, the
+    step of the network itself measured under ZeRO (:func:`~autopar.planner.fsdp_timer.zero_step_seconds`): where
+    given, the step is that, and its communication what it takes beyond the compute."""
     machine, n = p.machine, p.costs[0].device_num
     if n <= 1:
         return {}
@@ -274,12 +295,15 @@ def _zero_totals(p: Problem, dp: list[int], dp_totals: Totals, other_params: flo
     gather = sum(machine.collective("all_gather", g, n) for g in groups)
     scatter = sum(machine.collective("reduce_scatter", g, n) for g in groups)
     compute = dp_totals.compute - fused + layout / n
-    measured = fsdp_seconds(machine, groups)  # FSDP2 measured on this job's devices, in a job
+    measured = None if whole else fsdp_seconds(machine, groups)  # FSDP2 measured on this job's devices, in a job
     out = {}
     for level in ("level1", "level2", "level3"):
         memory = others + state / n + 2 * largest if level == "level3" else others + params + state / n
         comm = measured[level] if measured else machine.zero_exposed(level, gather, scatter, forward, backward)
-        out[level] = Totals(compute, comm, memory)
+        if whole:
+            out[level] = Totals(min(compute, whole[level]), max(0.0, whole[level] - compute), memory)
+        else:
+            out[level] = Totals(compute, comm, memory)
     return out
 
 
@@ -294,8 +318,9 @@ def plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, samp
     """Capture, cost, search, compare with data parallelism (with and without ZeRO) and pipelines; the result can
     ``apply()`` and ``explain()``. ``pipeline_note``: why pipelines are not to be weighed (a loop that runs its own
     backward cannot run one). ``sample_kwargs``: the network's keyword inputs (``input_ids=...``)."""
-    plan = _plan_network(network, loss_fn, sample, device_num, machine, search_mode, memory_limit, pipeline_note,
-                         sample_kwargs)
+    with _context.side_work():  # the measurements below step optimizers of their own
+        plan = _plan_network(network, loss_fn, sample, device_num, machine, search_mode, memory_limit, pipeline_note,
+                             sample_kwargs)
     plan.memory_limit = memory_limit
     timer = getattr(machine, "op_timer", None)
     if timer is not None:  # what this plan measured (operators, the step, FSDP2's groups), for the next job
@@ -309,6 +334,11 @@ def _plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sam
                   sample_kwargs: dict | None = None) -> Plan:
     graph = capture(network, loss_fn, sample, every_operator=search_mode == "sharding_propagation",
                     kwargs=sample_kwargs)
+    timer = getattr(machine, "op_timer", None)
+    rates = timer.optimizer_rates(network, device_num) if timer is not None else None
+    if rates:  # the optimizer step timed on this network's own parameters (this plan's copy of the machine)
+        machine = copy.copy(machine)
+        machine.optimizer_rates = {**(machine.optimizer_rates or {}), **rates}
     if sample_kwargs and pipeline_note is None:
         pipeline_note = "the network takes keyword inputs, which a pipeline's stages do not pass"
     costs = graph_costs(graph, machine, device_num)
@@ -339,7 +369,8 @@ def _plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sam
         free = Problem(graph, costs, machine, const_memory, None)
         free.between, free.between_measured = problem.between, problem.between_measured
         dp_totals = _dp_totals(free, dp, other_compute, other_params)
-        zero = _zero_totals(free, dp, dp_totals, other_params, groups)
+        zero = _zero_totals(free, dp, dp_totals, other_params, groups,
+                            _zero_whole(network, loss_fn, sample, sample_kwargs, graph, machine, device_num))
         fitting = _fitting(zero, memory_limit)
         level = min(fitting, key=lambda k: fitting[k].step, default=None)
         if best_pipeline is not None and (level is None or best_pipeline.step < PIPELINE_MARGIN * fitting[level].step):
@@ -359,7 +390,11 @@ def _plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sam
                     other_compute=other_compute)
     searched = totals_of(problem, choice, other_compute)
     dp_totals = _dp_totals(problem, dp, other_compute, other_params) if dp is not None else None
-    zero = _zero_totals(problem, dp, dp_totals, other_params, groups) if dp is not None and not user_given else {}
+    zero = {}
+    if dp is not None and not user_given:  # ZeRO measured whole where it can be chosen or the context asks for it
+        live = not problem.fits(dp) or _context.auto_parallel_context().enable_parallel_optimizer
+        whole = _zero_whole(network, loss_fn, sample, sample_kwargs, graph, machine, device_num) if live else None
+        zero = _zero_totals(problem, dp, dp_totals, other_params, groups, whole)
     totals, pure = searched, dp is not None and choice == dp
     if pure:
         totals = dp_totals

@@ -14,7 +14,11 @@ pay their communication in full): the cheaper of the two is the plan.
 """
 from __future__ import annotations
 
+import os
+import sys
 import time
+
+from torch.distributed.tensor import Partial, Replicate
 
 from autopar.errors import StrategyError
 from autopar.planner.costs import NodeCosts, nbytes, reshard_cost, through_view
@@ -37,14 +41,26 @@ class Problem:
         for u, v, k in graph.edges:
             shape, item = graph.nodes[v].shapes[k], graph.nodes[v].itemsize
             dims = graph.edge_dims.get((u, v, k))
-            table = [[reshard_cost(machine, cu.out_placements, through_view(cv.in_placements[k], dims),
-                                   nbytes(shape, item), costs[u].mesh) for cv in costs[v].choices]
-                     for cu in costs[u].choices]
+            # (in the producer's dimensions: a consumer that views the output differently is costed on its view)
+            src_shape = graph.nodes[u].out_shape if dims is not None else shape
+            resolved = (u, v, k) in graph.edge_resolved
+            table = []
+            for cu in costs[u].choices:
+                src, first = cu.out_placements, 0.0
+                if resolved and any(isinstance(p, Partial) for p in src):  # summed before the function between
+                    whole = tuple(Replicate() if isinstance(p, Partial) else p for p in src)
+                    first = reshard_cost(machine, src, whole, nbytes(shape, item), costs[u].mesh, src_shape, item)
+                    src = whole
+                table.append([first + reshard_cost(machine, src, through_view(cv.in_placements[k], dims),
+                                                   nbytes(shape, item), costs[u].mesh, src_shape, item,
+                                                   through_view(cv.grad_placements[k], dims) if cv.grad_placements
+                                                   else None)
+                              for cv in costs[v].choices])
             self.pairs.append((u, v, table))
         for a, b in graph.joins:  # b's output resharded to a's layout
             shape, item = graph.nodes[b].out_shape, graph.nodes[b].itemsize
             table = [[reshard_cost(machine, cb.out_placements, ca.out_placements, nbytes(shape, item),
-                                   costs[a].mesh) for cb in costs[b].choices] for ca in costs[a].choices]
+                                   costs[a].mesh, shape, item) for cb in costs[b].choices] for ca in costs[a].choices]
             self.pairs.append((a, b, table))
 
     def total(self, choice: list[int]) -> float:
@@ -73,10 +89,7 @@ def solve_ilp(p: Problem, minimize_memory: bool = False,
     """``exclude``: assignments ({node: strategy}) the answer must differ from in at least one of their nodes, or
     ``(assignment, k)``: in at least k -- the next-best plans for the measured round
     (:mod:`autopar.planner.alternatives`)."""
-    import highspy
-
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    h = _quiet_highs()
     h.setOptionValue("time_limit", 60.0)
     x = []
     for n, nc in enumerate(p.costs):
@@ -102,6 +115,24 @@ def solve_ilp(p: Problem, minimize_memory: bool = False,
     if h.modelStatusToString(h.getModelStatus()) != "Optimal":
         return None
     return [max(range(len(xn)), key=lambda s: h.variableValue(xn[s])) for xn in x]
+
+
+def _quiet_highs():
+    """A HiGHS solver that prints nothing: since 1.16 its constructor writes a copyright banner to the C-level
+    standard output, which landed in the middle of a job's log on every search."""
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            h = highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    h.setOptionValue("output_flag", False)
+    return h
 
 
 # ------------------------------------------------------------------------------------------------ heuristic

@@ -1,0 +1,73 @@
+"""What the cost model takes from the runtime as it will run: the CPU time of each operator (times the ranks that
+share a core), DTensor's own redistributions between operators, a partial sum summed before an activation, and the
+optimizer step on the network's own parameters."""
+import os
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autopar.models import mlp
+from autopar.planner.costs import reshard_cost
+from autopar.planner.graph import capture
+from autopar.planner.machine import MachineModel
+from autopar.planner.op_timer import cpu_share
+from autopar.planner.plan import plan_network
+
+
+def test_cpu_time_times_the_ranks_per_core_on_a_cpu_with_one_thread_per_rank():
+    threads = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    try:
+        torch.set_num_threads(1)
+        assert cpu_share(torch.device("cpu"), 1) == 1.0  # a core to itself: its CPU time is its time
+        assert cpu_share(torch.device("cpu"), 4 * cores) == 4.0  # four ranks take turns on each core
+        assert cpu_share(torch.device("cuda"), 4 * cores) == 0.0  # a GPU: the wall clock
+        torch.set_num_threads(2)
+        assert cpu_share(torch.device("cpu"), 1) == 0.0  # threads of its own: the wall clock
+    finally:
+        torch.set_num_threads(threads)
+
+
+class TwoLinears(torch.nn.Module):
+    """A Linear straight into another (no function between) and one through a ReLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(64, 64) for _ in range(3))
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(self.a(x) * 0.5)))
+
+
+def test_a_partial_sum_is_summed_before_an_activation_not_before_a_linear_function():
+    graph = capture(TwoLinears(), torch.nn.MSELoss(), (torch.randn(8, 64), torch.randn(8, 64)))
+    names = {node.name: node.index for node in graph.nodes}
+    a, b, c = names["a"], names["b"], names["c"]
+    assert (a, b, 0) in graph.edges and (b, c, 0) in graph.edges
+    assert (a, b, 0) not in graph.edge_resolved  # a scaled partial sum is still a partial sum
+    assert (b, c, 0) in graph.edge_resolved  # the ReLU needs the whole value
+    # in the costs: a row-split b feeding a row-split c pays the all-reduce before the ReLU, then a free slice --
+    # not the reduce-scatter a chain without the ReLU would need
+    plan = plan_network(TwoLinears(), torch.nn.MSELoss(), (torch.randn(8, 64), torch.randn(8, 64)), 2,
+                        MachineModel(device_num=2))
+    machine, problem = plan.problem.machine, plan.problem
+    row_b = next(i for i, ch in enumerate(plan.costs[b].choices) if ch.label == "contract 2")
+    row_c = next(i for i, ch in enumerate(plan.costs[c].choices) if ch.label == "contract 2")
+    table = next(t for u, v, t in problem.pairs if (u, v) == (b, c))
+    nbytes = 8 * 64 * 4
+    summed = (reshard_cost(machine, (Partial(),), (Replicate(),), nbytes, (2,))
+              + reshard_cost(machine, (Replicate(),), (Shard(1),), nbytes, (2,)))
+    assert table[row_b][row_c] == pytest.approx(summed)
+    assert summed > reshard_cost(machine, (Partial(),), (Shard(1),), nbytes, (2,))
+    row_a = next(i for i, ch in enumerate(plan.costs[a].choices) if ch.label == "contract 2")
+    first = next(t for u, v, t in problem.pairs if (u, v) == (a, b))
+    assert first[row_a][row_b] == pytest.approx(reshard_cost(machine, (Partial(),), (Shard(1),), nbytes, (2,)))
+
+
+def test_the_search_prints_nothing(capfd):
+    """HiGHS 1.16 writes a banner from its constructor to the C-level standard output: not into a job's log."""
+    sample = (torch.randn(8, 256), torch.randn(8, 256))
+    plan_network(mlp(256, 3), torch.nn.MSELoss(), sample, 2, MachineModel(device_num=2))
+    out, err = capfd.readouterr()
+    assert "HiGHS" not in out + err
