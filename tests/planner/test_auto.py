@@ -2,6 +2,7 @@
 a calibrated machine, trains, and equals the unsharded network."""
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -182,6 +183,9 @@ def test_auto_parallel_job_that_only_fits_with_zero_trains_like_one_process(proc
     assert res.returncode == 0, res.stdout + res.stderr
     log = (tmp_path / "logs" / "worker_0.log").read_text()
     assert "AUTO_PARALLEL: data parallel + ZeRO level3" in log, log
+    # planning time said, the measuring of the costs included (ZeRO stepped whole here: seconds, not nothing)
+    costs = re.search(r"AUTO_PARALLEL: .*\(capture [0-9.]+ s, costs ([0-9.]+) s, search [0-9.]+ s", log)
+    assert costs and float(costs.group(1)) > 0, log
     for rank in range(2):
         r = json.load(open(tmp_path / f"out.{rank}"))
         assert r["diff"] <= 1e-5 and r["sharded"], r  # FSDP2 holds each weight as a Shard(0) DTensor

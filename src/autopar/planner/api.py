@@ -68,7 +68,8 @@ def _report(plan: Plan) -> None:
     path = Path(_context.log_dir()) / "auto_parallel_plan.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text + "\n")
-    timing = f"capture {plan.graph.seconds:.2f} s, search {plan.search_seconds:.2f} s"
+    timing = (f"capture {plan.graph.seconds:.2f} s, costs {getattr(plan, 'cost_seconds', 0.0):.2f} s, "
+              f"search {plan.search_seconds:.2f} s")
     if plan.cached:
         timing += ", the decision of an earlier run of this job re-used"
     elif plan.trials:
