@@ -105,6 +105,19 @@ def zero_step_seconds(machine, key: str, root: torch.nn.Module, inputs: tuple, k
     return {"level1": measured[0], "level2": measured[0], "level3": max(measured)}
 
 
+def zero_groups(network: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules ZeRO gives an FSDP2 group of their own, outermost first: every module owning trainable
+    parameters that no other module holds too (a tied embedding and output head stay with the network's group).
+    One rule for the runtime (:func:`autopar.parallel.zero.fsdp.shard_optimizer`) and for its measurement here."""
+    holders: dict[int, int] = {}
+    for module in network.modules():
+        for p in module.parameters(recurse=False):
+            holders[id(p)] = holders.get(id(p), 0) + 1
+    return [m for m in network.modules() if m is not network
+            and any(p.requires_grad for p in m.parameters(recurse=False))
+            and all(holders[id(p)] == 1 for p in m.parameters(recurse=False))]
+
+
 def _warm_up(step, most: int = 8) -> None:
     """Step until two steps running are no longer 10 % faster than the fastest before them (at most ``most``): the
     first builds FSDP2's state and the momentum buffers (a copy that cannot step fails here), and the next few still
@@ -140,14 +153,7 @@ def _measure_network(timer, root: torch.nn.Module, inputs: tuple, kwargs: dict, 
     with torch.random.fork_rng(devices=[timer.device] if timer.device.type == "cuda" else []):
         for _, reshard in LEVELS:
             net = copy.deepcopy(root).train()
-            holders: dict[int, int] = {}
-            for module in net.modules():
-                for p in module.parameters(recurse=False):
-                    holders[id(p)] = holders.get(id(p), 0) + 1
-            owners = [m for m in net.modules() if m is not net
-                      and any(p.requires_grad for p in m.parameters(recurse=False))
-                      and all(holders[id(p)] == 1 for p in m.parameters(recurse=False))]
-            for module in reversed(owners):  # innermost first, as fully_shard wants
+            for module in reversed(zero_groups(net)):  # innermost first, as fully_shard wants
                 fully_shard(module, mesh=dp_mesh(), reshard_after_forward=reshard)
             fully_shard(net, mesh=dp_mesh(), reshard_after_forward=reshard)
             opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.0, momentum=0.9)

@@ -166,18 +166,12 @@ def shard_optimizer(network: torch.nn.Module, level: str, gradients_mean: bool, 
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     from autopar.comm.topology import world_size
+    from autopar.planner.fsdp_timer import zero_groups
 
     before = dict(network.named_parameters())
     mesh = hybrid_mesh(shard_size or world_size())
     reshard = LEVELS[level]
-    holders: dict[int, int] = {}
-    for module in network.modules():
-        for p in module.parameters(recurse=False):
-            holders[id(p)] = holders.get(id(p), 0) + 1
-    owners = [m for m in network.modules() if m is not network
-              and any(p.requires_grad for p in m.parameters(recurse=False))
-              and all(holders[id(p)] == 1 for p in m.parameters(recurse=False))]
-    for module in reversed(owners):  # innermost first, as fully_shard wants
+    for module in reversed(zero_groups(network)):  # innermost first, as fully_shard wants
         if not isinstance(module, FSDPModule):
             fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(network, mesh=mesh, reshard_after_forward=reshard)
