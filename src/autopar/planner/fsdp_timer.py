@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import math
-import time
 
 import torch
 import torch.distributed as dist
@@ -124,16 +123,15 @@ def _warm_up(step, most: int = 8) -> None:
     grow the heap -- page-faulted in once, kept after (:func:`autopar.perf.tuning.tune_allocator`). The wide MLP's
     ZeRO-3 on 4 ranks stepped 3.80, 3.10, 2.25, 2.17, 1.75 s: after one warm-up its step was predicted 1.5x what
     training measured. Every rank decides on the slowest rank's times, so all take the same number of steps."""
+    from autopar.planner.machine import _slowest
+
     fastest, calm = math.inf, 0
     for _ in range(most):
-        start = time.perf_counter()
-        step()
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        calm = calm + 1 if float(elapsed) > 0.9 * fastest else 0
+        elapsed = _slowest(step)
+        calm = calm + 1 if elapsed > 0.9 * fastest else 0
         if calm == 2:
             return
-        fastest = min(fastest, float(elapsed))
+        fastest = min(fastest, elapsed)
 
 
 def _measure_network(timer, root: torch.nn.Module, inputs: tuple, kwargs: dict, device_num: int) -> tuple:

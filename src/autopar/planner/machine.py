@@ -112,16 +112,22 @@ def cache_path(backend: str, world: int, threads: int | None = None) -> Path:
     return base / f"machine-{backend}-n{world}-{socket.gethostname()}-c{os.cpu_count()}-t{threads}.json"
 
 
+def _slowest(fn) -> float:
+    """Seconds of one call of ``fn`` on the slowest rank (a collective ends when its last member does): one
+    number on every rank."""
+    start = time.perf_counter()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
 def _timed(fn, repeats: int = 3) -> float:
-    """Median over repeats of the slowest rank's time (a collective ends when its last member does)."""
+    """Median over repeats, every rank starting each together, of the slowest rank's time."""
     times = []
     for _ in range(repeats):
         dist.barrier()
-        start = time.perf_counter()
-        fn()
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(float(elapsed))
+        times.append(_slowest(fn))
     return statistics.median(times)
 
 
