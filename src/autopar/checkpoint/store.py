@@ -330,7 +330,11 @@ def list_checkpoints(directory: str | Path, prefix: str | None = None) -> list[F
         m = NAME.match(entry.name)
         if not m or (prefix is not None and m["prefix"] != prefix):
             continue
-        if entry.is_dir() and not is_sliced(entry):
+        try:
+            if entry.is_dir() and not is_sliced(entry):
+                continue
+            mtime = entry.stat().st_mtime
+        except FileNotFoundError:  # removed while listed (a saver rotating its checkpoints): not there any more
             continue
-        out.append(Found(int(m["epoch"]), int(m["step"]), entry.stat().st_mtime, entry))
+        out.append(Found(int(m["epoch"]), int(m["step"]), mtime, entry))
     return sorted(out)
