@@ -170,8 +170,9 @@ def test_auto_parallel_job_calibrates_plans_and_trains_like_one_process(procs, t
     kept = json.loads(next((tmp_path / "cache").glob("ops-*-n2-*.json")).read_text())
     reshards = {k: v for k, v in kept.items() if k.startswith("('reshard'")}
     assert reshards and all(0 < fwd <= total for fwd, total in reshards.values()), kept.keys()
-    rates = [v for k, v in kept.items() if k.startswith("('optimizer'")]
-    assert len(rates) == 1 and min(rates[0]) > 0, kept.keys()
+    rates = [v for k, v in kept.items() if k.startswith("('optimizer and scale'")]
+    # (SGD fused on plain tensors, on DTensor slices, and gradients_mean's scale of a layout's gradients)
+    assert len(rates) == 1 and len(rates[0]) == 3 and min(rates[0]) > 0, kept.keys()
     strategy = json.loads((tmp_path / "out.strategy.json").read_text())["parameters"]
     assert any(-1 != a for e in strategy.values() for a in e["tensor_map"]) or not searched
 
@@ -234,6 +235,11 @@ def test_measured_round_keeps_the_fastest_plan_leaves_training_exact_and_is_not_
         assert len(rows) >= 2, table
         trained = [line for line in table.splitlines() if line.startswith("in training: ")]
         assert len(trained) == 1 and "predicted" in trained[0] and "median of 5" in trained[0], table
+        if run == "first":  # the seconds spent measuring costs and the round, said whichever plan the round kept
+            log = (logs / "worker_0.log").read_text()
+            said = re.search(r"AUTO_PARALLEL: .*\(capture [0-9.]+ s, costs ([0-9.]+) s, search [0-9.]+ s, "
+                             r"measured round ([0-9.]+) s over", log)
+            assert said and float(said.group(1)) > 0, log
         for rank in range(2):
             r = json.load(open(tmp_path / f"{run}.{rank}"))
             assert r["diff"] <= 1e-5, r

@@ -68,12 +68,12 @@ def _report(plan: Plan) -> None:
     path = Path(_context.log_dir()) / "auto_parallel_plan.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text + "\n")
-    timing = (f"capture {plan.graph.seconds:.2f} s, costs {getattr(plan, 'cost_seconds', 0.0):.2f} s, "
+    timing = (f"capture {plan.graph.seconds:.2f} s, costs {plan.cost_seconds:.2f} s, "
               f"search {plan.search_seconds:.2f} s")
     if plan.cached:
         timing += ", the decision of an earlier run of this job re-used"
     elif plan.trials:
-        timing += f", measured round {getattr(plan, 'trial_seconds', 0.0):.1f} s over {len(plan.trials)} plans"
+        timing += f", measured round {plan.trial_seconds:.1f} s over {len(plan.trials)} plans"
     print(f"[autopar] AUTO_PARALLEL: {plan.reason} ({timing}); table in {path}", flush=True)
 
 

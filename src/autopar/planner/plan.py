@@ -59,6 +59,10 @@ class Plan:
     memory_limit: float | None = None  # per device, as asked (``problem`` may be the unlimited one: ZeRO's path)
     other_compute: float | None = None  # per device, of everything outside the nodes (measured in a job)
     in_training: tuple | None = None  # (seconds per step, steps): the job's first steps after the plan, timed
+    # planning's seconds beside capture and search: measuring the costs, and the measured round (fields, so that a
+    # runner-up the round keeps -- a dataclasses.replace of this plan -- still says them)
+    cost_seconds: float = 0.0
+    trial_seconds: float = 0.0
 
     def chosen(self, n: int):
         return self.costs[n].choices[self.choice[n]]
@@ -99,7 +103,7 @@ class Plan:
         head = (f"{'operator':<{widths[0]}}  {'kind':<{widths[1]}}  {'shapes':<{widths[2]}}  {'strategy':<{widths[3]}}  "
                 f"{'layout':<{widths[4]}}  {'compute ms':>10}  {'comm ms':>8}  {'mem MiB':>8}")
         lines = [f"AUTO_PARALLEL plan on {self.device_num} devices ({self.search_mode}, search {self.search_seconds:.3f}"
-                 f" s, graph capture {self.graph.seconds:.2f} s, costs {getattr(self, 'cost_seconds', 0.0):.2f} s); machine: {self.problem.machine.source}", head]
+                 f" s, graph capture {self.graph.seconds:.2f} s, costs {self.cost_seconds:.2f} s); machine: {self.problem.machine.source}", head]
         for r in rows:
             lines.append(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]:<{widths[3]}}  "
                          f"{r[4]:<{widths[4]}}  {r[5]:>10.2f}  {r[6]:>8.2f}  {r[7]:>8.1f}")
