@@ -1,12 +1,13 @@
 """What the cost model takes from the runtime as it will run: the CPU time of each operator (times the ranks that
-share a core), DTensor's own redistributions between operators, a partial sum summed before an activation, and the
-optimizer step on the network's own parameters."""
+share a core), DTensor's own redistributions between operators, a partial sum summed before an activation, the
+optimizer step on the network's own parameters, and ``gradients_mean``'s pass over a layout's gradients."""
 import os
 
 import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+import autopar
 from autopar.models import mlp
 from autopar.planner.costs import reshard_cost
 from autopar.planner.graph import capture
@@ -71,3 +72,25 @@ def test_the_search_prints_nothing(capfd):
     plan_network(mlp(256, 3), torch.nn.MSELoss(), sample, 2, MachineModel(device_num=2))
     out, err = capfd.readouterr()
     assert "HiGHS" not in out + err
+
+
+@pytest.mark.parametrize("mean", [True, False])
+def test_gradients_mean_charges_a_layout_one_pass_over_its_gradients_and_data_parallel_none(mean):
+    """A layout's gradients are multiplied by 1/n after the backward (LayoutGrads); data parallel scales them on
+    their copy into a bucket, which its all-reduce already costs."""
+    rates = {"fused": 8e9, "layout": 4e9, "scale": 2e10}
+    sample = (torch.randn(8, 256), torch.randn(8, 256))
+    autopar.set_auto_parallel_context(gradients_mean=mean)
+    try:
+        plan = plan_network(mlp(256, 2), torch.nn.MSELoss(), sample, 2,
+                            MachineModel(device_num=2, optimizer_rates=rates))
+    finally:
+        autopar.reset_auto_parallel_context()
+    for nc in plan.costs:
+        for c in nc.choices:
+            step = c.param_bytes / rates["layout"] + (c.param_bytes / rates["scale"] if mean else 0.0)
+            assert c.optimizer == pytest.approx(step)
+    dp = plan.problem.dp_choice()
+    params = sum(plan.costs[k].choices[s].param_bytes for k, s in enumerate(dp))
+    others = sum(plan.costs[k].choices[s].compute - plan.costs[k].choices[s].optimizer for k, s in enumerate(dp))
+    assert plan.dp_totals.compute == pytest.approx(plan.other_compute + others + params / rates["fused"])

@@ -15,7 +15,7 @@ Compute is measured where the machine model carries an operator timer (inside a 
 slice shapes, timed on this device, :mod:`autopar.planner.op_timer`); otherwise a roofline: the slower of the
 arithmetic (FLOPs / calibrated rate) and streaming the operands through memory (a small-batch layer is bound by
 reading its weights). Plus the optimizer step at its calibrated rate (the per-parameter loop on DTensors for layouts,
-the fused kernel for pure data parallel).
+the fused kernel for pure data parallel) and, for layouts under ``gradients_mean``, the pass that scales the gradients.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from autopar import context as _context
 from autopar.errors import StrategyError
 from autopar.layout.axes import axes_of_device_matrix, mesh_shape_for
 from autopar.layout.layout import Layout
@@ -50,7 +51,7 @@ class Choice:
     memory: float
     is_dp: bool
     label: str
-    optimizer: float = 0.0  # of ``compute``: the optimizer step's memory traffic (once per step, not per micro-batch)
+    optimizer: float = 0.0  # of ``compute``: the optimizer step (and gradients_mean's scale pass), once per step
     param_bytes: float = 0.0  # this device's slice of the node's parameters
     activation_bytes: float = 0.0  # activations this device keeps for the backward pass
     out_bytes: float = 0.0  # this device's share of the output (the element-wise work after it runs on as much)
@@ -261,6 +262,8 @@ class NodeCosts:
         # parameters: no fused kernel); pure data parallel's fused rate replaces it in its totals (plan.py)
         params = sum(nbytes(plan.inputs[i].slice_shape, node.itemsize) for i, n in enumerate(node.param_names) if n)
         optimizer = params / machine.optimizer_rate("layout")
+        if gradients_scaled(self.device_num):  # gradients_mean's pass over the slices' gradients (layouts only:
+            optimizer += params / machine.optimizer_rate("scale")  # data parallel scales on its copy into a bucket)
         compute += optimizer
         in_pl = tuple(plan.inputs[i].placements(mesh) for i in range(len(node.shapes)))
         out_pl = output_placements(plan.device_matrix, plan.output_map, plan.partial_axes, "sum"
@@ -294,6 +297,14 @@ class NodeCosts:
                                                   nbytes(node.out_shape, node.itemsize), self.mesh, node.out_shape,
                                                   node.itemsize)
         return cost
+
+
+def gradients_scaled(device_num: int) -> bool:
+    """Does a layout's step multiply every gradient by ``gradients_mean``'s factor (1/n) after its backward? As
+    :meth:`autopar.parallel.grads.layouts.LayoutGrads.scale` decides, but for the loss and outputs the planner cannot
+    see: with ``full_batch`` every rank holds the whole batch and the factor is 1."""
+    ctx = _context.auto_parallel_context()
+    return device_num > 1 and bool(ctx.gradients_mean) and not ctx.full_batch
 
 
 def graph_costs(graph: Graph, machine: MachineModel, device_num: int) -> list[NodeCosts]:

@@ -82,7 +82,8 @@ class MachineModel:
     def optimizer_rate(self, kind: str) -> float:
         if self.optimizer_rates and kind in self.optimizer_rates:
             return float(self.optimizer_rates[kind])
-        return self.memory_bandwidth / (5.0 if kind == "fused" else 10.0)
+        # SGD with momentum reads parameter, gradient and momentum and writes two of them; a scale reads and writes one
+        return self.memory_bandwidth / {"fused": 5.0, "scale": 2.0}.get(kind, 10.0)
 
     def collective(self, kind: str, nbytes: float, n: int) -> float:
         if n <= 1 or nbytes <= 0:
