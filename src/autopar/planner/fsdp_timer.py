@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -117,21 +118,26 @@ def zero_groups(network: torch.nn.Module) -> list[torch.nn.Module]:
             and all(holders[id(p)] == 1 for p in m.parameters(recurse=False))]
 
 
-def _warm_up(step, most: int = 8) -> None:
-    """Step until two steps running are no longer 10 % faster than the fastest before them (at most ``most``): the
-    first builds FSDP2's state and the momentum buffers (a copy that cannot step fails here), and the next few still
-    grow the heap -- page-faulted in once, kept after (:func:`autopar.perf.tuning.tune_allocator`). The wide MLP's
-    ZeRO-3 on 4 ranks stepped 3.80, 3.10, 2.25, 2.17, 1.75 s: after one warm-up its step was predicted 1.5x what
-    training measured. Every rank decides on the slowest rank's times, so all take the same number of steps."""
+def _settled(step, steps: int = 8, kept: int = 5) -> float:
+    """Seconds of ``step`` once its heap has settled: one untimed step (it builds FSDP2's state and the momentum
+    buffers; a copy that cannot step fails here), then ``steps`` more, each the slowest rank's, and the median of
+    the last ``kept`` of them. Every rank takes the same steps (the times are agreed by a collective).
+
+    Why: a fresh copy's steps get faster for several steps while the heap grows (page-faulted in once, kept after:
+    :func:`autopar.perf.tuning.tune_allocator`), and not steadily -- the wide MLP's ZeRO-3 on 2 ranks stepped 1.48,
+    2.33, 1.01, 1.42, 1.23, 1.15, 0.99, 0.99, 0.89 s, its ZeRO-1 0.86, 0.80, 0.70, 0.68, 0.64, 0.68, 0.64, 0.86,
+    0.83 s, against 0.96 and 0.62 s in training. Stopping at the first two calm steps and taking the median of the
+    next three put ZeRO-1 at 0.57-0.90 s in four runs (+61 % in bench/auto_vs_hand.py); the fastest steps are luck
+    on 4 ranks sharing 2 cores (the fastest of five: ZeRO-3 -20 %; the median of the fastest three of eight: the
+    transformer and Llama blocks' ZeRO -8 to -19 %). The median of the last five skips the growth and the outliers."""
     from autopar.planner.machine import _slowest
 
-    fastest, calm = math.inf, 0
-    for _ in range(most):
-        elapsed = _slowest(step)
-        calm = calm + 1 if elapsed > 0.9 * fastest else 0
-        if calm == 2:
-            return
-        fastest = min(fastest, elapsed)
+    step()
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        times.append(_slowest(step))
+    return statistics.median(times[-kept:])
 
 
 def _measure_network(timer, root: torch.nn.Module, inputs: tuple, kwargs: dict, device_num: int) -> tuple:
@@ -139,7 +145,6 @@ def _measure_network(timer, root: torch.nn.Module, inputs: tuple, kwargs: dict, 
     from torch.utils._pytree import tree_flatten, tree_map
 
     from autopar.comm.topology import dp_mesh
-    from autopar.planner.machine import _timed
 
     def share(t):
         if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] % device_num == 0:
@@ -164,7 +169,6 @@ def _measure_network(timer, root: torch.nn.Module, inputs: tuple, kwargs: dict, 
                 opt.zero_grad(set_to_none=True)
                 timer._sync()
 
-            _warm_up(step)
-            out.append(_timed(step))
+            out.append(_settled(step))
             del net, opt
     return out[0], out[1]
