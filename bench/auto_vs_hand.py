@@ -9,6 +9,7 @@ best hand strategy, each prediction's error, and whether the predicted ranking m
 calibration is made for the run (``AUTOPAR_CACHE_DIR`` in a temporary folder).
 
     python bench/auto_vs_hand.py [--nproc 2 4] [--models resnet50 mlp transformer] [--steps 10] [--rounds 3]
+                                 [--strategies zero1 zero3]
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=["resnet50", "mlp", "transformer", "llama"])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds; each strategy's median is reported")
+    p.add_argument("--strategies", nargs="+", default=None, help="only these (of auto, dp, zero1, zero3, megatron, "
+                   "sharded, mixed; each where the model has it)")
     args = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="autopar-auto-"))
     os.environ["AUTOPAR_CACHE_DIR"] = str(tmp / "cache")  # calibrated in this run, on this load
@@ -47,7 +50,7 @@ def main() -> None:
         for n in args.nproc:
             for model in args.models:
                 case = runs.setdefault((model, n), {})
-                for strategy in STRATEGIES[model]:
+                for strategy in (s for s in STRATEGIES[model] if args.strategies is None or s in args.strategies):
                     logs = tmp / f"{model}-{strategy}-{n}-{rnd}"
                     logs.mkdir()
                     cmd = [sys.executable, "-m", "autopar.cli.main", "launch", "-n", str(n), "--log-dir", str(logs),
