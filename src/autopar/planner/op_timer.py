@@ -284,15 +284,8 @@ class OpTimer:
             except (RuntimeError, TypeError):  # no fused kernel here: what data parallel then runs
                 opt = torch.optim.SGD(params, lr=1e-9, momentum=0.9)
             opt.step()  # warm-up: the momentum buffers
-            times = []
-            for _ in range(REPEATS):
-                self.barrier()
-                t0 = self.clock()
-                opt.step()
-                self._sync()
-                times.append(self.clock() - t0)
             nbytes = sum(q.numel() * q.element_size() for q in params)
-            return nbytes / max(self.typical(times), 1e-9)
+            return nbytes / max(self._repeated(opt.step), 1e-9)
 
         whole = [torch.nn.Parameter(torch.zeros(s, dtype=_DTYPES.get(i, torch.float32), device=self.device))
                  for s, i in shapes]
@@ -315,18 +308,24 @@ class OpTimer:
         multiplied in place, one by one, after the backward (:class:`autopar.parallel.grads.layouts.LayoutGrads`).
         Why: nothing else in a layout's step reads every gradient once more -- on the wide MLP's 128 MiB of slices
         on 2 ranks it took 6 ms of a 120 ms step that no operator's time held."""
-        for g in grads:
-            g.mul_(0.5)  # warm-up
+        def scale():
+            for g in grads:
+                g.mul_(0.5)
+
+        scale()  # warm-up
+        nbytes = sum(g.numel() * g.element_size() for g in grads)
+        return nbytes / max(self._repeated(scale), 1e-9)
+
+    def _repeated(self, fn) -> float:
+        """:meth:`typical` seconds of ``fn`` over :data:`REPEATS` calls, every rank starting each together."""
         times = []
         for _ in range(REPEATS):
             self.barrier()
             t0 = self.clock()
-            for g in grads:
-                g.mul_(0.5)
+            fn()
             self._sync()
             times.append(self.clock() - t0)
-        nbytes = sum(g.numel() * g.element_size() for g in grads)
-        return nbytes / max(self.typical(times), 1e-9)
+        return self.typical(times)
 
     def barrier(self) -> None:
         """In a job, every rank starts the next timed repeat together (as they compute together in a step)."""

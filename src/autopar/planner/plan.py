@@ -12,7 +12,7 @@ from autopar import context as _context
 from autopar.errors import StrategyError
 from autopar.layout.layout import Layout
 from autopar.planner.costs import OPTIMIZER_SLOTS, NodeCosts, graph_costs, spread_between
-from autopar.planner.fsdp_timer import fsdp_seconds
+from autopar.planner.fsdp_timer import fsdp_seconds, zero_groups
 from autopar.planner.graph import Graph, capture
 from autopar.planner.machine import MachineModel, shared_memory_on
 from autopar.planner.pipeline_plan import PipelineOption, fits, pipeline_options
@@ -249,18 +249,13 @@ ZERO_WHAT = {"level1": "optimizer state", "level2": "optimizer state and gradien
 
 def fsdp_groups(network: torch.nn.Module) -> list[float]:
     """The parameter bytes of each FSDP2 group ZeRO makes of ``network`` -- as
-    :func:`autopar.parallel.zero.fsdp.shard_optimizer` shards it: every module owning trainable parameters of its
-    own is a group, the network the rest (shared parameters, its own). Each group gathers and reduce-scatters on its
-    own: a collective's fixed cost and FSDP2's bookkeeping are paid per group."""
-    holders: dict[int, int] = {}
-    for module in network.modules():
-        for p in module.parameters(recurse=False):
-            holders[id(p)] = holders.get(id(p), 0) + 1
+    :func:`autopar.parallel.zero.fsdp.shard_optimizer` shards it (:func:`~autopar.planner.fsdp_timer.zero_groups`):
+    every module owning trainable parameters of its own is a group, the network the rest (shared parameters, its
+    own). Each group gathers and reduce-scatters on its own: a collective's fixed cost and FSDP2's bookkeeping are
+    paid per group."""
     groups, grouped = [], set()
-    for module in network.modules():
+    for module in zero_groups(network):
         own = list(module.parameters(recurse=False))
-        if module is network or not any(p.requires_grad for p in own) or any(holders[id(p)] > 1 for p in own):
-            continue
         groups.append(float(sum(p.numel() * p.element_size() for p in own)))
         grouped.update(id(p) for p in own)
     rest = {id(p): p for p in network.parameters() if id(p) not in grouped}
