@@ -10,7 +10,10 @@ VisionTransformer: cls token, position-embedding parameter). Modes: data, zero1,
 strategies), megatron (SEMI_AUTO with ``autopar.shard`` MindSpore tuples on the projections: columns then rows),
 names (a torchtitan-style plan by module names with styles, the embedding's vocabulary split too), auto (the first
 call plans), auto_explicit (``autopar.parallelize(model, sample={...})``), auto_tight (AUTO under a memory limit
-data parallel exceeds: it plans ZeRO-3), auto_megatron (AUTO around the megatron strategies), pipe (``autopar.PipelineParallel`` in 2
+data parallel exceeds: it plans ZeRO-3), auto_megatron (AUTO around the megatron strategies), lone (SEMI_AUTO with single operators split where
+DTensor alone went wrong: Llama's ``lm_head`` on its input features -- partial-sum logits that the loss casts to
+float32 -- and its first ``q_proj`` alone by columns -- heads split in the query only, which attention moves onto the
+batch; BERT's first ``query`` alone by columns -- its padding mask must follow onto the batch), pipe (``autopar.PipelineParallel`` in 2
 stages split before the second block, the loss as ``loss_fn`` on the logits; against one process whose micro-steps'
 gradients add up, as a pipeline step per micro-step gives). Per case: the largest parameter difference and ``state_dict()`` loaded into a fresh one-process
 model, and which parameters are stored split. Writes JSON to OUT_PREFIX.<rank>.
@@ -152,7 +155,7 @@ def pipelined(model_name: str, model):
 def set_mode(mode: str) -> None:
     autopar.reset_auto_parallel_context()
     name = {"auto": "auto_parallel", "auto_explicit": "auto_parallel", "semi": "semi_auto_parallel",
-            "megatron": "semi_auto_parallel", "names": "semi_auto_parallel"}.get(mode, "data_parallel")
+            "megatron": "semi_auto_parallel", "names": "semi_auto_parallel", "lone": "semi_auto_parallel"}.get(mode, "data_parallel")
     autopar.set_auto_parallel_context(parallel_mode=name, gradients_mean=True)
     if mode == "auto_megatron":
         autopar.set_auto_parallel_context(parallel_mode="auto_parallel")
@@ -178,6 +181,11 @@ def megatron(model_name: str, model) -> None:
             autopar.shard(module, ((1, 1, 1), (1, n) if conv1d else (n, 1)))
         elif name.endswith(ROWS[model_name]):
             autopar.shard(module, ((1, 1, n), (n, 1) if conv1d else (1, n)))
+
+
+LONE = {"llama": {"lm_head": ((1, 1, n), (1, n)), "model.layers.0.self_attn.q_proj": ((1, 1, 1), (n, 1))},
+        "gpt2": {"transformer.h.0.attn.c_proj": ((1, 1, n), (n, 1))},  # Conv1D: weight (in, out)
+        "bert": {"bert.encoder.layer.0.attention.self.query": ((1, 1, 1), (n, 1))}}
 
 
 def by_names(model_name: str, model) -> None:
@@ -208,6 +216,9 @@ def run(model_name: str, mode: str, ref: dict) -> dict:
         megatron(model_name, model)
     if mode == "names":
         by_names(model_name, model)
+    if mode == "lone":
+        for name, strategy in LONE[model_name].items():
+            autopar.shard(model.get_submodule(name), strategy)
     if mode == "auto_explicit":  # the PyTorch door's explicit call, planned on keyword inputs
         args, kwargs = inputs_of(model_name, 0, 0, n, rank)
         autopar.parallelize(model, sample=kwargs or list(args))

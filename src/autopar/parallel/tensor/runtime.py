@@ -46,6 +46,7 @@ from autopar.parallel.grads.layouts import LayoutGrads
 from autopar.parallel.tensor import local_matmul
 from autopar.parallel.tensor import placements as P
 from autopar.parallel.tensor.attention import register_attention_rules
+from autopar.parallel.tensor.handlers import register_cast_handler
 from autopar.parallel.tensor.inputs import dataset_input
 from autopar.parallel.tensor.operators import run_operator
 from autopar.parallel.tensor.parameters import ParameterPlacement
@@ -89,6 +90,7 @@ class SemiAutoRuntime(ParameterPlacement):
                  zero_shard_size: int | None = None):
         self.device_num = world_size()
         register_attention_rules()
+        register_cast_handler()
         _replicate_plain_tensors()
         # optimizer sharding (enable_parallel_optimizer): parameters stored split over the mesh axes their layout
         # replicates them on, gathered to the layout for each use (parallel.optimizer_shard.storage_placements)

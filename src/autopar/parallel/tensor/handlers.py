@@ -1,0 +1,74 @@
+"""Operators whose DTensor handling differs from one process, and the path they run instead.
+
+**Narrowing casts of partial sums: reduced first, then cast -- as one process rounds.** A contracted dimension split
+over ranks leaves each rank a partial sum (DTensor's ``Partial``), resolved lazily by its next consumer. DTensor lets
+a float-to-float cast pass a partial sum through unreduced (its rule for ``aten._to_copy``), so ``logits.float()`` on
+a float64 partial -- what Hugging Face's causal-LM loss does to every model's logits -- rounds each rank's part to
+float32 and adds the rounded parts, where one process rounds the whole sum once: ~1e-6 apart from one process after
+AdamW in float64 (a Llama whose ``lm_head`` is split on its input features), and under bf16 partial sums rounded to 8
+bits of mantissa before they are added. A cast to a narrower type (fewer bits, another float format, an integer)
+here first reduces the partial placements -- an all-reduce of the wider type -- and casts the whole value; every
+other cast runs as DTensor runs it.
+
+:func:`dispatch` is DTensor's own path for one call, for handlers that change the inputs first (this cast, and
+attention's in :mod:`autopar.parallel.tensor.attention`), and it also moves keyword tensors, which DTensor's
+dispatcher leaves where they are ("very rare", its comment says: attention's ``attn_mask`` is one). Handlers go in
+DTensor's table of operator handlers (the mechanism torch's own ``loss_parallel`` uses), once, when the first layout
+runtime is made (not at import).
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._redistribute import redistribute_local_tensor
+from torch.utils._pytree import tree_unflatten
+
+_registered = False
+
+
+def narrows(source: torch.dtype, target: torch.dtype | None) -> bool:
+    """Whether a cast from ``source`` to ``target`` can lose what a sum of ``source`` values holds."""
+    if target is None or target == source or not source.is_floating_point:
+        return False
+    if not target.is_floating_point:
+        return True
+    return torch.finfo(target).bits < torch.finfo(source).bits or torch.finfo(target).eps != torch.finfo(source).eps
+
+
+def dispatch(op_call, args: tuple, kwargs: dict, keyword_placements=None):
+    """DTensor's own path for one operator call: propagate the placements, move the inputs, run on the local
+    tensors, wrap the result (what its dispatcher does where no handler is registered). ``keyword_placements(args
+    specs)`` -> {keyword: placements} names where keyword tensors must be, given the positional inputs' specs."""
+    dispatcher = DTensor._op_dispatcher
+    info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+    dispatcher.sharding_propagator.propagate(info)
+    sharding = info.output_sharding
+    schema = info.schema
+    if sharding.needs_redistribute:
+        schema = sharding.redistribute_schema
+        dispatcher.redistribute_local_args(info, schema, sharding.use_val_from_redistribute_schema)
+    for name, placements in (keyword_placements(schema.args_schema) if keyword_placements else {}).items():
+        spec = info.schema.kwargs_schema.get(name)
+        if isinstance(spec, DTensorSpec) and tuple(spec.placements) != tuple(placements):
+            target = DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta)
+            info.local_kwargs[name] = redistribute_local_tensor(info.local_kwargs[name], spec, target)
+    local_args = tree_unflatten(list(info.local_args), info.args_tree_spec) if info.args_tree_spec else info.local_args
+    return dispatcher.wrap(op_call(*local_args, **info.local_kwargs), sharding.output_spec)
+
+
+def _to_copy(op_call, args: tuple, kwargs: dict):
+    source = args[0]
+    if (isinstance(source, DTensor) and narrows(source.dtype, kwargs.get("dtype"))
+            and any(p.is_partial() for p in source.placements)):
+        whole = [Replicate() if p.is_partial() else p for p in source.placements]
+        args = (source.redistribute(source.device_mesh, whole), *args[1:])
+    return dispatch(op_call, args, kwargs)
+
+
+def register_cast_handler() -> None:
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    DTensor._op_dispatcher._custom_op_handlers[torch.ops.aten._to_copy.default] = _to_copy
