@@ -11,7 +11,8 @@ deep copy of the network, its loss and its optimizer (one ``deepcopy`` with a sh
 holds the copied parameters and the plan's operators map onto the copy's); one warm-up step and a few timed steps
 (forward, backward, optimizer step) run on this rank's first batch; every rank times its own, and the slowest rank's
 median step is the plan's time (a step ends when its last rank does). Plans within 10 % of the fastest are run a
-second time, in reverse order, and their two times averaged (close calls are where a few steps mislead). The
+second time, in reverse order and with twice the steps, and their two times averaged by their steps (close calls
+are where a few steps mislead). The
 original network, its optimizer and the
 random number generators are left exactly as they were: training afterwards is the same as without the round.
 
@@ -87,14 +88,16 @@ def measured_round(network: torch.nn.Module, loss_fn: Any, optimizer: Any, sampl
     try:
         for candidate in candidates:
             measured.append(_time(network, loss_fn, optimizer, sample, candidate, sample_kwargs or {}, prepare))
-        # close calls are timed again, in reverse order, and the two passes averaged: a few steps on a loaded host
-        # swing 5-10 %, and the wide MLP kept a layout measured 9 % slower than Megatron's over three rounds
+        # close calls are timed again, in reverse order, with twice the steps, and the two passes averaged by their
+        # steps: a few steps on a loaded host swing 5-10 %, and the wide MLP kept a layout measured 9 % slower than
+        # Megatron's over three rounds (and, with one pass of the same length again, 5-7 % slower on 4 ranks)
         fastest = min(measured)
         close = [i for i, m in enumerate(measured) if m < float("inf") and m <= CLOSE * fastest]
         if len(close) > 1:
             for i in reversed(close):
-                again = _time(network, loss_fn, optimizer, sample, candidates[i], sample_kwargs or {}, prepare)
-                measured[i] = (measured[i] + again) / 2
+                again = _time(network, loss_fn, optimizer, sample, candidates[i], sample_kwargs or {}, prepare,
+                              steps=2 * _steps())
+                measured[i] = (measured[i] + 2 * again) / 3
     finally:
         side.__exit__(None, None, None)
         torch.set_rng_state(cpu_rng)
@@ -128,8 +131,9 @@ def _still_fits(plan, cached: dict) -> bool:
     return len(candidate.choice) == len(plan.choice) and (limit is None or candidate.totals.memory <= limit)
 
 
-def _time(network, loss_fn, optimizer, sample, candidate, kwargs: dict, prepare) -> float:
-    """The slowest rank's median step of ``candidate`` on a copy of the network (inf where it failed anywhere)."""
+def _time(network, loss_fn, optimizer, sample, candidate, kwargs: dict, prepare, steps: int | None = None) -> float:
+    """The slowest rank's median step of ``candidate`` on a copy of the network over ``steps`` timed steps (the
+    round's default where None), after one untimed; inf where it failed anywhere."""
     memo: dict = {}
     net, loss, opt = copy.deepcopy((network, loss_fn, optimizer), memo)
     strategies = [(memo.get(id(target)), strategy) for target, strategy in candidate.strategies()]
@@ -145,7 +149,7 @@ def _time(network, loss_fn, optimizer, sample, candidate, kwargs: dict, prepare)
         forward = prepared.forward_loss if not kwargs else (lambda inputs, m=prepared.network: m(*inputs, **kwargs))
         state = prepared.state
         times = []
-        for step in range(_steps() + 1):  # (under enable_grad: the first call may have been an evaluation)
+        for step in range((steps or _steps()) + 1):  # (under enable_grad: the first call may have been an evaluation)
             _sync(prepared.device)
             t0 = time.perf_counter()
             with torch.enable_grad():
