@@ -33,7 +33,8 @@ def narrows(source: torch.dtype, target: torch.dtype | None) -> bool:
         return False
     if not target.is_floating_point:
         return True
-    return torch.finfo(target).bits < torch.finfo(source).bits or torch.finfo(target).eps != torch.finfo(source).eps
+    wide, narrow = torch.finfo(source), torch.finfo(target)
+    return narrow.bits < wide.bits or (narrow.bits == wide.bits and narrow.eps != wide.eps)  # fp16 <-> bf16
 
 
 def dispatch(op_call, args: tuple, kwargs: dict, keyword_placements=None):
