@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from autopar.parallel.tensor.handlers import dispatch
+from autopar.parallel.tensor.handlers import dispatch, install
 
 _registered = False
 
@@ -83,6 +83,5 @@ def register_attention_rules() -> None:
             rules.append(([Shard(d)] * 3, [Shard(d)] * 6 + [None, None, mask_placement(attn_mask, d), None]))
         return rules
 
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    handlers[forward.default] = _handler(0)
-    handlers[backward.default] = _handler(1)
+    install(forward.default, _handler(0))
+    install(backward.default, _handler(1))
