@@ -86,6 +86,7 @@ def hand_annotate(name: str, net: torch.nn.Module, strategy: str, n: int) -> Non
 
 def predicted(name, strategy, n):
     """The cost model's step time for the assignment this run uses (same machine model as the planner)."""
+    from autopar.parallel.data.step_timer import DATA_PARALLEL_STEP
     from autopar.planner.machine import load_or_calibrate
     from autopar.planner.plan import plan_network
 
@@ -94,7 +95,8 @@ def predicted(name, strategy, n):
         hand_annotate(name, net, strategy, n)
     mode = "sharding_propagation" if strategy in HAND else "dynamic_programming"
     with autopar.context.managed():  # the trace calls the network: it must not parallelize itself meanwhile
-        plan = plan_network(net, loss, make(per_device * n), n, load_or_calibrate(), mode)
+        plan = plan_network(net, loss, make(per_device * n), n, load_or_calibrate(), mode,
+                            data_parallel_step=DATA_PARALLEL_STEP)
     if strategy == "dp":
         return plan.dp_totals.step
     if strategy in ZERO:

@@ -240,6 +240,12 @@ def test_measured_round_keeps_the_fastest_plan_leaves_training_exact_and_is_not_
             said = re.search(r"AUTO_PARALLEL: .*\(capture [0-9.]+ s, costs ([0-9.]+) s, search [0-9.]+ s, "
                              r"measured round ([0-9.]+) s over", log)
             assert said and float(said.group(1)) > 0, log
+            # data parallel's step measured whole -- the runtime's reducer on a copy -- and kept with the operators
+            dp_line = next(line for line in table.splitlines() if line.startswith("data parallel: step"))
+            assert dp_line.endswith("(the step measured whole: the runtime's data parallel on a copy)"), table
+            kept = json.loads(next((tmp_path / "cache").glob("ops-*-n2-*.json")).read_text())
+            whole = [v for k, v in kept.items() if k.startswith("data-parallel step ")]
+            assert len(whole) == 1 and len(whole[0]) == 2 and min(whole[0]) > 0, kept.keys()
         for rank in range(2):
             r = json.load(open(tmp_path / f"{run}.{rank}"))
             assert r["diff"] <= 1e-5, r

@@ -142,6 +142,12 @@ def check_reducer(rank: int, world: int) -> None:
         dist.all_reduce(want)
         assert torch.allclose(g, want / world, atol=1e-5), f"autograd.grad: {name} not summed"
     assert net.conv.weight.grad is None
+    # a reducer made for one measurement (the planner's data-parallel step) ends its summing thread when closed
+    transport = reducer.transport
+    thread = transport._thread
+    reducer.close()
+    transport.close()
+    assert thread is not None and not thread.is_alive() and transport._thread is None
 
 
 def check_sums_without_mean(rank: int, world: int) -> None:

@@ -211,19 +211,13 @@ def _attach_data_parallel(state, network, ctx, layerwise: set[str]) -> None:
     """Replicas made equal once; replicated parameters summed by the bucketed reducer (through shared memory when
     every rank is on this CPU host), layerwise slices scaled only."""
     from autopar.parallel.data.replicas import equalize_replicas
-    from autopar.parallel.grads.buckets import bucket_reducers
+    from autopar.parallel.grads.buckets import data_parallel_reducers
     from autopar.parallel.grads.layouts import LocalGrads
-    from autopar.perf.tuning import current
 
     equalize_replicas(network, ctx.parameter_broadcast, layerwise)
     params = [p for n, p in network.named_parameters() if n not in layerwise]
     local = [p for n, p in network.named_parameters() if n in layerwise]
-    levers = current()
-    fusion = _context.allreduce_bucket_mb()  # comm_fusion={"allreduce": {"mode": "size", "config": MB}}; 0: no fusion
-    graph = _context.run_context().mode == _context.GRAPH_MODE
-    reducers = bucket_reducers(params, scale=1.0 / state.world if ctx.gradients_mean else 1.0,
-                               bucket_mb=levers.bucket_mb if fusion is None else fusion,
-                               shared_memory=levers.shared_memory and not graph)
+    reducers = data_parallel_reducers(params, state.world, ctx)
     for reducer in reducers:
         reducer.watch(network)
     state.engines.extend(reducers)
@@ -242,8 +236,10 @@ def _plan(network, loss_fn, optimizer, sample, sample_kwargs=None):
 
     sample = [move(t) for t in sample]
     kwargs = {k: move(v) for k, v in (sample_kwargs or {}).items()}
+    from autopar.parallel.data.step_timer import DATA_PARALLEL_STEP
+
     with _context.managed():  # the planner's trace calls the network: it must not parallelize itself meanwhile
-        plan = make_plan(network, loss_fn, sample, kwargs)
+        plan = make_plan(network, loss_fn, sample, kwargs, data_parallel_step=DATA_PARALLEL_STEP)
     plan = measured_round(network, loss_fn, optimizer, sample, plan, kwargs, prepare)
     finish(plan, network)
     return plan

@@ -23,7 +23,9 @@ def _global_batch(sample: list) -> tuple:
 
 
 def make_plan(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sample: list,
-              sample_kwargs: dict | None = None) -> Plan:
+              sample_kwargs: dict | None = None, data_parallel_step=None) -> Plan:
+    """``data_parallel_step``: how the runtime measures its own data-parallel step whole
+    (:data:`autopar.parallel.data.step_timer.DATA_PARALLEL_STEP`; the planner does not import the runtime)."""
     ctx = _context.auto_parallel_context()
     if os.environ.get("AUTOPAR_DRYRUN"):  # fake tensors: nothing to measure (autopar launch --dry-run)
         from autopar.planner.hardware import dry_run_machine
@@ -39,7 +41,7 @@ def make_plan(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sample:
     note = None if loss_fn is not None else ("the training loop runs its own backward; Model.train (or "
                                              "autopar.PipelineParallel) runs a pipeline's step")
     plan = plan_network(network, loss_fn, batch, n, machine, ctx.search_mode, limit, pipeline_note=note,
-                        sample_kwargs=kwargs)
+                        sample_kwargs=kwargs, data_parallel_step=data_parallel_step)
     if dist.is_initialized() and n > 1:  # every rank runs rank 0's plan (one source of truth)
         box = [plan.choice if dist.get_rank() == 0 else None, plan.pure_data_parallel, plan.zero_level, plan.pipeline]
         dist.broadcast_object_list(box, src=0)

@@ -140,18 +140,40 @@ def _settled(step, steps: int = 8, kept: int = 5) -> float:
     return statistics.median(times[-kept:])
 
 
-def _measure_network(timer, root: torch.nn.Module, inputs: tuple, kwargs: dict, device_num: int) -> tuple:
-    from torch.distributed.fsdp import fully_shard
-    from torch.utils._pytree import tree_flatten, tree_map
-
-    from autopar.comm.topology import dp_mesh
+def rank_share(timer, inputs: tuple, kwargs: dict, device_num: int) -> tuple[tuple, dict]:
+    """This rank's share of a global batch (the first 1/n of every tensor whose first dimension n divides), on the
+    timer's device: what each rank of a data-parallel step computes on."""
+    from torch.utils._pytree import tree_map
 
     def share(t):
         if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] % device_num == 0:
             return t[: t.shape[0] // device_num].to(timer.device)
         return t
 
-    args, kw = tree_map(share, tuple(inputs)), tree_map(share, dict(kwargs or {}))
+    return tree_map(share, tuple(inputs)), tree_map(share, dict(kwargs or {}))
+
+
+def training_step(timer, net: torch.nn.Module, opt: torch.optim.Optimizer, args: tuple, kwargs: dict):
+    """One training step of a measured copy: forward, backward from the sum of its outputs, the optimizer."""
+    from torch.utils._pytree import tree_flatten
+
+    def step():
+        result = net(*args, **kwargs)
+        leaves = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        sum(t.float().sum() for t in leaves).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        timer._sync()
+
+    return step
+
+
+def _measure_network(timer, root: torch.nn.Module, inputs: tuple, kwargs: dict, device_num: int) -> tuple:
+    from torch.distributed.fsdp import fully_shard
+
+    from autopar.comm.topology import dp_mesh
+
+    args, kw = rank_share(timer, inputs, kwargs, device_num)
     out = []
     with torch.random.fork_rng(devices=[timer.device] if timer.device.type == "cuda" else []):
         for _, reshard in LEVELS:
@@ -160,15 +182,6 @@ def _measure_network(timer, root: torch.nn.Module, inputs: tuple, kwargs: dict, 
                 fully_shard(module, mesh=dp_mesh(), reshard_after_forward=reshard)
             fully_shard(net, mesh=dp_mesh(), reshard_after_forward=reshard)
             opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.0, momentum=0.9)
-
-            def step(net=net, opt=opt):
-                result = net(*args, **kw)
-                leaves = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-                sum(t.float().sum() for t in leaves).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                timer._sync()
-
-            out.append(_settled(step))
+            out.append(_settled(training_step(timer, net, opt, args, kw)))
             del net, opt
     return out[0], out[1]

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from autopar.context import env_flag
 
 REPEATS = 3
+# compute run before each timed half of a redistribution, on a CPU (:meth:`OpTimer._measure_reshard`)
+SEGMENT_SECONDS = 4e-3
 OPTIMIZER_SAMPLE = 256 * 2**20  # parameter bytes the optimizer step is timed on (beyond: the rate of those)
 
 
@@ -66,7 +68,7 @@ class OpTimer:
         from autopar.planner.cache import cache_dir
 
         local = management.get_local_size() if management.is_initialized() else 1
-        name = (f"ops-v2-{device.type}-{socket.gethostname()}-c{os.cpu_count()}-t{torch.get_num_threads()}"
+        name = (f"ops-v3-{device.type}-{socket.gethostname()}-c{os.cpu_count()}-t{torch.get_num_threads()}"
                 f"-n{world}-l{local}.json")
         return cls(device, cache_dir() / name, together=dist.is_initialized() and dist.get_world_size() > 1,
                    local_ranks=local, turn_taking=turn_taking)
@@ -223,16 +225,21 @@ class OpTimer:
         torch.manual_seed(0)
         local = torch.randn(local_shape, dtype=dtype, device=self.device)
 
+        busy = self._busy()
+
         def once() -> tuple[float, float]:
             x = local.detach().requires_grad_()
+            busy()
             t0 = time.perf_counter()
             y = DTensor.from_local(x, mesh, src, run_check=False, shape=torch.Size(shape), stride=stride)
             out = y.redistribute(mesh, dst).to_local(grad_placements=grad)
             self._sync()
+            forward = time.perf_counter() - t0
+            busy()
             t1 = time.perf_counter()
             out.backward(torch.ones_like(out))
             self._sync()
-            return t1 - t0, time.perf_counter() - t0
+            return forward, forward + time.perf_counter() - t1
 
         once()  # warm-up (and DTensor's redistribution plan, cached per pair)
         forward, total = [], []
@@ -242,6 +249,26 @@ class OpTimer:
             forward.append(f)
             total.append(t)
         return statistics.median(forward), statistics.median(total)
+
+    def _busy(self):
+        """What runs before each half of a timed redistribution, as an operator's compute does in a step: on a CPU,
+        :data:`SEGMENT_SECONDS` of matrix products (elsewhere nothing).
+
+        Why: on a CPU host a collective that follows compute takes longer than one that follows a barrier -- a
+        64 KiB all-reduce between 2 ranks on this 2-core host: 0.35 ms after a barrier, 0.45 after 2.5 ms of
+        products, 1.09 after 15 ms; a redistribution's forward and backward (64 KiB to 1 MiB a rank) 1-3 ms more
+        after 2-5 ms of compute. Timed after a barrier, the layouts of ``bench/auto_vs_hand.py`` on 2 ranks, with
+        20-320 redistributions a step, were predicted 18-34 % fast; their in-step waits were that much longer."""
+        if self.device.type != "cpu":
+            return lambda: None
+        a = torch.randn(128, 128)
+
+        def busy():
+            start = time.perf_counter()
+            while time.perf_counter() - start < SEGMENT_SECONDS:
+                a @ a
+
+        return busy
 
     # -- the optimizer step ------------------------------------------------------------------------------------
     def optimizer_rates(self, network: torch.nn.Module, device_num: int) -> dict | None:

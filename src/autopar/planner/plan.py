@@ -30,6 +30,7 @@ class Totals:
     compute: float
     comm: float  # exposed communication
     memory: float
+    measured: bool = False  # the step measured whole on the job's devices (not summed from its parts)
 
     @property
     def step(self) -> float:
@@ -124,7 +125,8 @@ class Plan:
         if self.dp_totals is not None:
             d = self.dp_totals
             lines.append(f"data parallel: step {d.step * 1e3:.1f} ms = compute {d.compute * 1e3:.1f} + exposed "
-                         f"communication {d.comm * 1e3:.1f}; memory {d.memory / 2**20:.1f} MiB per device")
+                         f"communication {d.comm * 1e3:.1f}; memory {d.memory / 2**20:.1f} MiB per device"
+                         + (" (the step measured whole: the runtime's data parallel on a copy)" if d.measured else ""))
             for level, z in (self.zero or {}).items():
                 lines.append(f"data parallel + ZeRO {level} ({ZERO_WHAT[level]} sharded over {self.device_num}): "
                              f"step {z.step * 1e3:.1f} ms = compute {z.compute * 1e3:.1f} + exposed communication "
@@ -222,8 +224,26 @@ def totals_of(p: Problem, choice: list[int], other_compute: float) -> Totals:
     return Totals(other_compute + dispatch_of(p) + operators, p.total(choice) - operators, p.used_memory(choice))
 
 
-def _dp_totals(p: Problem, dp: list[int], other_compute: float, other_grad_bytes: float) -> Totals:
-    """Pure data parallel on DDP: gradients all-reduced in buckets while the backward pass runs."""
+def _dp_whole(measure, network, loss_fn, sample: tuple, kwargs: dict | None, graph: Graph, machine: MachineModel,
+              n: int) -> float | None:
+    """Data parallel's step measured whole in a job by the runtime's ``measure`` (None where there is none, outside
+    a job, or where the copy cannot step); agreed by the ranks and cached with the operators, per network, world
+    size and what else changes it (``measure.key()``: the runtime's bucket size, shared memory)."""
+    from autopar.planner.graph import with_loss
+
+    timer = getattr(machine, "op_timer", None)
+    if measure is None or timer is None or n < 2:
+        return None
+    key = f"data-parallel step {_step_digest(network, loss_fn, graph, n)} {measure.key()}"
+    measured = timer.agreed(key, lambda: measure(timer, with_loss(network, loss_fn), sample, kwargs or {}, n))
+    return None if measured is None else measured[0]
+
+
+def _dp_totals(p: Problem, dp: list[int], other_compute: float, other_grad_bytes: float,
+               whole: float | None = None) -> Totals:
+    """Pure data parallel on DDP: gradients all-reduced in buckets while the backward pass runs. ``whole``: the step
+    measured whole (:func:`_dp_whole`): where given, the step is that, its communication what it takes beyond the
+    compute."""
     machine, n = p.machine, p.costs[0].device_num
     grad_bytes = other_grad_bytes + sum(
         p.costs[k].choices[s].plan.inputs[i].slice_shape and
@@ -240,6 +260,8 @@ def _dp_totals(p: Problem, dp: list[int], other_compute: float, other_grad_bytes
     backward = sum(p.costs[k].choices[s].backward for k, s in enumerate(dp))
     others = sum(p.costs[k].choices[s].act_comm + p.costs[k].boundary_cost(p.costs[k].choices[s], machine)
                  for k, s in enumerate(dp))
+    if whole is not None:
+        return Totals(min(compute, whole), max(0.0, whole - compute), p.used_memory(dp), measured=True)
     return Totals(compute, allreduce - machine.hidden(allreduce, backward) + others, p.used_memory(dp))
 
 
@@ -314,14 +336,18 @@ def _fitting(zero: dict[str, Totals], memory_limit: float | None) -> dict[str, T
 def plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sample: tuple, device_num: int,
                  machine: MachineModel, search_mode: str = "dynamic_programming",
                  memory_limit: float | None = None, pipeline_note: str | None = None,
-                 sample_kwargs: dict | None = None) -> Plan:
+                 sample_kwargs: dict | None = None, data_parallel_step=None) -> Plan:
     """Capture, cost, search, compare with data parallelism (with and without ZeRO) and pipelines; the result can
     ``apply()`` and ``explain()``. ``pipeline_note``: why pipelines are not to be weighed (a loop that runs its own
-    backward cannot run one). ``sample_kwargs``: the network's keyword inputs (``input_ids=...``)."""
+    backward cannot run one). ``sample_kwargs``: the network's keyword inputs (``input_ids=...``).
+    ``data_parallel_step``: the runtime's measurement of its data-parallel step, called ``(timer, network with loss,
+    sample, kwargs, n) -> (seconds, seconds)``, with ``key()`` naming what else changes it
+    (:data:`autopar.parallel.data.step_timer.DATA_PARALLEL_STEP`): in a job, data parallel's step is that, measured
+    whole (None: summed from its parts)."""
     start = time.perf_counter()
     with _context.side_work():  # the measurements below step optimizers of their own
         plan = _plan_network(network, loss_fn, sample, device_num, machine, search_mode, memory_limit, pipeline_note,
-                             sample_kwargs)
+                             sample_kwargs, data_parallel_step)
     # the rest of planning: costing the candidates, inside a job by measuring them (operators, redistributions, the
     # optimizer, the whole step, ZeRO) -- the part of planning a user waits for most, so it is said
     plan.cost_seconds = max(0.0, time.perf_counter() - start - plan.graph.seconds - plan.search_seconds)
@@ -335,7 +361,7 @@ def plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, samp
 def _plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sample: tuple, device_num: int,
                   machine: MachineModel, search_mode: str = "dynamic_programming",
                   memory_limit: float | None = None, pipeline_note: str | None = None,
-                  sample_kwargs: dict | None = None) -> Plan:
+                  sample_kwargs: dict | None = None, data_parallel_step=None) -> Plan:
     graph = capture(network, loss_fn, sample, every_operator=search_mode == "sharding_propagation",
                     kwargs=sample_kwargs)
     timer = getattr(machine, "op_timer", None)
@@ -393,7 +419,11 @@ def _plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sam
                     f"operators fits the memory limit ({exc})", zero, level, pipelines, pipeline_note,
                     other_compute=other_compute)
     searched = totals_of(problem, choice, other_compute)
-    dp_totals = _dp_totals(problem, dp, other_compute, other_params) if dp is not None else None
+    dp_totals = None
+    if dp is not None:
+        whole = None if user_given or not problem.fits(dp) else _dp_whole(data_parallel_step, network, loss_fn, sample, sample_kwargs, graph,
+                                                  machine, device_num)
+        dp_totals = _dp_totals(problem, dp, other_compute, other_params, whole)
     zero = {}
     if dp is not None and not user_given:  # ZeRO measured whole where it can be chosen or the context asks for it
         live = not problem.fits(dp) or _context.auto_parallel_context().enable_parallel_optimizer

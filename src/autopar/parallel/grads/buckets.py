@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from autopar import context as _context
 from autopar.comm.host_memory import HostGroup
 from autopar.errors import CommError, TrainingError
 from autopar.parallel.grads.engine import accumulates, accumulator, claim, release, returns_deferred, unowned
@@ -336,6 +337,19 @@ def bucket_reducers(params: Sequence[torch.nn.Parameter], *, scale: float, bucke
         claim(reducer, mine)
         out.append(reducer)
     return out
+
+
+def data_parallel_reducers(params, world: int, ctx) -> list:
+    """Collective: the bucketed reducers of DATA_PARALLEL's replicated ``params`` under ``ctx`` and the speed
+    levers -- for the job's network, and for the copy the planner's data-parallel step is measured on."""
+    from autopar.perf.tuning import current
+
+    levers = current()
+    fusion = _context.allreduce_bucket_mb()  # comm_fusion={"allreduce": {"mode": "size", "config": MB}}; 0: no fusion
+    graph = _context.run_context().mode == _context.GRAPH_MODE
+    return bucket_reducers(params, scale=1.0 / world if ctx.gradients_mean else 1.0,
+                           bucket_mb=levers.bucket_mb if fusion is None else fusion,
+                           shared_memory=levers.shared_memory and not graph)
 
 
 def _itemsize(dtype: torch.dtype) -> int:

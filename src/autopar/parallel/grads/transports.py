@@ -69,7 +69,11 @@ class HostTransport:
     def _sum(self) -> None:
         with torch.no_grad():
             while True:
-                start, stop, own, scale, done = self._work.get()
+                item = self._work.get()
+                if item is None:  # close(): the thread ends, and with it its hold on the segment
+                    self._work.task_done()
+                    return
+                start, stop, own, scale, done = item
                 try:
                     if self.failure is None:
                         self.host.all_reduce_range(start, stop, own, scale)
@@ -89,6 +93,14 @@ class HostTransport:
 
     def settle(self) -> None:
         self.host.settle()
+
+    def close(self) -> None:
+        """End the summing thread once its queued buckets are done (a reducer made for one measurement: the
+        planner's data-parallel step, :mod:`autopar.parallel.data.step_timer`)."""
+        if self._thread is not None:
+            self._work.put(None)
+            self._thread.join()
+            self._thread = None
 
 
 def reduce_now(tensors: list[torch.Tensor], group=None, scale: float = 1.0, *, into: bool = False,
