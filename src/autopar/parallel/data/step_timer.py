@@ -38,7 +38,8 @@ def data_parallel_step_seconds(timer, root: torch.nn.Module, inputs: tuple, kwar
     """(step s, step s) of ``root`` (the network with its loss) under DATA_PARALLEL as this job would run it: a deep
     copy whose gradients the bucketed reducer sums (through shared memory on one CPU host, with the job's bucket
     size and levers), the optimizer on its fused kernel where torch has one, stepped on this rank's share of the
-    batch, every rank at once; the slowest rank's median step once the heap has settled. Collective."""
+    batch, every rank at once; the slowest rank's median step once the heap has settled
+    (:func:`~autopar.planner.fsdp_timer._settled`). Collective."""
     from autopar.parallel.grads.buckets import data_parallel_reducers
     from autopar.perf.tuning import channels_last_inputs, tune_network, tune_optimizer
     from autopar.planner.fsdp_timer import _settled, rank_share, training_step
