@@ -228,6 +228,7 @@ def _attach_data_parallel(state, network, ctx, layerwise: set[str]) -> None:
 def _plan(network, loss_fn, optimizer, sample, sample_kwargs=None):
     """AUTO_PARALLEL: the planner's choice for this network (rank 0 plans, every rank runs it), checked by the
     measured round (:mod:`autopar.parallel.trials`)."""
+    from autopar.parallel.data.step_timer import DATA_PARALLEL_STEP
     from autopar.parallel.trials import measured_round
     from autopar.planner.api import finish, make_plan
 
@@ -236,8 +237,6 @@ def _plan(network, loss_fn, optimizer, sample, sample_kwargs=None):
 
     sample = [move(t) for t in sample]
     kwargs = {k: move(v) for k, v in (sample_kwargs or {}).items()}
-    from autopar.parallel.data.step_timer import DATA_PARALLEL_STEP
-
     with _context.managed():  # the planner's trace calls the network: it must not parallelize itself meanwhile
         plan = make_plan(network, loss_fn, sample, kwargs, data_parallel_step=DATA_PARALLEL_STEP)
     plan = measured_round(network, loss_fn, optimizer, sample, plan, kwargs, prepare)

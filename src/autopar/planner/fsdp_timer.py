@@ -140,19 +140,6 @@ def _settled(step, steps: int = 8, kept: int = 5) -> float:
     return statistics.median(times[-kept:])
 
 
-def rank_share(timer, inputs: tuple, kwargs: dict, device_num: int) -> tuple[tuple, dict]:
-    """This rank's share of a global batch (the first 1/n of every tensor whose first dimension n divides), on the
-    timer's device: what each rank of a data-parallel step computes on."""
-    from torch.utils._pytree import tree_map
-
-    def share(t):
-        if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] % device_num == 0:
-            return t[: t.shape[0] // device_num].to(timer.device)
-        return t
-
-    return tree_map(share, tuple(inputs)), tree_map(share, dict(kwargs or {}))
-
-
 def training_step(timer, net: torch.nn.Module, opt: torch.optim.Optimizer, args: tuple, kwargs: dict):
     """One training step of a measured copy: forward, backward from the sum of its outputs, the optimizer."""
     from torch.utils._pytree import tree_flatten
@@ -172,6 +159,7 @@ def _measure_network(timer, root: torch.nn.Module, inputs: tuple, kwargs: dict, 
     from torch.distributed.fsdp import fully_shard
 
     from autopar.comm.topology import dp_mesh
+    from autopar.planner.op_timer import rank_share
 
     args, kw = rank_share(timer, inputs, kwargs, device_num)
     out = []

@@ -445,19 +445,27 @@ def whole_step_seconds(timer: OpTimer, key: str, root: torch.nn.Module, inputs: 
     return None if seconds is None else seconds[0]
 
 
-def _step_seconds(timer: OpTimer, root: torch.nn.Module, inputs: tuple, kwargs: dict, device_num: int) -> tuple:
-    import copy
-
-    from torch.utils._pytree import tree_flatten, tree_map
+def rank_share(timer, inputs: tuple, kwargs: dict, device_num: int) -> tuple[tuple, dict]:
+    """This rank's share of a global batch (the first 1/n of every tensor whose first dimension n divides), on the
+    timer's device: what each rank of a data-parallel step computes on."""
+    from torch.utils._pytree import tree_map
 
     def share(t):
         if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] % device_num == 0:
             return t[: t.shape[0] // device_num].to(timer.device)
         return t
 
+    return tree_map(share, tuple(inputs)), tree_map(share, dict(kwargs or {}))
+
+
+def _step_seconds(timer: OpTimer, root: torch.nn.Module, inputs: tuple, kwargs: dict, device_num: int) -> tuple:
+    import copy
+
+    from torch.utils._pytree import tree_flatten
+
     with torch.random.fork_rng(devices=[timer.device] if timer.device.type == "cuda" else []):
         net = copy.deepcopy(root).train()
-        args, kw = tree_map(share, tuple(inputs)), tree_map(share, dict(kwargs or {}))
+        args, kw = rank_share(timer, inputs, kwargs, device_num)
 
         def step():
             out = net(*args, **kw)

@@ -421,8 +421,9 @@ def _plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sam
     searched = totals_of(problem, choice, other_compute)
     dp_totals = None
     if dp is not None:
-        whole = None if user_given or not problem.fits(dp) else _dp_whole(data_parallel_step, network, loss_fn, sample, sample_kwargs, graph,
-                                                  machine, device_num)
+        whole = None
+        if not user_given and problem.fits(dp):
+            whole = _dp_whole(data_parallel_step, network, loss_fn, sample, sample_kwargs, graph, machine, device_num)
         dp_totals = _dp_totals(problem, dp, other_compute, other_params, whole)
     zero = {}
     if dp is not None and not user_given:  # ZeRO measured whole where it can be chosen or the context asks for it

@@ -42,7 +42,8 @@ def data_parallel_step_seconds(timer, root: torch.nn.Module, inputs: tuple, kwar
     (:func:`~autopar.planner.fsdp_timer._settled`). Collective."""
     from autopar.parallel.grads.buckets import data_parallel_reducers
     from autopar.perf.tuning import channels_last_inputs, tune_network, tune_optimizer
-    from autopar.planner.fsdp_timer import _settled, rank_share, training_step
+    from autopar.planner.fsdp_timer import _settled, training_step
+    from autopar.planner.op_timer import rank_share
 
     args, kw = rank_share(timer, inputs, kwargs, device_num)
     with torch.random.fork_rng(devices=[timer.device] if timer.device.type == "cuda" else []):
@@ -60,9 +61,7 @@ def data_parallel_step_seconds(timer, root: torch.nn.Module, inputs: tuple, kwar
         finally:
             for reducer in reducers:
                 reducer.close()
-                close = getattr(reducer.transport, "close", None)
-                if close is not None:
-                    close()
+                reducer.transport.close()
     return seconds, seconds
 
 

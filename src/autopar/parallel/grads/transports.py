@@ -43,6 +43,9 @@ class GroupTransport:
     def settle(self) -> None:
         pass
 
+    def close(self) -> None:
+        """Nothing runs beside the caller: nothing to end."""
+
 
 class HostTransport:
     """Sums through one shared-memory segment of the host's ranks, a bucket at a time on a background thread (summed
