@@ -46,7 +46,8 @@ class StepClock:
             "steady_step_s": step, "images_per_s": world * batch / step,
             "launch_to_first_step_s": self.first_step_wall - t0, "peak_rss_mb": peak_rss_mb(),
             "pss_mb": pss_mb(), "cpu_step_s": cpu, "system_step_s": system,
-            "threads": int(os.environ.get("OMP_NUM_THREADS", "0") or 0), **extra,
+            "threads": int(os.environ.get("OMP_NUM_THREADS", "0") or 0),
+            "step_gaps_s": [round(b - a, 4) for a, b in zip(self.ends, self.ends[1:])], **extra,
         }
         emit(out)
 

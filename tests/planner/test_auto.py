@@ -244,8 +244,19 @@ def test_measured_round_keeps_the_fastest_plan_leaves_training_exact_and_is_not_
             dp_line = next(line for line in table.splitlines() if line.startswith("data parallel: step"))
             assert dp_line.endswith("(the step measured whole: the runtime's data parallel on a copy)"), table
             kept = json.loads(next((tmp_path / "cache").glob("ops-*-n2-*.json")).read_text())
-            whole = [v for k, v in kept.items() if k.startswith("data-parallel step ")]
-            assert len(whole) == 1 and len(whole[0]) == 2 and min(whole[0]) > 0, kept.keys()
+            whole = {k: v for k, v in kept.items() if k.startswith("data-parallel step ")}
+            copy_key = next(k for k in whole if not k.endswith(" measured round"))
+            assert len(whole[copy_key]) == 2 and min(whole[copy_key]) > 0, kept.keys()
+            # and beside it data parallel's step as the round timed it, which later plans predict with
+            round_dp = next(float(re.search(r"measured +([0-9.]+) ms", line).group(1)) for line in rows
+                            if line.strip().startswith("data parallel ") and "ZeRO" not in line)
+            assert whole[copy_key + " measured round"] == pytest.approx([round_dp / 1e3] * 2, abs=1e-4), whole
+        else:  # the restart predicts data parallel with the step the first run's round timed
+            dp_line = next(line for line in table.splitlines() if line.startswith("data parallel: step"))
+            assert dp_line.endswith("(the step measured whole: the runtime's data parallel as a measured round "
+                                    "ran it)"), table
+            step = float(re.search(r"step ([0-9.]+) ms", dp_line).group(1))
+            assert step == pytest.approx(round_dp, abs=0.11), (step, round_dp)
         for rank in range(2):
             r = json.load(open(tmp_path / f"{run}.{rank}"))
             assert r["diff"] <= 1e-5, r

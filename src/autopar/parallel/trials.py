@@ -16,6 +16,10 @@ are where a few steps mislead). The
 original network, its optimizer and the
 random number generators are left exactly as they were: training afterwards is the same as without the round.
 
+Data parallel's step as the round timed it is kept with the operators' times
+(:func:`autopar.planner.plan.record_data_parallel_step`): a later plan of the network predicts data parallel with it
+rather than with the planner's measurement on a copy.
+
 ``AUTOPAR_AUTO_TRIALS=0`` turns the round off (the prediction alone decides); ``AUTOPAR_AUTO_TRIAL_STEPS`` sets the
 timed steps (default 3).
 """
@@ -36,6 +40,7 @@ from torch.utils._pytree import tree_flatten
 from autopar import context as _context
 from autopar.context import env_flag
 from autopar.planner.alternatives import alternatives, as_choice, describe, from_choice
+from autopar.planner.plan import record_data_parallel_step
 
 CLOSE = 1.10  # plans measured within this of the fastest are measured a second time
 
@@ -103,6 +108,9 @@ def measured_round(network: torch.nn.Module, loss_fn: Any, optimizer: Any, sampl
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+    for candidate, seconds in zip(candidates, measured):  # data parallel as the job runs it: kept for later plans
+        if candidate.pure_data_parallel and candidate.zero_level is None and candidate.pipeline is None:
+            record_data_parallel_step(candidate, seconds)
     best = min(range(len(candidates)), key=lambda i: (measured[i], i))
     chosen = candidates[best]
     chosen.trials = [(describe(c), c.totals.step, m) for c, m in zip(candidates, measured)]
