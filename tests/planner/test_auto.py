@@ -248,8 +248,9 @@ def test_measured_round_keeps_the_fastest_plan_leaves_training_exact_and_is_not_
             copy_key = next(k for k in whole if not k.endswith(" measured round"))
             assert len(whole[copy_key]) == 2 and min(whole[copy_key]) > 0, kept.keys()
             # and beside it data parallel's step as the round timed it, which later plans predict with
-            round_dp = next(float(re.search(r"measured +([0-9.]+) ms", line).group(1)) for line in rows
-                            if line.strip().startswith("data parallel ") and "ZeRO" not in line)
+            dp_row = next(line for line in rows if line.strip().startswith("data parallel ") and "ZeRO" not in line)
+            assert "failed" not in dp_row, table
+            round_dp = float(re.search(r"measured +([0-9.]+) ms", dp_row).group(1))
             assert whole[copy_key + " measured round"] == pytest.approx([round_dp / 1e3] * 2, abs=1e-4), whole
         else:  # the restart predicts data parallel with the step the first run's round timed
             dp_line = next(line for line in table.splitlines() if line.startswith("data parallel: step"))
@@ -257,6 +258,10 @@ def test_measured_round_keeps_the_fastest_plan_leaves_training_exact_and_is_not_
                                     "ran it)"), table
             step = float(re.search(r"step ([0-9.]+) ms", dp_line).group(1))
             assert step == pytest.approx(round_dp, abs=0.11), (step, round_dp)
+            kept_first = table.split("measured round (")[1].splitlines()[1].strip()
+            if kept_first.startswith("data parallel "):  # the plan read back is data parallel: predicted so too
+                total = next(line for line in table.splitlines() if line.startswith("plan total: step"))
+                assert float(re.search(r"step ([0-9.]+) ms", total).group(1)) == step, table
         for rank in range(2):
             r = json.load(open(tmp_path / f"{run}.{rank}"))
             assert r["diff"] <= 1e-5, r

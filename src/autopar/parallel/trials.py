@@ -108,9 +108,10 @@ def measured_round(network: torch.nn.Module, loss_fn: Any, optimizer: Any, sampl
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
-    for candidate, seconds in zip(candidates, measured):  # data parallel as the job runs it: kept for later plans
-        if candidate.pure_data_parallel and candidate.zero_level is None and candidate.pipeline is None:
-            record_data_parallel_step(candidate, seconds)
+    if _as_the_copy_steps(optimizer):  # data parallel as the job runs it: kept for later plans
+        for candidate, seconds in zip(candidates, measured):
+            if candidate.pure_data_parallel and candidate.zero_level is None and candidate.pipeline is None:
+                record_data_parallel_step(candidate, seconds)
     best = min(range(len(candidates)), key=lambda i: (measured[i], i))
     chosen = candidates[best]
     chosen.trials = [(describe(c), c.totals.step, m) for c, m in zip(candidates, measured)]
@@ -127,6 +128,14 @@ def measured_round(network: torch.nn.Module, loss_fn: Any, optimizer: Any, sampl
         except OSError:  # a read-only cache: the next run measures again
             pass
     return chosen
+
+
+def _as_the_copy_steps(optimizer) -> bool:
+    """Whether the round's data parallel is the step the planner's copy measures: plain data parallel (no ZeRO
+    asked by the context, which the round's "data parallel" would run with) under SGD (the copy's optimizer; a loop
+    that makes its optimizer later is timed with it too). Adam's step on the same network is another step."""
+    return (not _context.auto_parallel_context().enable_parallel_optimizer
+            and (optimizer is None or isinstance(optimizer, torch.optim.SGD)))
 
 
 def _still_fits(plan, cached: dict) -> bool:

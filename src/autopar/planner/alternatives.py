@@ -137,6 +137,8 @@ def as_choice(plan: Plan) -> tuple:
 def from_choice(plan: Plan, box: tuple) -> Plan:
     choice, pure, level, compute, comm, memory, reason = box[:7]
     piped = box[7] if len(box) > 7 else False  # (a decision kept by an earlier version has no pipeline flag)
-    return dataclasses.replace(plan, choice=choice, pure_data_parallel=pure, zero_level=level,
-                               totals=Totals(compute, comm, memory), reason=reason,
-                               pipeline=plan.pipeline if piped else None)
+    totals = Totals(compute, comm, memory)
+    if pure and level is None and not piped and plan.dp_totals is not None:  # data parallel's step as now known (a
+        totals = plan.dp_totals  # decision read back: its step as an earlier measured round timed it, where kept)
+    return dataclasses.replace(plan, choice=choice, pure_data_parallel=pure, zero_level=level, totals=totals,
+                               reason=reason, pipeline=plan.pipeline if piped else None)

@@ -239,8 +239,8 @@ def _dp_step_key(measure, network, loss_fn, graph: Graph, n: int) -> str:
 def _dp_whole(measure, network, loss_fn, sample: tuple, kwargs: dict | None, graph: Graph, machine: MachineModel,
               n: int) -> tuple[float, str] | None:
     """(seconds, how) of data parallel's step measured whole in a job (None where there is none, outside a job, or
-    where the copy cannot step), agreed by the ranks and cached with the operators: the step an earlier job's
-    measured round timed (:func:`record_data_parallel_step`) where there is one, else the runtime's
+    where the copy cannot step), agreed by the ranks and cached with the operators: the step a measured round timed
+    (:func:`record_data_parallel_step`; this job's or an earlier one's) where there is one, else the runtime's
     ``measure`` of it on a copy."""
     from autopar.planner.graph import with_loss
 
@@ -261,9 +261,10 @@ def _not_measured_here() -> tuple:
 
 def record_data_parallel_step(plan: "Plan", seconds: float) -> bool:
     """Keep data parallel's step as a measured round timed it (the runtime itself, on the job's devices, stepped
-    back to back as training steps) beside the copy's measurement: a later plan of this network -- a restart, the
-    same network planned by hand -- predicts data parallel with it. True if kept. Every rank calls it with the same
-    ``seconds`` (the round's times are agreed).
+    back to back as training steps) beside the copy's measurement: a later plan of this network in a job -- a
+    restart, the network planned again -- predicts data parallel with it. True if kept. Every rank calls it with the
+    same ``seconds`` (the round's times are agreed). The round's time is the median of its few steps and is kept
+    until the cache is cleared (a decision read back runs no round).
 
     Why: the copy is stepped with a barrier before each step, on a heap the planner's other measurements left, and
     on 4 ranks of this 2-core host the wide MLP's data parallel measured 0.60-0.62 s that way in four jobs, where
