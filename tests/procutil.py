@@ -31,6 +31,16 @@ CONTRACT_VARS = (
 )
 
 
+def worker_logs(log_dir: Path, lines: int = 60) -> str:
+    """The end of every worker's log in ``log_dir``: what a failed launch's assertion shows (a rank that crashed
+    in native code has its threads' Python stacks there)."""
+    out = []
+    for log in sorted(Path(log_dir).glob("worker_*.log")):
+        text = log.read_text(errors="replace").splitlines()[-lines:]
+        out.append(f"----- {log.name} -----\n" + "\n".join(text))
+    return "\n".join(out)
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in CONTRACT_VARS}
     env["PYTHONUNBUFFERED"] = "1"

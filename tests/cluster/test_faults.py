@@ -254,6 +254,8 @@ def test_an_abort_in_teardown_after_a_clean_end_is_not_a_failure(procs, tmp_path
     res = procs.run(autopar_cmd("launch", "-n", "2", "--log-dir", str(tmp_path / "early"),
                                 str(SCRIPTS / "teardown_abort.py"), "early"), timeout=120)
     assert res.returncode != 0 and "rank 1 failed: killed by signal SIGABRT" in res.stderr, res.stderr
+    # ... and the report says where, from its log: the Python stack of the thread that aborted
+    assert "Fatal Python error: Aborted" in res.stderr and 'teardown_abort.py", line 48' in res.stderr, res.stderr
     # a torchrun-style script that never imports autopar: the launcher's boot hook says how it ended
     res = procs.run(autopar_cmd("launch", "-n", "2", "--log-dir", str(tmp_path / "plain"),
                                 str(SCRIPTS / "teardown_abort.py"), "plain"), timeout=120)

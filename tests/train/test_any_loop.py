@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from procutil import SCRIPTS, autopar_cmd
+from procutil import SCRIPTS, autopar_cmd, worker_logs
 
 TOL = 1e-5
 MODES = ["data", "semi_megatron", "semi_redistribute", "auto", "hybrid"]
@@ -20,7 +20,7 @@ MODES = ["data", "semi_megatron", "semi_redistribute", "auto", "hybrid"]
 def test_every_loop_trains_exactly_in_every_mode(procs, tmp_path, n):
     res = procs.run(autopar_cmd("launch", "-n", str(n), "--log-dir", str(tmp_path / "logs"),
                                 str(SCRIPTS / "any_loop.py"), str(tmp_path / "out"), json.dumps(MODES)), timeout=400)
-    assert res.returncode == 0, res.stdout + res.stderr + (tmp_path / "logs" / "worker_0.log").read_text()
+    assert res.returncode == 0, res.stdout + res.stderr + worker_logs(tmp_path / "logs")
     for rank in range(n):
         results = json.load(open(tmp_path / f"out.{rank}"))
         errors = results.pop("errors")

@@ -266,6 +266,9 @@ class Launcher:
         # c10d logs a C++ stack dump with each warning (a store connection that broke when the job ends): only
         # its errors reach the logs, unless the user chose a level
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        # a rank killed by a signal (a crash in native code: a segfault, glibc's heap checks aborting) writes the
+        # Python stack of each of its threads into its log, not only the signal's name
+        env.setdefault("PYTHONFAULTHANDLER", "1")
         if "OMP_NUM_THREADS" not in os.environ:  # share the cores between local workers unless the user chose
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // local))
         if self.cfg.cluster_timeout is not None:

@@ -60,6 +60,24 @@ def tail(path: Path, lines: int = 20) -> list[str]:
         return []
 
 
+def crash_report(path: Path, before: int = 20, lines: int = 40) -> list[str]:
+    """A rank that crashed in native code, from its log: what it printed last, then where it crashed.
+
+    Python's fault handler (the launcher turns it on) dumps every thread's stack at the crash; the thread that
+    crashed comes last, after other threads' stacks that :func:`tail`'s lines would show instead. Empty when the
+    log holds no such dump."""
+    text = tail(path, 2000)
+    fatal = [i for i, line in enumerate(text) if line.startswith("Fatal Python error:")]
+    if not fatal:
+        return []
+    at = fatal[-1]
+    current = [i for i in range(at + 1, len(text)) if text[i].startswith("Current thread ")]
+    start = current[-1] if current else at + 1
+    block = [line for line in text[start:] if line.strip() and not line.startswith("Extension modules:")]
+    printed = [line for line in text[:at] if line.strip()][-before:]
+    return printed + [text[at]] + block[:lines]
+
+
 class Streamer(threading.Thread):
     """Copies a growing log file to the console (rank 0's output)."""
 
@@ -344,9 +362,11 @@ class Supervisor:
                       f"rendezvous and every worker was stopped", file=sys.stderr)
                 continue
             print(f"autopar: error: {who} failed: {how}", file=sys.stderr)
-            lines = tail(p.log)
+            crash = crash_report(p.log)
+            lines = crash or tail(p.log)
             if lines:
-                print(f"----- last {len(lines)} lines of {p.log} -----", file=sys.stderr)
+                print(f"----- the end of {p.log}, and where it crashed -----" if crash else
+                      f"----- last {len(lines)} lines of {p.log} -----", file=sys.stderr)
                 for line in lines:
                     print(f"  {line}", file=sys.stderr)
         sys.stderr.flush()
