@@ -45,6 +45,30 @@ def test_wide_mlp_with_small_batch_shards_the_weights():
     assert "data parallel: step" in text and "chosen: the searched plan" in text and "contract 2" in text
 
 
+def test_layouts_pay_for_summing_the_gradients_of_parameters_outside_the_operators():
+    """A layout leaves the norms' weights replicated: DTensor sums each one's partial gradient alone (no bucket)."""
+    from autopar.models import TransformerBlock
+
+    block = TransformerBlock(64, 4, 128)
+    for name in ("q", "k", "v", "ff1"):
+        shard(getattr(block, name), ((1, 1, 1), (2, 1)))
+    for name in ("proj", "ff2"):
+        shard(getattr(block, name), ((1, 1, 2), (1, 2)))
+    machine = MachineModel(device_num=2)
+    plan = plan_network(block, torch.nn.MSELoss(), (torch.randn(4, 16, 64), torch.randn(4, 16, 64)), 2, machine,
+                        "sharding_propagation")
+    norms = [p for n, p in block.named_parameters() if n.startswith("ln")]
+    assert len(norms) == 4  # two LayerNorms' weights and biases
+    sums = sum(machine.collective("all_reduce", p.numel() * 4, 2) for p in norms)
+    assert plan.problem.other_sums == pytest.approx(sums) and sums > 0
+    assert plan.totals.comm >= sums
+    assert "the gradients of the parameters outside the operators, summed one at a time" in plan.explain()
+    # a network whose every parameter belongs to an operator pays none
+    wide = plan_network(mlp(256, 2), torch.nn.MSELoss(), (torch.randn(8, 256), torch.randn(8, 256)), 2,
+                        MachineModel(device_num=2))
+    assert wide.problem.other_sums == 0.0 and "outside the operators" not in wide.explain()
+
+
 def test_memory_limit_forces_sharding_and_an_infeasible_one_is_a_clear_error():
     sample = (torch.randn(256, 1024), torch.randn(256, 1024))
     free = plan_network(mlp(1024, 4), torch.nn.MSELoss(), sample, 2, MachineModel(device_num=2))
