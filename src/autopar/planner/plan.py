@@ -117,9 +117,9 @@ class Plan:
                          f"{between * 1e3:.1f} ms per step under data parallel ({how}); in the compute column, "
                          f"each operator's share as split as its output")
         t = self.totals
-        dispatch = dispatch_of(self.problem) if not self.pure_data_parallel and self.pipeline is None else 0.0
-        sums = getattr(self.problem, "other_sums", 0.0) if not self.pure_data_parallel and self.pipeline is None \
-            else 0.0
+        layout = not self.pure_data_parallel and self.pipeline is None
+        dispatch = dispatch_of(self.problem) if layout else 0.0
+        sums = getattr(self.problem, "other_sums", 0.0) if layout else 0.0
         lines.append(f"plan total: step {t.step * 1e3:.1f} ms = compute {t.compute * 1e3:.1f}"
                      + (f" (of which DTensor dispatch {dispatch * 1e3:.1f}: {self.graph.tensor_calls} operators x 3)"
                         if dispatch else "")
@@ -167,9 +167,14 @@ def training_line(plan: Plan) -> str:
             f"{predicted * 1e3:.1f} ms ({100 * (predicted - measured) / measured:+.0f}%)")
 
 
-def other_param_bytes(network: torch.nn.Module, graph: Graph) -> float:
+def params_outside(network: torch.nn.Module, graph: Graph) -> list[torch.nn.Parameter]:
+    """The network's parameters that no node of the graph holds (normalisations' weights and biases, ...)."""
     covered = {p for node in graph.nodes for p in node.param_names if p}
-    return float(sum(p.numel() * p.element_size() for n, p in network.named_parameters() if n not in covered))
+    return [p for n, p in network.named_parameters() if n not in covered]
+
+
+def other_param_bytes(network: torch.nn.Module, graph: Graph) -> float:
+    return float(sum(p.numel() * p.element_size() for p in params_outside(network, graph)))
 
 
 def other_compute_of(plan: "Plan") -> float:
@@ -249,11 +254,10 @@ def other_param_sums(network: torch.nn.Module, graph: Graph, machine: MachineMod
     from autopar.planner.costs import nbytes, rep_placements, reshard_cost
 
     mesh = mesh_shape_for(device_num)
-    covered = {p for node in graph.nodes for p in node.param_names if p}
     priced: dict[tuple, float] = {}
     total = 0.0
-    for name, param in network.named_parameters():
-        if name in covered or not param.requires_grad:
+    for param in params_outside(network, graph):
+        if not param.requires_grad:
             continue
         key = (tuple(param.shape), param.element_size())
         if key not in priced:  # (outside a job, nothing measured: the all-reduce's alpha-beta model)
