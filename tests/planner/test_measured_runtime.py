@@ -1,6 +1,7 @@
 """What the cost model takes from the runtime as it will run: the CPU time of each operator (times the ranks that
 share a core), DTensor's own redistributions between operators, a partial sum summed before an activation, the
 optimizer step on the network's own parameters, and ``gradients_mean``'s pass over a layout's gradients."""
+import json
 import os
 
 import pytest
@@ -14,6 +15,7 @@ from autopar.planner.graph import capture
 from autopar.planner.machine import MachineModel
 from autopar.planner.op_timer import cpu_share
 from autopar.planner.plan import plan_network
+from procutil import SCRIPTS, autopar_cmd
 
 
 def test_cpu_time_times_the_ranks_per_core_on_a_cpu_with_one_thread_per_rank():
@@ -94,3 +96,18 @@ def test_gradients_mean_charges_a_layout_one_pass_over_its_gradients_and_data_pa
     params = sum(plan.costs[k].choices[s].param_bytes for k, s in enumerate(dp))
     others = sum(plan.costs[k].choices[s].compute - plan.costs[k].choices[s].optimizer for k, s in enumerate(dp))
     assert plan.dp_totals.compute == pytest.approx(plan.other_compute + others + params / rates["fused"])
+
+
+def test_a_redistribution_is_timed_by_the_rank_that_arrives_last_where_ranks_outnumber_the_cores(procs, tmp_path):
+    out = tmp_path / "out"
+    res = procs.run(autopar_cmd("launch", "-n", "4", "--log-dir", str(tmp_path / "logs"),
+                                str(SCRIPTS / "reshard_timing.py"), str(out)), procs.env(), timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr
+    ranks = [json.loads(open(f"{out}.{r}").read()) for r in range(4)]
+    cores = len(os.sched_getaffinity(0))
+    # one thread a rank: 4 ranks share this host's cores where it has fewer than 4
+    assert all(r["oversubscribed"] == (r["threads"] == 1 and 4 > cores) for r in ranks), ranks
+    # the measured all-reduce of a parameter's gradient: one number, the same on every rank
+    assert ranks[0]["seconds"] > 0 and len({r["seconds"] for r in ranks}) == 1, ranks
+    # the least of every rank's times, element by element (rank r timed 1 + r and 10 - r)
+    assert all(r["least_of_ranks"] == [1.0, 7.0] for r in ranks), ranks
