@@ -2,7 +2,7 @@
 all-reduce) timed by the operator timer as a job plans, on every rank at once. argv: OUT_JSON (rank appended).
 
 Where ranks outnumber the cores, the time kept is the least rank's (the one that arrived last): every rank must hold
-that same number, and it must be the least of what the ranks timed."""
+that same number, and the reduction that makes it (``_least_rank``) must give the least of the ranks' values."""
 import json
 import sys
 

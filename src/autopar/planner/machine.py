@@ -299,10 +299,9 @@ def _turn_taking(device, rounds: int = 7) -> float | None:
     Seven rounds, the first dropped (it runs high: 1.13 where the rest gave 1.01-1.14), the median of the others:
     twelve rounds on a quiet host spread 0.93-1.23, and a median of three once gave 1.44 -- every 4-rank compute of
     that benchmark run 44 % dearer, its data-parallel steps predicted 31-38 % slow (``bench/auto_vs_hand.py``)."""
-    from autopar.comm import management
-    from autopar.planner.op_timer import cpu_share
+    from autopar.planner.op_timer import cpu_share, local_ranks
 
-    share = cpu_share(device, management.get_local_size() if management.is_initialized() else 1)
+    share = cpu_share(device, local_ranks())
     if share <= 1.0:
         return None
     a, buf = torch.randn(256, 256, device=device), torch.ones(1024, device=device)
@@ -363,11 +362,10 @@ def _dispatch_seconds(device, layers: int = 4, repeats: int = 5) -> float:
             x = functional.relu(functional.layer_norm(functional.linear(x, w, b), (width,), g, beta))
         x.sum().backward()
 
-    from autopar.comm import management
-    from autopar.planner.op_timer import cpu_share
+    from autopar.planner.op_timer import cpu_share, local_ranks
 
     # ranks on the CPU with a thread each: their CPU time times the ranks per core, as operators are timed
-    share = cpu_share(device, management.get_local_size() if management.is_initialized() else 1)
+    share = cpu_share(device, local_ranks())
     clock = time.thread_time if share else time.perf_counter
 
     def per_step(tensors) -> float:
@@ -442,8 +440,9 @@ def available_memory() -> float:
         return float(free)
     import psutil
 
-    local = management.get_local_size() if management.is_initialized() else 1
-    return float(psutil.virtual_memory().available) / max(local, 1)
+    from autopar.planner.op_timer import local_ranks
+
+    return float(psutil.virtual_memory().available) / max(local_ranks(), 1)
 
 
 def main() -> None:  # pragma: no cover - run by ``autopar plan --calibrate`` through the launcher

@@ -51,9 +51,10 @@ class OpTimer:
         # on a CPU with one thread per rank, compute is timed by the CPU time it takes, times how many ranks share
         # each core (:func:`cpu_share`); elsewhere by the wall clock
         # (and by how much more the ranks that share the cores lose to waiting for each other: machine.turn_taking)
-        self.cpu_share = cpu_share(device, local_ranks) * (turn_taking or 1.0)
+        share = cpu_share(device, local_ranks)
+        self.cpu_share = share * (turn_taking or 1.0)
         # more ranks than cores: a redistribution is timed by the rank that arrives at it last (:meth:`_least_rank`)
-        self.oversubscribed = cpu_share(device, local_ranks) > 1
+        self.oversubscribed = share > 1
         self.table: dict[str, tuple[float, float]] = {}
         self.measured = 0  # shapes measured by this process (the rest came from the cache)
         self._agreed: set[str] = set()  # keys every rank of this job holds already: no collective to look them up
@@ -70,10 +71,9 @@ class OpTimer:
         depends on how many run beside it (every rank measures at once, as they will compute at once)."""
         import torch.distributed as dist
 
-        from autopar.comm import management
         from autopar.planner.cache import cache_dir
 
-        local = management.get_local_size() if management.is_initialized() else 1
+        local = local_ranks()
         name = (f"ops-v4-{device.type}-{socket.gethostname()}-c{os.cpu_count()}-t{torch.get_num_threads()}"
                 f"-n{world}-l{local}.json")
         return cls(device, cache_dir() / name, together=dist.is_initialized() and dist.get_world_size() > 1,
@@ -435,6 +435,13 @@ class OpTimer:
 
 
 _DTYPES = {8: torch.float64, 4: torch.float32, 2: torch.bfloat16}
+
+
+def local_ranks() -> int:
+    """Ranks of this job on this host (1 outside a job): those that share its cores."""
+    from autopar.comm import management
+
+    return management.get_local_size() if management.is_initialized() else 1
 
 
 def cpu_share(device: torch.device, local_ranks: int) -> float:
