@@ -68,6 +68,41 @@ def test_a_partial_sum_is_summed_before_an_activation_not_before_a_linear_functi
     assert first[row_a][row_b] == pytest.approx(reshard_cost(machine, (Partial(),), (Shard(1),), nbytes, (2,)))
 
 
+class NormedLinears(torch.nn.Module):
+    """The batch into a Linear and, through a LayerNorm with its own weights, into another."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+        self.norm = torch.nn.LayerNorm(64)
+
+    def forward(self, x):
+        return self.b(self.norm(x)) + self.a(x * 2.0)
+
+
+def test_the_batch_is_redistributed_forward_only_what_a_gradient_flows_into_both_ways():
+    """A redistribution's backward runs only where a gradient comes back: the batch (and what is made from it alone)
+    gets none, a LayerNorm's output does (its weights), and so does an input the user made require one."""
+    sample = (torch.randn(8, 64), torch.randn(8, 64))
+    graph = capture(NormedLinears(), torch.nn.MSELoss(), sample)
+    names = {node.name: node for node in graph.nodes}
+    assert names["a"].no_grad_inputs == {0}  # x * 2.0: the batch alone
+    assert names["b"].no_grad_inputs == frozenset()  # the norm's weights take a gradient
+    wants = (torch.randn(8, 64, requires_grad=True), torch.randn(8, 64))
+    assert {n.name: n.no_grad_inputs for n in capture(NormedLinears(), torch.nn.MSELoss(), wants).nodes}["a"] == set()
+    frozen = NormedLinears()
+    frozen.norm.requires_grad_(False)
+    assert {n.name: n.no_grad_inputs for n in capture(frozen, torch.nn.MSELoss(), sample).nodes}["b"] == {0}
+    # in the costs: a column-split "a" pays the batch's gather, not the reduce-scatter of a gradient never made
+    plan = plan_network(NormedLinears(), torch.nn.MSELoss(), sample, 2, MachineModel(device_num=2))
+    costs = plan.costs[names["a"].index]
+    column = next(ch for ch in costs.choices if ch.label == "out 2")
+    gather = reshard_cost(plan.problem.machine, (Shard(0),), (Replicate(),), 8 * 64 * 4, (2,), backward=False)
+    both = reshard_cost(plan.problem.machine, (Shard(0),), (Replicate(),), 8 * 64 * 4, (2,), grad=(Partial(),))
+    assert 0 < gather < both
+    assert costs.boundary_cost(column, plan.problem.machine) == pytest.approx(gather)
+
+
 def test_the_search_prints_nothing(capfd):
     """HiGHS 1.16 writes a banner from its constructor to the C-level standard output: not into a job's log."""
     sample = (torch.randn(8, 256), torch.randn(8, 256))

@@ -57,6 +57,10 @@ class OpNode:
     fixed: tuple | None = None  # a strategy the user gave: respected
     in_sources: dict[int, Any] = field(default_factory=dict)  # activation input -> DP | REP | node index
     out_to_dp: int = 0  # how many consumers take the output in the batch-split layout
+    # activation inputs no gradient flows back into (the batch itself, what is made from it alone): their
+    # redistribution runs forward only -- the backward that :func:`autopar.planner.costs.reshard_cost` prices for
+    # the others never runs for them
+    no_grad_inputs: frozenset = frozenset()
 
     def shapes_text(self) -> str:
         """``a b -> out`` (the first two inputs), as the plan tables show it."""
@@ -186,16 +190,28 @@ class Tracer:
         self.param_names = {id(p): n for n, p in network.named_parameters()}
         self.handles: list = []
         self._open: dict[int, OpNode] = {}  # id(module) -> the node its call opened (closed by the post hook)
+        # ids of the tensors a gradient flows back into: made from a trainable parameter or an input that requires
+        # one (the trace runs without autograd, so it follows them itself)
+        self.grads: set[int] = set()
+        self._node_grad: dict[int, bool] = {}  # node index -> does its output carry a gradient
 
     # -- sources ----------------------------------------------------------------------------------------------
     def _src(self, t: torch.Tensor) -> Any:
         return self.source.get(id(t), DP if t.dim() >= 1 else REP)
 
-    def _set(self, out: Any, src: Any) -> None:
+    def _set(self, out: Any, src: Any, grad: bool) -> None:
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.source[id(t)] = src
                 self.keep.append(t)
+                if grad:
+                    self.grads.add(id(t))
+
+    def _flows(self, tensors, module: torch.nn.Module | None = None) -> bool:
+        """Does a gradient flow back from what ``tensors`` (and ``module``'s own parameters) make?"""
+        return any(id(t) in self.grads or (isinstance(t, torch.nn.Parameter) and t.requires_grad)
+                   for t in tree_flatten(tensors)[0] if isinstance(t, torch.Tensor)) or (
+            module is not None and any(p.requires_grad for p in module.parameters(recurse=False)))
 
     def _consume_dp(self, tensors) -> None:
         for t in tensors:
@@ -213,7 +229,9 @@ class Tracer:
             if pname is None:
                 acts.append(i)
         node = OpNode(len(self.nodes), name, kind, target, spec, shapes, tuple(acts), tuple(pnames), (), 0.0,
-                      tensors[0].element_size(), fixed)
+                      tensors[0].element_size(), fixed,
+                      no_grad_inputs=frozenset(i for i in acts if not self._flows([tensors[i]])))
+        self._node_grad[node.index] = self._flows(tensors)
         for i in acts:
             src = self._src(tensors[i])
             node.in_sources[i] = src
@@ -229,7 +247,7 @@ class Tracer:
     def finish_node(self, node: OpNode, out: torch.Tensor, groups: int = 1) -> None:
         node.out_shape = tuple(out.shape)
         node.flops = _flops(node.kind, node.shapes, node.out_shape, groups)
-        self._set(out, node.index)
+        self._set(out, node.index, self._node_grad.pop(node.index))
 
     # -- hooks ------------------------------------------------------------------------------------------------
     def _module_pre(self, module, args):
@@ -255,12 +273,12 @@ class Tracer:
             return
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if isinstance(module, LAYOUT_TRANSPARENT) and tensors:
-            self._set(out, self._src(tensors[0]))
+            self._set(out, self._src(tensors[0]), self._flows(tensors, module))
             if not isinstance(module, torch.nn.Identity) or id(tensors[0]) in self.resolved:
                 self._resolve(out)
             self.elementwise_bytes += 2.0 * tensors[0].numel() * tensors[0].element_size()  # read + write
             return
-        self._set(out, DP)
+        self._set(out, DP, self._flows(tensors, module))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.other_flops += 4.0 * t.numel()  # normalisation / pooling: a few operations per element
@@ -285,16 +303,18 @@ class Tracer:
         out = op.compute(*args, **kwargs)
         self.depth -= 1
         if isinstance(op, _CommPrimitive) and tensors:
-            self._set(out, self._src(tensors[0]))
+            self._set(out, self._src(tensors[0]), self._flows(tensors))
         else:  # an operator without a strategy runs data-parallel
             self._consume_dp(tensors)
-            self._set(out, DP)
+            self._set(out, DP, self._flows(tensors))
             self.other_flops += 2.0 * sum(t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         return out
 
     def functional(self, func, args, kwargs, out) -> None:
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() >= 1]
         if not tensors or not any(isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]):
+            if self._flows((args, kwargs)):  # a scalar made from the gradient's path stays on it
+                self._set(out, self._src(out) if isinstance(out, torch.Tensor) else DP, True)
             return
         first = self._src(tensors[0])
         name = getattr(func, "__name__", "")
@@ -321,7 +341,7 @@ class Tracer:
                 self.nodes[src].out_to_dp += 1
             elif isinstance(first, int) and src == DP and other.shape == tensors[0].shape:
                 self.nodes[first].out_to_dp += 1
-        self._set(out, first)
+        self._set(out, first, self._flows((args, kwargs)))
 
     def _resolve(self, out: Any) -> None:
         for t in tree_flatten(out)[0]:
@@ -368,7 +388,7 @@ class Tracer:
             with torch.no_grad(), _Recorder(self), _primitive.executing(self.primitive):
                 for t in tree_flatten((inputs, kwargs))[0]:
                     if isinstance(t, torch.Tensor):
-                        self._set(t, DP)
+                        self._set(t, DP, t.requires_grad)
                 out = fn(*inputs, **kwargs)
                 self._consume_dp([t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)])
                 return out

@@ -183,7 +183,8 @@ class OpTimer:
         return self.table[key]
 
     # -- the redistributions between them ----------------------------------------------------------------------
-    def reshard(self, src: tuple, dst: tuple, shape: tuple, itemsize: int, grad: tuple | None = None) -> float | None:
+    def reshard(self, src: tuple, dst: tuple, shape: tuple, itemsize: int, grad: tuple | None = None,
+                backward: bool = True) -> float | None:
         """Forward + backward seconds of DTensor's redistribution of a tensor of global ``shape`` from placements
         ``src`` to ``dst`` on the job's world mesh -- the very call the layout runtime makes between two operators
         (:func:`autopar.parallel.tensor.operators.run_operator`). None outside a job or where DTensor cannot take
@@ -197,8 +198,10 @@ class OpTimer:
 
         ``grad``: the placements of the gradient the consumer hands back (the runtime's ``to_local(grad_placements=
         ...)``): a partial sum where the consumer's other operand is split, reduced by the backward of this very
-        redistribution -- a reduce-scatter on the feature dimension where a column-split Linear feeds another."""
-        grad = tuple(dst) if grad is None else tuple(grad)
+        redistribution -- a reduce-scatter on the feature dimension where a column-split Linear feeds another.
+
+        ``backward=False``: the forward's seconds alone, for a tensor no gradient flows back into (the batch)."""
+        grad = tuple(dst) if grad is None or not backward else tuple(grad)
         if not self.together or (tuple(src) == tuple(dst) and grad == tuple(dst)):
             return None
         from torch.distributed.tensor import Partial, Replicate, Shard
@@ -220,7 +223,7 @@ class OpTimer:
             key += ("grad " + "".join(names[2 * k:]),)
         measured = self.agreed(repr(key), lambda: self._measure_reshard(tuple(src), tuple(dst), tuple(shape), dtype,
                                                                         grad))
-        return None if measured is None else measured[1]
+        return None if measured is None else measured[1 if backward else 0]
 
     def _measure_reshard(self, src: tuple, dst: tuple, shape: tuple, dtype: torch.dtype,
                          grad: tuple) -> tuple[float, float]:
