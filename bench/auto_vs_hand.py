@@ -64,8 +64,9 @@ def main() -> None:
                     entry = case.setdefault(strategy, {"measured": []})
                     try:
                         rows = _run(cmd, 1, logs)
-                    except SystemExit as exc:
-                        entry["error"] = str(exc).splitlines()[0][:200]
+                    except SystemExit as exc:  # the reason: the log's last error line, else its first line
+                        lines = str(exc).splitlines()
+                        entry["error"] = next((ln.strip() for ln in reversed(lines) if "Error" in ln), lines[0])[:300]
                         continue
                     entry["measured"].append(max(r["steady_step_s"] for r in rows))
                     entry["predicted"] = rows[0]["predicted_step_s"]
