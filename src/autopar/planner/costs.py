@@ -110,11 +110,7 @@ def reshard_cost(machine: MachineModel, src, dst, nbytes: float, mesh: tuple[int
     measured) the collectives' alpha-beta model, one mesh axis at a time, and the partial gradient all-reduced.
     ``backward=False``: the forward alone, for a tensor no gradient flows back into (the batch a network is fed:
     the 2-rank MLP's Megatron plan was priced 10.2 ms for gathering its input, 1.4 of them in the step)."""
-    if not backward:
-        grad = None
-        if tuple(src) == tuple(dst):
-            return 0.0
-    grad = tuple(dst) if grad is None else tuple(grad)
+    grad = tuple(dst) if grad is None or not backward else tuple(grad)
     if tuple(src) == tuple(dst) and grad == tuple(dst):
         return 0.0
     timer = getattr(machine, "op_timer", None)
