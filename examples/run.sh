@@ -37,4 +37,8 @@ wait $SCHED_PID
 status=$?
 wait
 echo "job finished with status $status"
+if [ "$status" -ne 0 ]; then
+    # why: the scheduler's last line names the rank that failed and its error (each rank's log: worker_<i>.txt)
+    echo "scheduler.txt: $(grep -v '^\s*$' scheduler.txt | tail -n 1)"
+fi
 exit $status

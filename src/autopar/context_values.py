@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, user_stacklevel
 
 
 def memory_bytes(value: Any, key: str) -> float | None:
@@ -41,7 +41,7 @@ def warn_not_applied(key: str, value: Any, why: str = "training runs as if it we
     warned.add(key)
     name = key.split(".")[0]
     warnings.warn(f"autopar: set_auto_parallel_context({name}={value if isinstance(value, str) else repr(value)}) "
-                  f"is accepted but not applied yet: {why}", stacklevel=3)
+                  f"is accepted but not applied yet: {why}", stacklevel=user_stacklevel())
 
 
 _FUSION_OPS = ("allreduce", "allgather", "reducescatter")

@@ -93,7 +93,24 @@ def warn_once(key: str, message: str) -> None:
     _warned.add(key)
     import warnings
 
-    warnings.warn(f"autopar: {message}", stacklevel=3)
+    warnings.warn(f"autopar: {message}", stacklevel=user_stacklevel())
+
+
+_INTERNAL = (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning point at the user's line: the first frame, from the caller of
+    ``warnings.warn`` outwards, outside autopar and torch (a warning shown at autopar's own source line -- the
+    dataset's ``self._init_pipeline(...)`` -- tells the user nothing about which of their lines caused it)."""
+    import torch
+
+    internal = _INTERNAL + (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,)
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (os.path.abspath(frame.f_code.co_filename).startswith(internal)
+                                 or frame.f_code.co_filename.startswith("<frozen")):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 1
 
 
 _observers: list = []  # called as observer(exc_type, exc) before an uncaught exception is printed

@@ -204,7 +204,9 @@ def test_torch_collective_left_early_or_stuck_is_one_line(procs, tmp_path):
         else:
             want = f"{where} failed: rank 1 (it ended cleanly) had already left the job"
         assert log0.startswith(f"autopar: error: {want}") and len(log0.strip().splitlines()) == 1, log0
-        assert "autopar: error: rank 0 failed: exited with code 1" in res.stderr, res.stderr
+        # the rank's one-line error, once: in the report, not also streamed and repeated in its log's tail
+        assert f"autopar: error: rank 0 failed: {want.removeprefix('[rank 0] ')}" in res.stderr, res.stderr
+        assert (res.stdout + res.stderr).count(want.split(": ", 1)[-1][:40]) == 1, res.stdout + res.stderr
         no_dumps(res.stdout, res.stderr, *(p.read_text() for p in logs.glob("*.log")))
         assert not procs.wait_no_leftovers()
 

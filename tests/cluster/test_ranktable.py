@@ -285,7 +285,24 @@ def test_env_table_errors_propagate(tmp_path):
 
 def test_env_rank_id_missing(write):
     path = write(R1_8)
-    _env_error({"RANK_TABLE_FILE": path}, "RANK_ID is not", "RANK_TABLE_FILE", path, "0..7")
+    _env_error({"RANK_TABLE_FILE": path}, "RANK_ID is not, nor DEVICE_ID", "RANK_TABLE_FILE", path, "0..7")
+
+
+def test_env_rank_from_device_id_as_mindspore_0x(write, monkeypatch):
+    """r0.2's run.sh sets DEVICE_ID but no RANK_ID: the rank is the table's entry for that device on this host."""
+    import autopar.cluster.netutil as netutil
+
+    path = write(R1_8)
+    for device in (0, 5):
+        assert rank_from_env({"MINDSPORE_HCCL_CONFIG_PATH": path, "DEVICE_ID": str(device), "RANK_SIZE": "8"})[1] == \
+            device
+    _env_error({"RANK_TABLE_FILE": path, "DEVICE_ID": "9"}, "RANK_ID is not, and DEVICE_ID=9 is no device of the "
+               "table (devices [0, 1, 2, 3, 4, 5, 6, 7])")
+    two = write(R1_16)  # device 2 on both servers: this host's address decides
+    _env_error({"RANK_TABLE_FILE": two, "DEVICE_ID": "2"}, f"DEVICE_ID=2 is on servers {S0}, {S1}, none of them an "
+               "address of this host: set RANK_ID")
+    monkeypatch.setattr(netutil, "local_addresses", lambda: {"127.0.0.1": "lo", S1: "eth0"})
+    assert rank_from_env({"RANK_TABLE_FILE": two, "DEVICE_ID": "2"})[1] == 10
 
 
 def test_env_rank_id_not_int(write):

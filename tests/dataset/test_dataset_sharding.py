@@ -47,6 +47,8 @@ def test_more_shards_than_records_warns_once_with_the_numbers():
     assert said == ["autopar: NumpySlicesDataset: num_shards=8 is more than its 3 records: each shard sees 1 record "
                     "per pass, and 5 of the 8 shards see a copy of another shard's record (use at most 3 shards, "
                     "or more data)"]
+    # shown at the user's line that made the dataset, not at autopar's own ``self._init_pipeline(...)``
+    assert [w.filename for w in got if "num_shards" in str(w.message)] == [shard_values.__code__.co_filename]
 
 
 def test_shards_stay_disjoint_every_epoch_and_reshuffle():

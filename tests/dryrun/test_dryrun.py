@@ -119,3 +119,34 @@ def test_the_mindspore_tutorial_script_dry_runs_as_it_runs(procs, tmp_path):
     for part in ("parameters", "optimizer"):
         assert dry["steady"][part] == real["steady"][part]
     assert 0.9 <= dry["steady"]["peak_bytes"] / real["steady"]["peak_bytes"] <= 1.1, (dry, real)
+
+
+READS_A_VALUE = """import torch
+import autopar
+
+autopar.init()
+autopar.set_auto_parallel_context(parallel_mode="data_parallel", gradients_mean=True)
+net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+opt = torch.optim.SGD(net.parameters(), lr=0.05)
+for step in range(5):
+    x = torch.randn(16, 8)
+    loss = torch.nn.functional.mse_loss(net(x), x.sum(1, keepdim=True))
+    opt.zero_grad(); loss.backward()
+
+    if loss.item() > 1e6:
+        break
+    opt.step()
+"""
+
+
+def test_a_value_read_from_a_fake_tensor_is_named_by_the_users_line(procs, tmp_path):
+    """The script's ``loss.item()`` (line 13) is the line named -- not line 10, where the network's first call made
+    autopar read values of its own -- and the table's rows say what they are."""
+    script = tmp_path / "reads.py"
+    script.write_text(READS_A_VALUE)
+    res = procs.run(autopar_cmd("launch", "--dry-run", "-n", "2", "--log-dir", str(tmp_path / "dry"), str(script)),
+                    timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "values the script read from fake tensors (line 13: loss.item() and the like)" in res.stdout, res.stdout
+    rows = [line.split()[:3] for line in res.stdout.splitlines() if line.startswith("0 ")]
+    assert rows == [["0", "whole", "run"], ["0", "training", "step"]], res.stdout

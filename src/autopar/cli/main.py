@@ -31,7 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the sub-command's own usage, not the top level's: that is where the flag was looked for
+        parser._subparsers._group_actions[0].choices[args.command].error(
+            f"unrecognized arguments: {' '.join(unknown)}")
     return guarded("autopar", lambda: args.func(args))
 
 

@@ -108,7 +108,7 @@ def to_config(args: argparse.Namespace):
         nnodes=nnodes, node_rank=args.node_rank if nnodes > 1 else None,
         master_addr=args.master_addr if nnodes > 1 else None, master_port=args.master_port if nnodes > 1 else None,
         token=token, extra_env={"AUTOPAR_CLUSTER_TIMEOUT": str(timeout)},
-        stream_rank=0 if args.join else None,
+        stream_ranks=[0] if args.join else [],
     )
 
 

@@ -108,7 +108,7 @@ def machine_for(n: int, recalibrate: bool):
 
         env = {"AUTOPAR_RECALIBRATE": "1"} if recalibrate else {}
         with tempfile.TemporaryDirectory() as logs:
-            code = launch(LaunchConfig(nproc=n, script=M.__file__, log_dir=logs, stream_rank=None, extra_env=env))
+            code = launch(LaunchConfig(nproc=n, script=M.__file__, log_dir=logs, stream_ranks=[], extra_env=env))
         if code != 0 or not path.exists():
             raise ConfigError(f"calibration failed (exit {code}); rerun with --no-calibrate to plan on defaults")
     return M.MachineModel.from_json(path.read_text())

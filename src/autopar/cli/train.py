@@ -33,6 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sliced", action="store_true", help="checkpoints hold each rank's slices (integrated_save=False)")
     p.add_argument("--resume", action="store_true", help="continue after the newest checkpoint in LOG_DIR/ckpt_<rank>")
     p.add_argument("--log-dir", default="autopar_logs")
+    p.add_argument("--console-ranks", default=None, metavar="R,R,...",
+                   help="the ranks whose lines the console shows (default: every rank, each line prefixed '[rank N]' "
+                        "-- each rank's loss is that of its own batch)")
     p.add_argument("--port", type=int, default=None)
     p.set_defaults(func=run)
 
@@ -57,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.nproc < 1:
         raise ConfigError(f"-n must be positive, got {args.nproc}")
+    if not args.synthetic:
+        check_cifar10_dir(args.data)
     data = str(synthetic_data(args.log_dir, args.synthetic_records)) if args.synthetic else args.data
     script_args = ["--data", data, "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
                    "--image-size", str(args.image_size), "--mode", args.mode,
@@ -68,5 +73,22 @@ def run(args: argparse.Namespace) -> int:
         script_args += ["--ckpt-dir", str(Path(args.log_dir).resolve()), "--ckpt-steps", str(args.ckpt_steps)]
         script_args += ["--sliced"] if args.sliced else []
         script_args += ["--resume"] if args.resume else []
+    from autopar.cli.launch import _ranks
+
     return launch(LaunchConfig(nproc=args.nproc, script=resnet_cifar.__file__, script_args=script_args,
-                               log_dir=args.log_dir, port=args.port))
+                               log_dir=args.log_dir, port=args.port,
+                               stream_ranks=_ranks(args.console_ranks, "--console-ranks")))
+
+
+def check_cifar10_dir(path: str) -> None:
+    """--data checked before any worker starts: a missing directory is one line here, not one per rank later."""
+    from autopar.dataset.sources import CIFAR10_TRAIN_FILES, resolve_cifar10_dir
+    from autopar.errors import DatasetError
+
+    if not Path(path).expanduser().is_dir():
+        raise ConfigError(f"--data {path}: no such directory (give the folder holding cifar-10-batches-bin, or "
+                          f"--synthetic to generate one)")
+    try:
+        resolve_cifar10_dir(path, CIFAR10_TRAIN_FILES)
+    except DatasetError as exc:
+        raise ConfigError(f"--data {path}: {str(exc).removeprefix('Cifar10Dataset: ')}") from None

@@ -17,8 +17,8 @@ Every worker also gets torchrun's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_S
 ``init()`` reads the MindSpore variables first and forms the same one world (never two).
 
 Every job carries a random token (``AUTOPAR_JOB_TOKEN``; give the same ``--token`` on every node): the scheduler
-admits no process without it. Logs go to ``LOG_DIR/{scheduler,worker_<rank>,env_<rank>}.log`` and rank 0 is
-streamed. ``--max-restarts K`` runs the whole job again after a failure (scripts resume from their newest
+admits no process without it. Logs go to ``LOG_DIR/{scheduler,worker_<rank>,env_<rank>}.log``; the console shows
+every local rank's lines, each prefixed ``[rank N]`` (``--console-ranks`` narrows it). ``--max-restarts K`` runs the whole job again after a failure (scripts resume from their newest
 checkpoint, e.g. ``Model.train(resume_from=...)``; ``AUTOPAR_RESTART`` tells them which attempt it is).
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ class LaunchConfig:
     port: int | None = None
     host: str = "127.0.0.1"
     python: str = sys.executable
-    stream_rank: int | None = 0
+    stream_ranks: list[int] | None = None  # the ranks whose output the console shows (None: every local rank)
     grace: float = 10.0  # seconds between SIGTERM and SIGKILL when stopping the job
     extra_env: dict[str, str] = field(default_factory=dict)
     # several hosts
@@ -345,8 +345,9 @@ class Launcher:
                 raise ClusterError(f"cannot write the job's logs in {self.log_dir}: {exc.strerror}") from None
             print(f"[autopar] launched ranks {_span(self.layout.ranks)} of {self.layout.world} ({where}); "
                   f"logs in {self.log_dir}", flush=True)
-            if self.cfg.stream_rank is not None and self.cfg.stream_rank in self.layout.ranks:
-                streamer = Streamer(self.log_dir / f"worker_{self.cfg.stream_rank}.log")
+            shown = [r for r in self.layout.ranks if self.cfg.stream_ranks is None or r in self.cfg.stream_ranks]
+            if shown:
+                streamer = Streamer({r: self.log_dir / f"worker_{r}.log" for r in shown})
                 streamer.start()
             code = sup.watch()
         finally:

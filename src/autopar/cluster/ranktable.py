@@ -278,8 +278,9 @@ def rank_from_env(env: Mapping[str, str] | None = None) -> tuple[RankTable, int]
     """This process's rank table and rank, as set up by MindSpore's ``run.sh``; None when no table is configured.
 
     ``env`` defaults to ``os.environ``. ``RANK_TABLE_FILE`` wins over the 0.x name ``MINDSPORE_HCCL_CONFIG_PATH``;
-    empty variables count as unset. ``RANK_ID`` is required; ``RANK_SIZE`` and ``DEVICE_ID`` are optional but, when
-    set, must agree with the table: a mismatch means the script and the table describe different clusters.
+    empty variables count as unset. ``RANK_SIZE`` and ``DEVICE_ID`` are optional but, when set, must agree with the
+    table: a mismatch means the script and the table describe different clusters. Without ``RANK_ID`` the rank is the
+    table's entry for ``DEVICE_ID`` on this host, as MindSpore 0.x took it (r0.2's ``run.sh`` sets no ``RANK_ID``).
     """
     env = os.environ if env is None else env
     var = next((v for v in ("RANK_TABLE_FILE", "MINDSPORE_HCCL_CONFIG_PATH") if env.get(v)), None)
@@ -289,8 +290,7 @@ def rank_from_env(env: Mapping[str, str] | None = None) -> tuple[RankTable, int]
     n, where = table.world_size, f"rank table {table.path} has ranks 0..{table.world_size - 1}"
 
     if not env.get("RANK_ID", "").strip():
-        raise ClusterError(f"{var}={table.path} is set but RANK_ID is not: set RANK_ID to this process's rank "
-                           f"(0..{n - 1})")
+        return table, _rank_of_device(table, env, var)
     rank = _env_uint(env, "RANK_ID", where)
     if rank >= n:
         raise ClusterError(f"RANK_ID={rank} is out of range: {where}")
@@ -307,3 +307,27 @@ def rank_from_env(env: Mapping[str, str] | None = None) -> tuple[RankTable, int]
             raise ClusterError(f"DEVICE_ID={device} does not match rank table {table.path}: rank {rank} is "
                                f"device_id {entry.device_id} on server {entry.server_id!r}")
     return table, rank
+
+
+def _rank_of_device(table: RankTable, env: Mapping[str, str], var: str) -> int:
+    """The rank of ``DEVICE_ID`` on this host, for a process started without ``RANK_ID``: the one entry with that
+    device, or among several servers' the one whose server_id is an address of this host (HCCL's choice)."""
+    unset = f"{var}={table.path} is set but RANK_ID is not"
+    if not env.get("DEVICE_ID", "").strip():
+        raise ClusterError(f"{unset}, nor DEVICE_ID: set RANK_ID to this process's rank (0..{table.world_size - 1}) "
+                           f"or DEVICE_ID to its device")
+    device = _env_uint(env, "DEVICE_ID", f"{unset}; the rank is taken from DEVICE_ID's entry")
+    matches = [e for e in table.entries if e.device_id == device]
+    if len(matches) > 1:
+        from autopar.cluster.netutil import local_addresses
+
+        mine = set(local_addresses())
+        matches = [e for e in matches if e.server_id in mine] or matches
+    if len(matches) == 1:
+        return matches[0].rank_id
+    if not matches:
+        raise ClusterError(f"{unset}, and DEVICE_ID={device} is no device of the table (devices "
+                           f"{_ids(sorted({e.device_id for e in table.entries}))}): set RANK_ID or DEVICE_ID")
+    servers = ", ".join(e.server_id for e in matches)
+    raise ClusterError(f"{unset}, and DEVICE_ID={device} is on servers {servers}, none of them an address of this "
+                       f"host: set RANK_ID to this process's rank")

@@ -232,9 +232,14 @@ class Scheduler:
                 parts.append(f"host {host} lost: ranks {', '.join(map(str, on_host))} silent for "
                              f"{self.hb_timeout:.0f} s (the host, its network or all its processes are gone)")
                 done.update(on_host)
-            else:
-                parts.append(f"rank {r} on {host}: {failures[r]}")
-                done.add(r)
+            else:  # ranks that failed alike (a configuration every rank reads) are one entry
+                alike = [q for q in sorted(failures) if q not in done and failures[q] == failures[r]]
+                where = {hosts.get(q, "?") for q in alike}
+                who = (f"rank {r} on {host}" if len(alike) == 1 else
+                       f"{'every rank' if len(alike) == self.world_size else 'ranks'} "
+                       f"({', '.join(map(str, alike))}) on {', '.join(sorted(where))}")
+                parts.append(f"{who}: {failures[r]}")
+                done.update(alike)
         return "; ".join(parts)
 
     def _linger(self, seconds: float = 3.0) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -78,25 +79,48 @@ def crash_report(path: Path, before: int = 20, lines: int = 40) -> list[str]:
     return printed + [text[at]] + block[:lines]
 
 
+ERROR_MARK = "autopar: error: "  # how a rank's one-line error begins (cli.main.guarded, cluster.worker)
+
+
 class Streamer(threading.Thread):
-    """Copies a growing log file to the console (rank 0's output)."""
+    """Copies the ranks' growing logs to the console, a line at a time: each line prefixed ``[rank N]`` where
+    several ranks are shown (torchrun shows every rank's output too), the bare lines where one is.
 
-    def __init__(self, path: Path):
+    A rank's one-line error (``autopar: error: ...``) is held back: the launcher's report prints it once, with every
+    rank that hit the same one, where streaming would repeat it once per rank."""
+
+    def __init__(self, logs: dict[int, Path] | Path):
         super().__init__(name="autopar-stream", daemon=True)
-        self.path = path
+        self.logs = logs if isinstance(logs, dict) else {0: logs}
+        self.prefixed = len(self.logs) > 1
         self.stop_event = threading.Event()
-        self.pos = 0
+        self.pos = dict.fromkeys(self.logs, 0)
+        self.partial = dict.fromkeys(self.logs, "")
 
-    def pump(self) -> None:
-        try:
-            with open(self.path, "rb") as fh:
-                fh.seek(self.pos)
-                data = fh.read()
-        except OSError:
-            return
-        if data:
-            self.pos += len(data)
-            sys.stdout.write(data.decode(errors="replace"))
+    def _show(self, rank: int, line: str) -> None:
+        if not line.startswith(ERROR_MARK):
+            sys.stdout.write(f"[rank {rank}] {line}" if self.prefixed else line)
+
+    def pump(self, final: bool = False) -> None:
+        wrote = False
+        for rank, path in self.logs.items():
+            try:
+                with open(path, "rb") as fh:
+                    fh.seek(self.pos[rank])
+                    data = fh.read()
+            except OSError:
+                continue
+            self.pos[rank] += len(data)
+            text = self.partial[rank] + data.decode(errors="replace")
+            lines = text.splitlines(keepends=True)
+            self.partial[rank] = lines.pop() if lines and not lines[-1].endswith(("\n", "\r")) else ""
+            if final and self.partial[rank]:
+                lines.append(self.partial[rank] + "\n")
+                self.partial[rank] = ""
+            for line in lines:
+                self._show(rank, line)
+            wrote = wrote or bool(lines)
+        if wrote:
             sys.stdout.flush()
 
     def run(self) -> None:
@@ -106,7 +130,7 @@ class Streamer(threading.Thread):
     def finish(self) -> None:
         self.stop_event.set()
         self.join(timeout=2)
-        self.pump()
+        self.pump(final=True)
 
 
 class ForkedChild:
@@ -353,7 +377,12 @@ class Supervisor:
         return None
 
     def report(self) -> None:
+        """Each failed process once: how it ended and the end of its log. Ranks that failed with the same one-line
+        error (a configuration every rank reads alike) are one entry naming them all."""
+        shown: set[int] = set()
         for p in self.failed:
+            if id(p) in shown:
+                continue
             who = f"rank {p.rank}" if p.rank is not None else "the scheduler"
             how = p.detail or describe_exit(p.popen.returncode)
             if p.rank is None and p.popen.returncode is not None and p.popen.returncode < 0:
@@ -361,12 +390,48 @@ class Supervisor:
                 print(f"autopar: error: the scheduler (pid {p.popen.pid}) was {how}: the job lost its "
                       f"rendezvous and every worker was stopped", file=sys.stderr)
                 continue
-            print(f"autopar: error: {who} failed: {how}", file=sys.stderr)
             crash = crash_report(p.log)
             lines = crash or tail(p.log)
+            error = None if crash or p.detail else one_line_error(lines)
+            if error is None:
+                print(f"autopar: error: {who} failed: {how}", file=sys.stderr)
+            else:
+                # every rank whose log ends with it (one that raced to it second may count as stopped by the first)
+                workers = [q for q in self.procs if q.rank is not None]
+                alike = [q for q in workers if q is p or one_line_error(tail(q.log)) == error]
+                shown.update(id(q) for q in alike)
+                ranks = sorted(q.rank for q in alike)
+                if len(ranks) > 1:
+                    who = f"every rank ({_ranks(ranks)})" if len(ranks) == len(workers) else f"ranks {_ranks(ranks)}"
+                print(f"{ERROR_MARK}{who} failed: {error}", file=sys.stderr)
+                lines = [line for line in lines if not _is_error_line(line)]
             if lines:
                 print(f"----- the end of {p.log}, and where it crashed -----" if crash else
                       f"----- last {len(lines)} lines of {p.log} -----", file=sys.stderr)
                 for line in lines:
                     print(f"  {line}", file=sys.stderr)
         sys.stderr.flush()
+
+
+_RANK_TAG = re.compile(r"^\[rank \d+\] ")
+
+
+def _is_error_line(line: str) -> bool:
+    return line.startswith(ERROR_MARK)
+
+
+def one_line_error(lines: list[str]) -> str | None:
+    """The one-line error a rank ended with (``autopar: error: [rank N] ...``), less its mark and rank tag: the same
+    text for every rank that hit the same error. None where the log does not end with one."""
+    for line in reversed(lines):
+        if not line.strip():
+            continue
+        return _RANK_TAG.sub("", line[len(ERROR_MARK):]) if _is_error_line(line) else None
+    return None
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``0..3`` for consecutive ranks, else ``0, 2, 5``."""
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}..{ranks[-1]}"
+    return ", ".join(map(str, ranks))

@@ -62,17 +62,17 @@ def _others(first: dict, world: int, asked: list[int] | None) -> list[int]:
 
 
 def _table(world: int, ranks: dict[int, dict]) -> list[str]:
-    head = f"{'rank':>5} {'peak':>11} {'parameters':>11} {'gradients':>11} {'optimizer':>11} {'activations':>11} " \
+    head = f"{'rank':<19} {'peak':>11} {'parameters':>11} {'gradients':>11} {'optimizer':>11} {'activations':>11} " \
            f"{'other':>11}   (other: communication buffers, gathered weights, data)"
     lines = [f"[autopar] dry run of {world} ranks: memory per rank", head]
     for rank, v in sorted(ranks.items()):
-        for label, part in (("", v), (" step", v.get("steady") or {})):
+        for label, part in ((" whole run", v), (" training step", v.get("steady") or {})):
             if not part.get("peak_bytes"):
                 continue
             cells = " ".join(f"{_human(part.get(k, 0)):>11}" for k in PARTS)
-            lines.append(f"{str(rank) + label:>5} {_human(part['peak_bytes']):>11} {cells}")
-    lines.append("(a row 'N step' is rank N's peak during a training step once the optimizer state exists; the "
-                 "rank's row above it includes setting up -- building the model, sharding it)")
+            lines.append(f"{str(rank) + label:<19} {_human(part['peak_bytes']):>11} {cells}")
+    lines.append("(a row 'N training step' is rank N's peak during a training step once the optimizer state exists; "
+                 "'N whole run' includes setting up -- building the model, sharding it)")
     for rank, v in sorted(ranks.items()):
         step = v.get("steady") or {}
         if step.get("peak_bytes") and v["peak_bytes"] > 1.2 * step["peak_bytes"] \

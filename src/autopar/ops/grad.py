@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_map
 
 from autopar.common import grad_owners as owners
 from autopar.common.replaced import resolve
-from autopar.errors import TrainingError
+from autopar.errors import TrainingError, user_stacklevel
 
 
 def _positions(grad_position: Any) -> tuple[int, ...]:
@@ -91,7 +91,7 @@ def value_and_grad(fn: Callable, grad_position: Any = 0, weights: Any = None, ha
                                 "network's parameters (e.g. optimizer.parameters of an optimizer over the network)?")
         if unused:
             warnings.warn(f"autopar: value_and_grad: {len(unused)} of {len(ws)} weights did not take part in the "
-                          f"value; their gradients are zeros", stacklevel=2)
+                          f"value; their gradients are zeros", stacklevel=user_stacklevel())
         grads = tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, targets))
         input_grads, weight_grads = grads[:len(positions)], grads[len(positions):]
         if isinstance(grad_position, int):

@@ -31,7 +31,7 @@ import torch
 from autopar import context as _context
 from autopar.comm import management as _comm
 from autopar.context import ParallelMode
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, user_stacklevel
 from autopar.labels import call_loss
 from autopar.ops.shard import has_strategies, shard  # noqa: F401  (public: autopar.shard)
 from autopar.parallel.state import ParallelState, bind, state_of, state_within
@@ -130,6 +130,10 @@ def attach(network: torch.nn.Module, loss_fn: Any = None, optimizer: torch.optim
     if state.runtime is None and state.pipeline is None:  # layouts run ops on shards: they stay as they are
         state.channels_last = tuning.tune_network(network)
         tuning.tune_optimizer(optimizer)
+    if state.runtime is None:  # a layout runtime says it after its first forward, when the layouts are known
+        from autopar.parallel.summary import announce
+
+        announce(state, network)
     return state
 
 
@@ -273,7 +277,7 @@ def prepare(network: torch.nn.Module, loss_fn: Any = None, optimizer: torch.opti
         elif not _comm.is_initialized() or _comm.get_rank() == 0:
             warnings.warn("autopar: GRAPH_MODE runs eagerly on the CPU: torch.compile measured slower there (the "
                           "tutorial's ResNet-50: a 169 s first compile, then ~5 % slower steps); AUTOPAR_COMPILE=1 "
-                          "compiles anyway", stacklevel=3)
+                          "compiles anyway", stacklevel=user_stacklevel())
     return prepared
 
 
@@ -376,4 +380,4 @@ _warned: set[str] = set()
 def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, stacklevel=3)
+        warnings.warn(message, stacklevel=user_stacklevel())

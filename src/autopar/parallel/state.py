@@ -48,6 +48,7 @@ class ParallelState:
     plan: Any = None  # AUTO_PARALLEL: the planner's plan this network runs
     channels_last: bool = False  # feed 4-D inputs channels-last (perf.tuning)
     compiled: bool = False  # GRAPH_MODE: the forward runs through torch.compile
+    announced: bool = False  # its one line (mode, mesh, ZeRO, splits) was said (parallel.summary)
     handles: list = field(default_factory=list)  # hooks on modules, removed by close()
     _network: Any = None
 

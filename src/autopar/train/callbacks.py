@@ -218,6 +218,8 @@ class MetricsRecorder(Callback):
             self._fh = None
         if self._losses:
             plot_loss_curve(self._losses, self.png_path)
+            print(f"[autopar] rank 0's loss, step time and images/s at every step: {self.csv_path.resolve()}; its "
+                  f"loss curve: {self.png_path.resolve()}", flush=True)
 
 
 def plot_loss_curve(points: list[tuple[int, float]], path: Path, title: str = "training loss") -> None:

@@ -6,7 +6,7 @@ import warnings
 
 import torch
 
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, user_stacklevel
 from autopar.parallel.pipeline.runner import PipelineParallel, pipeline_of
 from autopar.parallel.pipeline.split import segments_of, split_points_from_stages
 
@@ -16,7 +16,7 @@ _warned: set[str] = set()
 def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, stacklevel=4)
+        warnings.warn(message, stacklevel=user_stacklevel())
 
 
 def warn_zero_in_pipeline(ctx) -> None:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from autopar import context as _context
 from autopar.common import grad_owners as owners
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, user_stacklevel
 from autopar.labels import call_loss, class_indices
 from autopar.parallel.pipeline.split import network_output_loss, piece_calls, pieces_of
 
@@ -87,7 +87,7 @@ class PipelineParallel:
         if self.micro_batches < self.num_stages:
             warnings.warn(f"micro_size={self.micro_batches} < pipeline_stages={self.num_stages}: the pipeline idles "
                           f"{(self.num_stages - 1) / (self.micro_batches + self.num_stages - 1):.0%} of each step "
-                          "(bubble (S-1)/(M+S-1)); use micro_size >= 4 x stages", stacklevel=3)
+                          "(bubble (S-1)/(M+S-1)); use micro_size >= 4 x stages", stacklevel=user_stacklevel())
         if schedule not in SCHEDULES:
             raise ConfigError(f"pipeline_scheduler={schedule!r}; expected one of {', '.join(SCHEDULES)}")
         names = dict(network.named_modules())

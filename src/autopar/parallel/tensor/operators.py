@@ -36,7 +36,7 @@ def run_operator(rt, op: Primitive, args: tuple, kwargs: dict) -> Any:
     spec = op.spec(*args)
     shapes = tuple(tuple(args[i].shape) for i in positions)
     strategy = op.strategy or data_parallel_strategy(spec, shapes, rt.device_num)
-    plan = _plan(rt, op, spec, strategy, shapes)
+    plan = _plan(rt, op, spec, strategy, shapes, [args[i] for i in positions])
     local_args = list(args)
     mesh = world_mesh()
     regather = Regather() if rt.zero_level == "level3" else None
@@ -72,17 +72,63 @@ def run_operator(rt, op: Primitive, args: tuple, kwargs: dict) -> Any:
         reduction = "sum"
     return P.wrap_local(out, P.output_placements(plan.device_matrix, plan.output_map, partial, reduction))
 
-def _plan(rt, op: Primitive, spec, strategy: tuple, shapes: tuple):
+def _plan(rt, op: Primitive, spec, strategy: tuple, shapes: tuple, tensors: list | None = None):
     """The operator's plan; a strategy that does not fit, when a strategy file gave it, names that file and the
-    shapes the operator was called with (the file was written for another network or other inputs)."""
+    shapes the operator was called with (the file was written for another network or other inputs) -- or, where
+    one of its parameters has another shape in the file, that parameter and both shapes."""
     try:
         return derive_plan(rt.name_of(op), spec, strategy, shapes, rt.device_num)
     except StrategyError as exc:
         path = getattr(op, "_autopar_strategy_file", None)
         if path is None:
-            raise
+            said = in_users_words(rt, op, strategy, shapes)
+            if said is None:
+                raise
+            raise StrategyError(said) from None
+        names = {id(p): n for n, p in rt.parameters()}
+        for t in tensors or ():
+            name = names.get(id(t)) if isinstance(t, torch.nn.Parameter) else None
+            if name is not None:
+                rt.loaded.check_shape(name, tuple(t.shape))
         raise StrategyError(f"the strategy file {path} cannot be applied to this network: {exc}; the operator's "
                             f"inputs here have shapes {', '.join(str(tuple(s)) for s in shapes)}") from None
+
+
+# What each dimension of a sharded module's operator is, in the module's own terms: (input, dimension) -> words
+_DIMENSIONS = {
+    "LinearOp": {(1, 0): "output features", (1, 1): "input features", (2, 0): "output features"},
+    "Conv1DOp": {(1, 0): "input features", (1, 1): "output features", (2, 0): "output features"},
+    "Conv2dOp": {(1, 0): "output channels", (1, 1): "input channels", (2, 0): "output channels"},
+    "EmbeddingOp": {(1, 0): "vocabulary rows", (1, 1): "embedding dimension"},
+}
+
+
+def in_users_words(rt, op: Primitive, strategy: tuple, shapes: tuple) -> str | None:
+    """A strategy that does not fit a module the user split with ``autopar.shard``, said as the user wrote it: the
+    module's name and type, the user's spelling (``"colwise"`` or the tuple) and which of its sizes does not divide.
+    None for an operator no module owns (MindSpore's ``ops.MatMul().shard(...)``: its own message says it)."""
+    owner = next(((name, m) for root in rt.roots for name, m in root.named_modules()
+                  if getattr(m, "_autopar_op", None) is op), None)
+    if owner is None:
+        return None
+    name, module = owner
+    style = getattr(module, "_autopar_style", None)
+    spelled = f'"{style}"' if style else str(tuple(tuple(s) for s in strategy))
+    what = f"module '{name}' ({type(module).__name__.removeprefix('Sharded')}) split {spelled}"
+    for i, (entry, shape) in enumerate(zip(strategy, shapes)):
+        for d, split in enumerate(entry):
+            size = shape[d] if d < len(shape) else 1
+            if split > 1 and size % split:
+                words = _DIMENSIONS.get(type(op).__name__, {}).get((i, d), f"dimension {d} of input {i}")
+                return (f"{what} over {split} ranks: its {size} {words} do not divide into {split} parts (make them a "
+                        f"multiple of {split}, or leave the module whole)")
+    try:
+        derive_plan(type(op).__name__, op.spec(*[torch.empty(s) for s in shapes]), strategy, shapes, rt.device_num)
+    except StrategyError as exc:
+        return f"{what}: {str(exc).split(': ', 1)[-1]}"
+    except Exception:  # noqa: BLE001 - an operator whose spec needs more than shapes: its own message stands
+        return None
+    return None
 
 
 def _one_hot(rt, op: OneHot, indices, depth, on_value, off_value):

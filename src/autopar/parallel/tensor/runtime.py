@@ -25,6 +25,7 @@ moved onto the slices before their next step.
 """
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
@@ -43,6 +44,7 @@ from autopar.ops import primitive as _primitive
 from autopar.ops.comm import _CommPrimitive
 from autopar.ops.primitive import Primitive
 from autopar.parallel.grads.layouts import LayoutGrads
+from autopar.parallel.state import state_of
 from autopar.parallel.tensor import local_matmul
 from autopar.parallel.tensor import placements as P
 from autopar.parallel.tensor.attention import register_attention_rules
@@ -332,6 +334,12 @@ class SemiAutoRuntime(ParameterPlacement):
 
     def _after_first_forward(self) -> None:
         self._remap_optimizers()
+        state = state_of(self.roots[0]) if self.roots else None
+        failed = sys.exc_info()[1] is not None  # torch calls this hook from its except clause when forward raised
+        if state is not None and not state.announced and not failed:
+            from autopar.parallel.summary import announce
+
+            announce(state, self.roots[0])
         if self.strategy_save_file and not self._strategy_written:
             self._strategy_written = True
             write_strategy_file(self.strategy_save_file, self)

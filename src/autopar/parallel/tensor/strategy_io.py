@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-from autopar.errors import StrategyError
+from autopar.errors import StrategyError, user_stacklevel
 from autopar.layout.layout import Layout
 from autopar.layout.strategy_file import load_operator_strategies, load_strategy_file, save_strategy_file
 from autopar.ops.math import ShardablePrimitive
@@ -30,7 +30,7 @@ class LoadedStrategy:
         if written_for != world:
             warnings.warn(f"autopar: strategy file {path} was written for {written_for} devices, this job has "
                           f"{world}: its operator strategies are not applied (operators run data-parallel); "
-                          "load_distributed_checkpoint still reshards the slices it describes", stacklevel=4)
+                          "load_distributed_checkpoint still reshards the slices it describes", stacklevel=user_stacklevel())
             return
         self.layouts, self.operators = layouts, operators
 
@@ -47,14 +47,20 @@ class LoadedStrategy:
                 shard(module, strategy)
                 module._autopar_op._autopar_strategy_file = self.path
 
+    def check_shape(self, name: str, shape: tuple) -> None:
+        """Parameter ``name`` must have the shape the file was written for (else the file is another network's)."""
+        loaded = self.layouts.get(name)
+        if loaded is not None and tuple(loaded.full_shape) != tuple(shape):
+            raise StrategyError(f"the strategy file {self.path} was written for parameter '{name}' of shape "
+                                f"{tuple(loaded.full_shape)}, the network's has {tuple(shape)}: the file is another "
+                                f"network's (write it again with strategy_ckpt_save_file)")
+
     def check(self, name: str, shape: tuple, layout: Layout, who: str) -> None:
         """The file's layout of parameter ``name`` must be that of the operator using it, for this very shape."""
         loaded = self.layouts.get(name)
         if loaded is None:
             return
-        if tuple(loaded.full_shape) != tuple(shape):
-            raise StrategyError(f"the strategy file {self.path} was written for parameter '{name}' of shape "
-                                f"{tuple(loaded.full_shape)}, the network's has {tuple(shape)}")
+        self.check_shape(name, shape)
         if loaded.placements() != layout.placements():
             raise StrategyError(f"the strategy file {self.path} gives parameter '{name}' the layout {loaded} but "
                                 f"{who} needs {layout}")

@@ -39,7 +39,7 @@ import warnings
 import torch
 
 from autopar.common import replaced as _replaced
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, user_stacklevel
 
 LEVELS = {"level1": False, "level2": False, "level3": True}  # -> reshard_after_forward
 _KNOWN_KEYS = {"optimizer_level", "optimizer_weight_shard_size", "parallel_optimizer_threshold",
@@ -58,10 +58,10 @@ def level_of(ctx) -> str | None:
     if level not in LEVELS:
         raise ConfigError(f"parallel_optimizer_config optimizer_level={level!r}; expected one of {sorted(LEVELS)}")
     if config.get("parallel_optimizer_threshold") not in (None, 0):
-        warnings.warn("parallel_optimizer_threshold is not applied: every parameter is sharded", stacklevel=3)
+        warnings.warn("parallel_optimizer_threshold is not applied: every parameter is sharded", stacklevel=user_stacklevel())
     if config.get("gradient_accumulation_shard"):
         warnings.warn("gradient_accumulation_shard=True is not applied: accumulated gradients stay whole until the "
-                      "last micro-batch reduce-scatters them", stacklevel=3)
+                      "last micro-batch reduce-scatters them", stacklevel=user_stacklevel())
     return level
 
 
