@@ -36,3 +36,15 @@ def test_sbatch_example_is_valid_and_names_the_tutorial_script(procs):
     assert re.search(r"#SBATCH --ntasks-per-node=\d+", text)
     script = re.search(r'srun .*"\$SCRIPT_DIR/(\S+)"', text)[1]
     assert (ROOT / "examples" / script).is_file()
+
+
+def test_tutorial_run_sh_without_data_says_why_it_failed(procs, tmp_path):
+    """Without DATA_PATH the job fails; the script's last line is the scheduler's verdict (every rank's missing
+    files, said once), not only 'job finished with status 1'."""
+    env = procs.env(WORKER_NUM="2", SCHED_PORT=str(free_port()), PYTHON=PYTHON)
+    res = procs.run(["bash", str(ROOT / "examples/run.sh")], env, timeout=300, cwd=tmp_path)
+    assert res.returncode == 1, res.stdout + res.stderr
+    last = res.stdout.strip().splitlines()[-1]
+    assert last.startswith("scheduler.txt: autopar: error: job failed (every rank (0, 1) on "), res.stdout
+    assert last.count("Cifar10Dataset: missing data_batch_1.bin") == 1, last
+    assert not procs.wait_no_leftovers()

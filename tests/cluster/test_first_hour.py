@@ -79,9 +79,9 @@ def test_every_rank_is_heard_and_one_line_says_which_mode_ran(procs, tmp_path, l
 def test_an_error_every_rank_hits_is_said_once_in_the_users_words(procs, tmp_path, loop):
     res, logs = _launch(procs, tmp_path, "bad", ["-n", "2"], [loop, "tp", "15"])
     assert res.returncode == 1, res.stdout + res.stderr
-    said = 'module \'0\' (Linear) split "colwise" over 2 ranks: its 15 output features do not divide into 2 parts'
+    said = 'module \'0\' (Linear) split "colwise" over 2 ranks: its output features (15) cannot be split into 2 parts'
     console = res.stdout + res.stderr
-    assert console.count("do not divide") == 1, console  # not once per rank and again in each log's tail
+    assert console.count("cannot be split into 2 parts") == 1, console  # not once per rank and again in each log's tail
     assert re.search(rf"^autopar: error: (every rank \(0, 1\)|rank [01]) failed: {re.escape(said)}", res.stderr,
                      re.M), res.stderr
     assert "_autopar_op" not in console and "LinearOp" not in console

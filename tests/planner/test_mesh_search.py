@@ -75,6 +75,41 @@ def test_machine_file_errors_are_one_line_on_the_command_line(tmp_path, capsys):
     assert "unknown machine 'a100-nvl'" in capsys.readouterr().err
 
 
+def test_a_machine_file_of_another_version_loads_and_names_what_it_ignores():
+    """A field this version does not know (one dropped since the file was written, or misspelt) is named in one
+    warning; the file still loads with what it does know."""
+    data = machine_dict()
+    data["device"]["matmul_eficiency"] = 0.7  # misspelt
+    data["inter_node"]["sharp"] = True
+    with pytest.warns(UserWarning) as got:
+        spec = parse_cluster(data, "cluster.json")
+    assert spec.matmul_efficiency == A100.matmul_efficiency
+    said = [str(w.message) for w in got]
+    assert len(said) == 1 and said[0].startswith("autopar: cluster.json: fields 'device.matmul_eficiency', "
+                                                 "'inter_node.sharp' are not known to this version and ignored")
+    assert got[0].filename == __file__  # at the caller's line, not the planner's
+
+
+def test_the_cluster_plan_as_one_json_object(capsys):
+    """``autopar plan llama --json``: the published units (step, tokens/s per device, MFU, TFLOP/s with and without
+    recomputation, memory per device), the configuration pinned, and the breakdowns; runners-up alike."""
+    assert cli(["plan", "llama", "--size", "llama3-8b", "-n", "64", "--machine", "a100-ib", "--global-batch", "512",
+                "--tp", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("step_s", "tokens_per_s_per_device", "mfu", "model_tflops_per_device", "hardware_tflops_per_device",
+                "memory_gib"):
+        assert out[key] > 0, key
+    c = out["configuration"]
+    assert c["tp"] == 2 and c["dp"] * c["tp"] * c["pp"] == 64 and c["machine"] == "a100-ib"
+    assert out["tokens_per_s_per_device"] == pytest.approx(512 * 8192 / out["step_s"] / 64)
+    assert out["hardware_tflops_per_device"] >= out["model_tflops_per_device"]
+    assert sum(out["breakdown_s"].values()) == pytest.approx(out["step_s"], rel=1e-6)
+    assert sum(out["memory_breakdown_gib"].values()) == pytest.approx(out["memory_gib"], rel=1e-6)
+    assert out["runners_up"] and all(r["configuration"]["tp"] == 2 for r in out["runners_up"])
+    assert cli(["plan", "mlp", "-n", "2", "--json", "--no-calibrate"]) == 2
+    assert "--json is the cluster plan's" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_a_user_machine_file_is_used(tmp_path, capsys):
     data = machine_dict()

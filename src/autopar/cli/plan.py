@@ -52,6 +52,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-calibrate", action="store_true", help="use default constants, no micro-benchmark")
     p.add_argument("--recalibrate", action="store_true", help="measure the machine again")
     p.add_argument("--out", default=None, help="write the plan's strategy file (JSON) here")
+    p.add_argument("--json", action="store_true",
+                   help="gpt / llama: print the plan as one JSON object (step_s, tokens_per_s_per_device, mfu, "
+                        "model_tflops_per_device, hardware_tflops_per_device, memory_gib, the configuration, the "
+                        "step's breakdown; runners_up) instead of the table")
     p.set_defaults(func=run)
 
 
@@ -125,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
         writable_parent(args.out, "--out")
     if args.model in ("gpt", "llama"):
         return run_gpt(args)
+    if args.json:
+        raise ConfigError("--json is the cluster plan's (autopar plan gpt|llama ...); this model's plan is the table")
     network, loss_fn, sample = build(args)
     machine = MachineModel(device_num=args.nproc) if args.no_calibrate else machine_for(args.nproc, args.recalibrate)
     limit = memory_bytes(args.memory_limit, "--memory-limit") if args.memory_limit else None
@@ -183,5 +189,13 @@ def run_gpt(args: argparse.Namespace) -> int:
     print(f"[autopar] planning {config.describe()} on {args.nproc} x {spec.device_name} ({spec.name})...",
           file=sys.stderr, flush=True)
     plan = plan_gpt(config, spec, args.nproc, args.global_batch, dtype, limit, fixed=fixed)
-    print(plan.explain())
+    if args.json:
+        import json
+
+        out = plan.to_dict()
+        out["runners_up"] = [plan.to_dict(c) for c in plan.ranked[1:6]]
+        out["planning_s"] = plan.seconds
+        print(json.dumps(out, indent=1))
+    else:
+        print(plan.explain())
     return 0

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, user_stacklevel
 from autopar.planner.machine import RING, MachineModel, available_memory, cache_path
 
 PRESET_DIR = "machines"
@@ -136,6 +136,19 @@ _REQUIRED = {
 }
 
 
+_FREE = {"name", "description", "sources"}  # free-form: names, prose, each constant's source
+
+
+def _leaves(data: dict, prefix: str = ""):
+    """The dotted names of a cluster file's fields (the free-form ones and ``device.flops``' dtypes not entered)."""
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and name not in _FREE and name != "device.flops":
+            yield from _leaves(value, name + ".")
+        else:
+            yield name
+
+
 def _get(data: dict, dotted: str, where: str):
     node = data
     for part in dotted.split("."):
@@ -173,6 +186,11 @@ def parse_cluster(data: dict, where: str = "machine file") -> ClusterSpec:
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a JSON object, got {type(data).__name__}")
     v = {k: _field(data, k, t, where) for k, t in _REQUIRED.items()}
+    unknown = sorted(set(_leaves(data)) - set(_REQUIRED) - _FREE)
+    if unknown:  # a file written for another version (a field since dropped) still loads; what it says is not used
+        warnings.warn(f"autopar: {where}: field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
+                      f"{'are' if len(unknown) > 1 else 'is'} not known to this version and ignored (known: "
+                      f"{', '.join(_REQUIRED)}, name, description, sources)", stacklevel=user_stacklevel())
     for k in ("device.matmul_efficiency", "intra_node.efficiency", "inter_node.efficiency"):
         if v[k] > 1:
             raise ConfigError(f"{where}: field {k!r} is a fraction of peak and must be <= 1, got {v[k]}")

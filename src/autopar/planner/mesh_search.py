@@ -146,6 +146,26 @@ class MeshPlan:
         flops = self.config.model_flops(self.global_batch, recompute=with_recompute and c.recompute)
         return flops / c.step / self.devices / 1e12
 
+    def to_dict(self, c: Candidate | None = None) -> dict:
+        """The plan as one JSON object (``autopar plan --json``): the figures a published run is compared in, the
+        configuration, and the step's and memory's breakdowns."""
+        c = c or self.best
+        gib = 2**30
+        return {
+            "step_s": c.step,
+            "tokens_per_s_per_device": self.global_batch * self.config.seq / c.step / self.devices,
+            "mfu": self.mfu(c),
+            "model_tflops_per_device": self.tflops_per_device(c),
+            "hardware_tflops_per_device": self.tflops_per_device(c, with_recompute=True),
+            "memory_gib": c.memory / gib,
+            "configuration": {"model": self.config.describe(), "devices": self.devices, "machine": self.spec.name,
+                              "global_batch": self.global_batch, "dtype": self.dtype, "dp": c.d, "tp": c.t,
+                              "pp": c.p, "micro_batch": c.b, "micro_batches": c.m, "zero": c.zero,
+                              "recompute": "full" if c.recompute else "none"},
+            "breakdown_s": dict(c.parts),
+            "memory_breakdown_gib": {k: v / gib for k, v in c.memory_parts.items()},
+        }
+
     def explain(self) -> str:
         c, cfg = self.best, self.config
         gib = 2**30

@@ -103,6 +103,16 @@ _DIMENSIONS = {
 }
 
 
+def _dimension(op: Primitive, i: int, d: int, rank: int) -> str:
+    """Dimension ``d`` of input ``i`` (of ``rank`` dimensions) of a module's operator, in the module's terms."""
+    kind = type(op).__name__
+    if i == 0 and kind in ("LinearOp", "Conv1DOp"):
+        return "input features" if d == rank - 1 else f"input's dimension {d}"
+    if i == 0 and kind == "Conv2dOp":
+        return {0: "batch", 1: "input channels"}.get(d, f"input's dimension {d}")
+    return _DIMENSIONS.get(kind, {}).get((i, d), f"input {i}'s dimension {d}")
+
+
 def in_users_words(rt, op: Primitive, strategy: tuple, shapes: tuple) -> str | None:
     """A strategy that does not fit a module the user split with ``autopar.shard``, said as the user wrote it: the
     module's name and type, the user's spelling (``"colwise"`` or the tuple) and which of its sizes does not divide.
@@ -119,9 +129,8 @@ def in_users_words(rt, op: Primitive, strategy: tuple, shapes: tuple) -> str | N
         for d, split in enumerate(entry):
             size = shape[d] if d < len(shape) else 1
             if split > 1 and size % split:
-                words = _DIMENSIONS.get(type(op).__name__, {}).get((i, d), f"dimension {d} of input {i}")
-                return (f"{what} over {split} ranks: its {size} {words} do not divide into {split} parts (make them a "
-                        f"multiple of {split}, or leave the module whole)")
+                return (f"{what} over {split} ranks: its {_dimension(op, i, d, len(shape))} ({size}) cannot be split "
+                        f"into {split} parts (make it a multiple of {split}, or leave the module whole)")
     try:
         derive_plan(type(op).__name__, op.spec(*[torch.empty(s) for s in shapes]), strategy, shapes, rt.device_num)
     except StrategyError as exc:
