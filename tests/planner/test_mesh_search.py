@@ -1,5 +1,6 @@
 """Planning for clusters you do not have: machine files, hierarchical collectives, a GPT on the meta device, and the
 data x tensor x pipeline x ZeRO search (all on fixed figures, deterministic, no job)."""
+import dataclasses
 import json
 import math
 import resource
@@ -12,7 +13,7 @@ import torch
 
 from autopar.cli.main import main as cli
 from autopar.errors import ConfigError
-from autopar.planner.gpt import GPT, PRESETS, GPTConfig, GPTLayer, LlamaLayer
+from autopar.planner.gpt import GPT, PRESETS, GPTConfig, GPTLayer, LlamaLayer, make_layer
 from autopar.planner.graph import capture
 from autopar.planner.hardware import load_cluster, parse_cluster, presets
 from autopar.planner.mesh_search import plan_gpt
@@ -170,11 +171,11 @@ def test_gpt_runs_for_real_and_attention_is_causal():
 
 def test_attention_matmuls_and_softmax_are_graph_nodes_with_head_splits_followed_through_views():
     with torch.device("meta"):
-        layer = GPTLayer(256, 4, 1024)
+        layer = GPTLayer(256, 4, 1024, fused=False)
         graph = capture(layer, None, (torch.empty(2, 16, 256),))
     assert [(n.name, n.kind) for n in graph.nodes] == [
-        ("qkv", "linear"), ("scores", "matmul"), ("softmax", "softmax"), ("context", "matmul"),
-        ("proj", "linear"), ("fc1", "linear"), ("fc2", "linear")]
+        ("qkv", "linear"), ("attention.scores", "matmul"), ("attention.softmax", "softmax"),
+        ("attention.context", "matmul"), ("proj", "linear"), ("fc1", "linear"), ("fc2", "linear")]
     # qkv [b, s, 3h] -> [b, s, heads, 3d] -> q [b, heads, s, d]: the heads continue qkv's output dimension
     assert graph.edge_dims[(0, 1, 0)] == (0, 2, 1, None)
     assert graph.edge_dims[(3, 4, 0)] == (0, 2, 1)  # context [b, heads, s, d] -> [b, s, h]
@@ -192,10 +193,10 @@ def test_llama_shape_counts_flops_and_attends_by_key_value_group():
     assert gpt.model_flops(b) == pytest.approx(72.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h)))
     assert gpt.model_flops(b, True) == pytest.approx(96.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h)))
     with torch.device("meta"):
-        graph = capture(LlamaLayer(256, 8, 2, 512), None, (torch.empty(2, 16, 256),))
+        graph = capture(LlamaLayer(256, 8, 2, 512, fused=False), None, (torch.empty(2, 16, 256),))
     assert [(n.name, n.kind) for n in graph.nodes] == [
-        ("q", "linear"), ("kv", "linear"), ("scores", "matmul"), ("softmax", "softmax"), ("context", "matmul"),
-        ("o", "linear"), ("gate", "linear"), ("up", "linear"), ("down", "linear")]
+        ("q", "linear"), ("kv", "linear"), ("attention.scores", "matmul"), ("attention.softmax", "softmax"),
+        ("attention.context", "matmul"), ("o", "linear"), ("gate", "linear"), ("up", "linear"), ("down", "linear")]
     assert graph.nodes[2].shapes[0] == (2, 2, 4 * 16, 32)  # queries [b, kv groups, group x s, d]
     assert graph.edge_dims[(0, 2, 0)][1] == 2  # the groups continue q's output dimension
     torch.manual_seed(0)
@@ -207,6 +208,42 @@ def test_llama_shape_counts_flops_and_attends_by_key_value_group():
     assert torch.allclose(tiny(changed)[:, :-1], out[:, :-1], atol=1e-6)  # causal across the query groups too
     with pytest.raises(ConfigError, match="kv_heads must be a positive divisor of the 32 heads, got 5"):
         GPTConfig(2, 4096, 32, kv_heads=5, family="llama")
+
+
+@pytest.mark.parametrize("family, heads, kv", [("gpt", 4, 0), ("llama", 4, 2)])
+def test_fused_attention_is_the_materialized_attention_exactly(family, heads, kv):
+    """The fused operator (SDPA, causal) against the two batched matmuls and the masked softmax, in float64: the
+    same outputs and gradients, for multi-head and for grouped-query attention (query groups stacked on the rows)."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(2, 32, heads, seq=8, vocab=50, ffn=48, kv_heads=kv, family=family)
+    fused = GPT(cfg).double()
+    materialized = GPT(dataclasses.replace(cfg, attention="materialized")).double()
+    materialized.load_state_dict(fused.state_dict())
+    tokens = torch.randint(0, 50, (3, 8))
+    outs = [m(tokens) for m in (fused, materialized)]
+    for out in outs:
+        out.square().mean().backward()
+    assert (outs[0] - outs[1]).abs().max() < 1e-12
+    for (name, p), q in zip(fused.named_parameters(), materialized.parameters()):
+        assert (p.grad - q.grad).abs().max() < 1e-12, name
+    with torch.device("meta"):
+        graph = capture(make_layer(cfg), None, (torch.empty(2, 8, 32),))
+    node = next(n for n in graph.nodes if n.kind == "attention")
+    g = heads // (kv or heads)
+    assert node.name == "attention.fused" and node.flops == 2.0 * 2 * (kv or heads) * g * 8 * 8 * (32 // heads)
+
+
+def test_llama3_8b_fsdp_at_sequence_8192_fits_with_fused_attention_and_not_with_the_scores_stored():
+    """FSDP (ZeRO-3, no tensor or pipeline split) at sequence 8192 on 64 A100s without recomputation: the s x s
+    scores of 32 heads (4 GiB a layer in bf16) fit nowhere; the fused kernel keeps q, k, v, its output and one
+    log-sum-exp per row, and the plan fits."""
+    pin = {"tp": 1, "pp": 1, "zero": 3, "micro_batch": 1, "recompute": False}
+    with pytest.raises(ConfigError, match="materialized attention fits nowhere on 64 x A100"):
+        plan_gpt(dataclasses.replace(PRESETS["llama3-8b"], attention="materialized"), A100, 64, 64, fixed=pin)
+    plan = plan_gpt(PRESETS["llama3-8b"], A100, 64, 64, fixed=pin)
+    assert plan.best.memory <= plan.memory_limit
+    scores = 32 * 8192 * 8192 * 2 * PRESETS["llama3-8b"].layers  # what the materialized plan would keep
+    assert plan.best.memory_parts["activations"] < scores / 3
 
 
 @pytest.mark.slow
@@ -247,7 +284,7 @@ def test_175b_on_1024_gpus_keeps_tensor_parallel_in_a_node_and_explains_itself(p
     assert seconds < 60
     text = out.stdout
     for expect in ("mesh: dp ", "pipeline: ", "bubble (p-1)/(m+p-1)", "MFU", "memory per device:",
-                   "one decoder layer on a tensor group of", "qkv", "softmax", "runners-up:"):
+                   "one decoder layer on a tensor group of", "qkv", "attention.fused", "runners-up:"):
         assert expect in text, expect
     plan = plan_175b[0]
     b = plan.best

@@ -46,6 +46,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--micro-batch", type=int, default=None, help="pin the micro-batch size")
     g.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3), help="pin the ZeRO level")
     g.add_argument("--recompute", default=None, choices=("on", "off"), help="pin activation recomputation")
+    g.add_argument("--attention", default="fused", choices=("fused", "materialized"),
+                   help="fused: one kernel, the scores never stored (FlashAttention, SDPA; the default); "
+                        "materialized: the s x s scores kept for the backward (Megatron-LM of 2021-2022)")
     p.add_argument("--memory-limit", default=None, help="per device, e.g. 2GB (default: available memory / N)")
     p.add_argument("--search-mode", default="dynamic_programming",
                    choices=("dynamic_programming", "recursive_programming", "sharding_propagation"))
@@ -156,13 +159,13 @@ def gpt_config(args: argparse.Namespace):
         base = PRESETS[args.size.lower()]
         return GPTConfig(args.layers or base.layers, args.hidden or base.hidden, args.heads or base.heads,
                          args.seq or base.seq, args.vocab or base.vocab, args.ffn or base.ffn,
-                         base.kv_heads if args.kv_heads is None else args.kv_heads, base.family)
+                         base.kv_heads if args.kv_heads is None else args.kv_heads, base.family, args.attention)
     if not args.layers or not args.hidden:
         raise ConfigError(f"autopar plan {args.model} needs --size ({', '.join(PRESETS)}) or --layers and --hidden")
     heads = args.heads or max(1, args.hidden // 128)
     llama = args.model == "llama"
     return GPTConfig(args.layers, args.hidden, heads, args.seq or 2048, args.vocab or (128256 if llama else 51200),
-                     args.ffn or 0, args.kv_heads or 0, "llama" if llama else "gpt")
+                     args.ffn or 0, args.kv_heads or 0, "llama" if llama else "gpt", args.attention)
 
 
 def run_gpt(args: argparse.Namespace) -> int:

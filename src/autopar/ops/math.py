@@ -66,6 +66,30 @@ class BatchMatMul(MatMul):
         return S.matmul(a.dim(), b.dim(), self.transpose_a, self.transpose_b)
 
 
+class FusedAttention(ShardablePrimitive):
+    """Causal scaled-dot-product attention as one kernel (FlashAttention, torch's SDPA): the ``s x s`` scores are
+    never stored -- the backward recomputes them from q, k, v and the per-row log-sum-exp.
+
+    ``q`` is ``[batch, heads, g x s, d]`` against ``k``, ``v`` of ``[batch, heads, s, d]``: with grouped-query
+    attention each key/value head serves ``g`` query heads stacked along the rows (row ``r`` is position ``r % s``).
+    Batch and heads may be split; rows, keys and the head dimension stay whole (splitting the keys is context
+    parallelism, whose partial results need a log-sum-exp merge)."""
+
+    def spec(self, q, k, v) -> S.OpSpec:
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+            raise StrategyError(f"{self.name}: q, k, v must be [batch, heads, rows, head_dim], got shapes "
+                                f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        return S.OpSpec(("noid", "nojd", "nojd"), "noid", unsplittable=frozenset("ijd"))
+
+    def compute(self, q, k, v):
+        b, h, rows, d = q.shape
+        s = k.shape[2]
+        g = rows // s
+        q = q.reshape(b, h, g, s, d)
+        k, v = (t.unsqueeze(2).expand(b, h, g, s, d) for t in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).reshape(b, h, rows, d)
+
+
 class BiasAdd(ShardablePrimitive):
     """x + bias along dimension 1 (channels, NCHW / NC)."""
 

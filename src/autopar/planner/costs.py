@@ -236,7 +236,8 @@ class NodeCosts:
         node, mesh = self.node, self.mesh
         splits = {label: plan.device_matrix[axis] for label, axis in plan.label_axis}
         parts = math.prod(splits.values()) if splits else 1
-        kind = {"conv": "conv", "softmax": "other", "elementwise": "other"}.get(node.kind, "matmul")
+        kind = {"conv": "conv", "softmax": "other", "elementwise": "other", "attention": "attention"}.get(node.kind,
+                                                                                                         "matmul")
         grad_comm = act_comm = 0.0
         memory = moved = activations = 0.0
         for i, (_, pname) in enumerate(zip(node.shapes, node.param_names)):
@@ -255,14 +256,19 @@ class NodeCosts:
         out_split = math.prod(plan.device_matrix[a] for a in plan.output_map if a >= 0) if plan.output_map else 1
         memory += nbytes(node.out_shape, node.itemsize) / out_split
         activations += nbytes(node.out_shape, node.itemsize) / out_split
+        if node.kind == "attention":  # the fused kernel keeps one fp32 log-sum-exp per row for its backward
+            lse = nbytes(node.out_shape[:-1], 4) / out_split
+            memory += lse
+            activations += lse
         moved += nbytes(node.out_shape, node.itemsize) / out_split
         timer = getattr(machine, "op_timer", None)
         measured = timer.node(node, [plan.inputs[i].slice_shape for i in range(len(node.shapes))]) if timer else None
         if measured is not None:  # this operator at this rank's shapes, timed on this job's device
             compute, backward = measured[1], measured[1] - measured[0]
-        else:
-            compute = machine.compute(kind, 3.0 * node.flops / parts, 3.0 * moved)  # forward + 2x backward
-            backward = compute * 2.0 / 3.0
+        else:  # forward + 2x backward; a fused attention's backward recomputes the scores: 2.5x (FlashAttention-2,
+            passes = 3.5 if node.kind == "attention" else 3.0  # arXiv 2307.08691 sec. 4.1: 5 matmuls against 2)
+            compute = machine.compute(kind, passes * node.flops / parts, 3.0 * moved)
+            backward = compute * (passes - 1.0) / passes
         # the optimizer step over this device's slice, at the calibrated rate of the layout modes (DTensor
         # parameters: no fused kernel); pure data parallel's fused rate replaces it in its totals (plan.py)
         params = sum(nbytes(plan.inputs[i].slice_shape, node.itemsize) for i, n in enumerate(node.param_names) if n)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from autopar.errors import ConfigError
-from autopar.ops.math import BatchMatMul, Softmax
+from autopar.ops.math import BatchMatMul, FusedAttention, Softmax
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,9 @@ class GPTConfig:
     ffn: int = 0  # 0: 4 x hidden
     kv_heads: int = 0  # 0: as many as heads (multi-head attention); fewer: grouped-query attention
     family: str = "gpt"  # gpt | llama
+    # fused: one kernel (FlashAttention, SDPA), the scores never stored; materialized: two batched matmuls and a
+    # softmax, the s x s scores kept for the backward (Megatron-LM before FlashAttention, 2021-2022)
+    attention: str = "fused"
 
     def __post_init__(self):
         for name in ("layers", "hidden", "heads", "seq", "vocab"):
@@ -48,6 +51,8 @@ class GPTConfig:
             raise ConfigError(f"GPT hidden size {self.hidden} is not divisible by {self.heads} heads")
         if self.family not in ("gpt", "llama"):
             raise ConfigError(f"model family must be gpt or llama, got {self.family!r}")
+        if self.attention not in ("fused", "materialized"):
+            raise ConfigError(f"attention must be fused or materialized, got {self.attention!r}")
         if isinstance(self.kv_heads, bool) or not isinstance(self.kv_heads, int) or self.kv_heads < 0 \
                 or self.heads % self.kv_groups:
             raise ConfigError(f"kv_heads must be a positive divisor of the {self.heads} heads, got {self.kv_heads!r}")
@@ -89,7 +94,7 @@ class GPTConfig:
         name = "Llama" if self.llama else "GPT"
         heads = f"{self.heads} heads" + (f" ({self.kv_groups} key/value)" if self.kv_groups != self.heads else "")
         return (f"{name} {self.parameters / 1e9:.1f}B: {self.layers} layers, hidden {self.hidden}, {heads}, "
-                f"sequence {self.seq}, vocabulary {self.vocab}")
+                f"sequence {self.seq}, vocabulary {self.vocab}, {self.attention} attention")
 
 
 PRESETS = {  # GPT-3's shapes (Brown et al. 2020, table 2.1) with Megatron's vocabulary
@@ -105,14 +110,12 @@ PRESETS = {  # GPT-3's shapes (Brown et al. 2020, table 2.1) with Megatron's voc
 class GPTLayer(nn.Module):
     """Pre-norm decoder layer: causal self-attention and a GELU feed-forward, each with a residual."""
 
-    def __init__(self, hidden: int, heads: int, ffn: int):
+    def __init__(self, hidden: int, heads: int, ffn: int, fused: bool = True):
         super().__init__()
         self.heads = heads
         self.ln1 = nn.LayerNorm(hidden)
         self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.scores = BatchMatMul(transpose_b=True)
-        self.softmax = Softmax(-1)
-        self.context = BatchMatMul()
+        self.attention = _Attention(fused)
         self.proj = nn.Linear(hidden, hidden)
         self.ln2 = nn.LayerNorm(hidden)
         self.fc1 = nn.Linear(hidden, ffn)
@@ -124,10 +127,7 @@ class GPTLayer(nn.Module):
         d = h // self.heads
         qkv = self.qkv(self.ln1(x)).reshape(b, s, self.heads, 3 * d)
         q, k, v = (t.transpose(1, 2) for t in qkv.split(d, dim=-1))
-        scores = self.scores(q, k) / math.sqrt(d)
-        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
-        att = self.softmax(scores.masked_fill(mask, float("-inf")))
-        ctx = self.context(att, v).transpose(1, 2).reshape(b, s, h)
+        ctx = self.attention(q, k, v).transpose(1, 2).reshape(b, s, h)
         x = x + self.proj(ctx)
         return x + self.fc2(self.act(self.fc1(self.ln2(x))))
 
@@ -136,16 +136,14 @@ class LlamaLayer(nn.Module):
     """Pre-norm Llama decoder layer: RMSNorm, grouped-query causal attention (rotary positions are element-wise on
     q and k: costed with the element-wise work), a SwiGLU MLP."""
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, ffn: int):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, ffn: int, fused: bool = True):
         super().__init__()
         self.heads, self.kv_heads = heads, kv_heads
         d = hidden // heads
         self.norm1 = nn.RMSNorm(hidden)
         self.q = nn.Linear(hidden, hidden, bias=False)  # laid out [kv group, queries of the group, d]
         self.kv = nn.Linear(hidden, 2 * kv_heads * d, bias=False)  # [kv group, k and v, d]
-        self.scores = BatchMatMul(transpose_b=True)
-        self.softmax = Softmax(-1)
-        self.context = BatchMatMul()
+        self.attention = _Attention(fused)
         self.o = nn.Linear(hidden, hidden, bias=False)
         self.norm2 = nn.RMSNorm(hidden)
         self.gate = nn.Linear(hidden, ffn, bias=False)
@@ -159,19 +157,39 @@ class LlamaLayer(nn.Module):
         y = self.norm1(x)
         q = self.q(y).reshape(b, s, kv, g, d).permute(0, 2, 3, 1, 4).reshape(b, kv, g * s, d)
         k, v = (t.transpose(1, 2) for t in self.kv(y).reshape(b, s, kv, 2 * d).split(d, dim=-1))
-        scores = self.scores(q, k) / math.sqrt(d)
-        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1).repeat(g, 1)
-        att = self.softmax(scores.masked_fill(mask, float("-inf")))
-        ctx = self.context(att, v).reshape(b, kv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, h)
+        ctx = self.attention(q, k, v).reshape(b, kv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, h)
         x = x + self.o(ctx)
         y = self.norm2(x)
         return x + self.down(nn.functional.silu(self.gate(y)) * self.up(y))
 
 
+class _Attention(nn.Module):
+    """Causal attention of q ``[b, heads, g x s, d]`` (``g`` query heads per key/value head stacked on the rows, row
+    ``r`` at position ``r % s``) against k, v ``[b, heads, s, d]``: one fused operator, or the scores materialized --
+    two batched matmuls and a softmax, each a node the planner lays out (and whose ``s x s`` activation it counts)."""
+
+    def __init__(self, fused: bool):
+        super().__init__()
+        self.fused = FusedAttention() if fused else None
+        if not fused:
+            self.scores = BatchMatMul(transpose_b=True)
+            self.softmax = Softmax(-1)
+            self.context = BatchMatMul()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused(q, k, v)
+        s, d = k.shape[2], k.shape[3]
+        scores = self.scores(q, k) / math.sqrt(d)
+        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1).repeat(q.shape[2] // s, 1)
+        return self.context(self.softmax(scores.masked_fill(mask, float("-inf"))), v)
+
+
 def make_layer(config: GPTConfig) -> nn.Module:
     c = config
-    return LlamaLayer(c.hidden, c.heads, c.kv_groups, c.ffn_size) if c.llama else GPTLayer(c.hidden, c.heads,
-                                                                                          c.ffn_size)
+    fused = c.attention == "fused"
+    return LlamaLayer(c.hidden, c.heads, c.kv_groups, c.ffn_size, fused) if c.llama else GPTLayer(
+        c.hidden, c.heads, c.ffn_size, fused)
 
 
 class GPTHead(nn.Module):

@@ -35,7 +35,7 @@ from autopar.layout.leaves import LAYOUT_TRANSPARENT
 from autopar.layout.spec import OpSpec
 from autopar.ops import primitive as _primitive
 from autopar.ops.comm import _CommPrimitive
-from autopar.ops.math import BatchMatMul, MatMul, ShardablePrimitive, Softmax
+from autopar.ops.math import BatchMatMul, FusedAttention, MatMul, ShardablePrimitive, Softmax
 from autopar.ops.shard import Conv2dOp, LinearOp, _Sharded
 
 DP, REP = "dp", "rep"
@@ -45,7 +45,7 @@ DP, REP = "dp", "rep"
 class OpNode:
     index: int
     name: str
-    kind: str  # linear | conv | matmul | softmax
+    kind: str  # linear | conv | matmul | softmax | attention | elementwise
     target: Any  # the module or operator a strategy is given to
     spec: OpSpec
     shapes: tuple  # every tensor input's shape (activations and parameters)
@@ -97,6 +97,9 @@ def _flops(kind: str, shapes, out_shape, groups: int = 1) -> float:
         return 2.0 * _numel(out_shape) * (w[1] * w[2] * w[3])
     if kind == "softmax":
         return 5.0 * _numel(out_shape)  # max, subtract, exp, sum, divide
+    if kind == "attention":  # q k^T and p v, 2 x 2 b h i j d, of which the causal kernel computes half
+        q, k = shapes[0], shapes[1]
+        return 2.0 * _numel(q) * k[2]
     if kind == "elementwise":
         return float(max(_numel(s) for s in (*shapes, out_shape)))
     a = shapes[0]
@@ -288,12 +291,13 @@ class Tracer:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if any(getattr(node.target, "_autopar_op", None) is op for node in self._open.values()):
             return op.compute(*args, **kwargs)  # a sharded Linear/Conv2d's own operator: the module is the node
-        heavy = isinstance(op, (MatMul, BatchMatMul, Softmax))
+        heavy = isinstance(op, (MatMul, BatchMatMul, Softmax, FusedAttention))
         spec = op.spec(*args) if heavy or (self.every_operator and isinstance(op, ShardablePrimitive)
                                            and not getattr(op, "local", False) and tensors) else None
         if spec is not None and (heavy or _labels_fit(spec, args)):
             self.depth += 1
-            kind = "softmax" if isinstance(op, Softmax) else "matmul" if heavy else "elementwise"
+            kind = ("softmax" if isinstance(op, Softmax) else "attention" if isinstance(op, FusedAttention)
+                    else "matmul" if heavy else "elementwise")
             node = self.add_node(self.names.get(id(op), type(op).__name__), kind, op, spec, tensors, op.strategy)
             out = op.compute(*args, **kwargs)
             self.depth -= 1

@@ -55,6 +55,9 @@ class ClusterSpec:
     inter: Link
     description: str = ""
     sources: dict | None = None
+    # fraction of peak a fused causal attention kernel reaches, forward and backward together (None: a file written
+    # before the field -- taken as matmul_efficiency)
+    attention_efficiency: float | None = None
 
     @property
     def devices(self) -> int:
@@ -117,7 +120,8 @@ class GroupMachine(MachineModel):
 
     def __init__(self, spec: ClusterSpec, size: int, stride: int, dtype: str):
         rate = spec.peak(dtype) * spec.matmul_efficiency
-        super().__init__(device_num=size, flops={"matmul": rate, "conv": rate, "other": rate},
+        attention = spec.peak(dtype) * (spec.attention_efficiency or spec.matmul_efficiency)
+        super().__init__(device_num=size, flops={"matmul": rate, "conv": rate, "other": rate, "attention": attention},
                          backend="nccl", source=f"{spec.name} ({spec.device_name}, {dtype})",
                          memory_bandwidth=spec.memory_bandwidth, memory_per_device=spec.memory)
         self.spec, self.stride = spec, stride
@@ -137,6 +141,16 @@ _REQUIRED = {
 
 
 _FREE = {"name", "description", "sources"}  # free-form: names, prose, each constant's source
+_OPTIONAL = {"device.attention_efficiency": float}  # fields newer than the first files: absent means the default
+
+
+def _has(data: dict, dotted: str) -> bool:
+    node = data
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def _leaves(data: dict, prefix: str = ""):
@@ -186,11 +200,15 @@ def parse_cluster(data: dict, where: str = "machine file") -> ClusterSpec:
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a JSON object, got {type(data).__name__}")
     v = {k: _field(data, k, t, where) for k, t in _REQUIRED.items()}
-    unknown = sorted(set(_leaves(data)) - set(_REQUIRED) - _FREE)
+    optional = {k: _field(data, k, t, where) for k, t in _OPTIONAL.items() if _has(data, k)}
+    if optional.get("device.attention_efficiency", 0) > 1:
+        raise ConfigError(f"{where}: field 'device.attention_efficiency' is a fraction of peak and must be <= 1, got "
+                          f"{optional['device.attention_efficiency']}")
+    unknown = sorted(set(_leaves(data)) - set(_REQUIRED) - set(_OPTIONAL) - _FREE)
     if unknown:  # a file written for another version (a field since dropped) still loads; what it says is not used
         warnings.warn(f"autopar: {where}: field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
                       f"{'are' if len(unknown) > 1 else 'is'} not known to this version and ignored (known: "
-                      f"{', '.join(_REQUIRED)}, name, description, sources)", stacklevel=user_stacklevel())
+                      f"{', '.join([*_REQUIRED, *_OPTIONAL])}, name, description, sources)", stacklevel=user_stacklevel())
     for k in ("device.matmul_efficiency", "intra_node.efficiency", "inter_node.efficiency"):
         if v[k] > 1:
             raise ConfigError(f"{where}: field {k!r} is a fraction of peak and must be <= 1, got {v[k]}")
@@ -201,7 +219,8 @@ def parse_cluster(data: dict, where: str = "machine file") -> ClusterSpec:
         intra=Link(v["intra_node.bandwidth"], v["intra_node.latency"], v["intra_node.efficiency"]),
         nics_per_node=v["inter_node.nics_per_node"],
         inter=Link(v["inter_node.nic_bandwidth"], v["inter_node.latency"], v["inter_node.efficiency"]),
-        description=str(data.get("description", "")), sources=data.get("sources"))
+        description=str(data.get("description", "")), sources=data.get("sources"),
+        attention_efficiency=optional.get("device.attention_efficiency"))
 
 
 def presets() -> list[str]:

@@ -93,7 +93,8 @@ class MachineModel:
 
     def compute(self, kind: str, flops: float, moved_bytes: float = 0.0) -> float:
         """Roofline: the slower of doing the arithmetic and streaming the operands through memory."""
-        return max(flops / self.flops.get(kind, self.flops["other"]), moved_bytes / self.memory_bandwidth)
+        rate = self.flops.get(kind) or self.flops["matmul" if kind == "attention" else "other"]
+        return max(flops / rate, moved_bytes / self.memory_bandwidth)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)

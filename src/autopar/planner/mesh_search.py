@@ -161,7 +161,7 @@ class MeshPlan:
             "configuration": {"model": self.config.describe(), "devices": self.devices, "machine": self.spec.name,
                               "global_batch": self.global_batch, "dtype": self.dtype, "dp": c.d, "tp": c.t,
                               "pp": c.p, "micro_batch": c.b, "micro_batches": c.m, "zero": c.zero,
-                              "recompute": "full" if c.recompute else "none"},
+                              "recompute": "full" if c.recompute else "none", "attention": self.config.attention},
             "breakdown_s": dict(c.parts),
             "memory_breakdown_gib": {k: v / gib for k, v in c.memory_parts.items()},
         }
