@@ -238,8 +238,12 @@ def test_llama3_8b_fsdp_at_sequence_8192_fits_with_fused_attention_and_not_with_
     scores of 32 heads (4 GiB a layer in bf16) fit nowhere; the fused kernel keeps q, k, v, its output and one
     log-sum-exp per row, and the plan fits."""
     pin = {"tp": 1, "pp": 1, "zero": 3, "micro_batch": 1, "recompute": False}
-    with pytest.raises(ConfigError, match="materialized attention fits nowhere on 64 x A100"):
+    with pytest.raises(ConfigError, match="materialized attention fits nowhere on 64 x A100") as info:
         plan_gpt(dataclasses.replace(PRESETS["llama3-8b"], attention="materialized"), A100, 64, 64, fixed=pin)
+    # and the line says what would make it fit: recomputation, or the fused kernel
+    said = str(info.value)
+    assert "; without --recompute off it fits (dp 64 x tp 1 x pp 1, micro-batch 1, ZeRO 3, recompute full: " in said
+    assert "; with --attention fused it fits (dp 64 x tp 1 x pp 1, micro-batch 1, ZeRO 3, recompute off: " in said
     plan = plan_gpt(PRESETS["llama3-8b"], A100, 64, 64, fixed=pin)
     assert plan.best.memory <= plan.memory_limit
     scores = 32 * 8192 * 8192 * 2 * PRESETS["llama3-8b"].layers  # what the materialized plan would keep

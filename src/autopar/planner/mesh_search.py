@@ -306,6 +306,33 @@ class _Planner:
         k.memory = sum(k.memory_parts.values())
 
 
+_FLAGS = {"tp": "--tp", "pp": "--pp", "micro_batch": "--micro-batch", "zero": "--zero", "recompute": "--recompute"}
+
+
+def _what_would_fit(config, spec, devices, global_batch, dtype, memory_limit, max_micro_batch, fixed) -> str:
+    """What would make a configuration that fits nowhere fit: the ZeRO level, recomputation or micro-batch pin given
+    up alone, and fused attention for a model that stores its scores -- the changes that fit, each with the plan it then gets; '' where none does."""
+    import dataclasses
+
+    # the pins whose relaxation re-plans the layer only at the sizes already captured (tp and pp would search
+    # every tensor degree again: tens of seconds for an error line)
+    tries = [(f"without {_FLAGS[k]} {'on' if v is True else 'off' if v is False else v}", config,
+              {**fixed, k: None}) for k, v in fixed.items() if v is not None and k in ("zero", "recompute",
+                                                                                      "micro_batch")]
+    if config.attention == "materialized":
+        tries.append(("with --attention fused", dataclasses.replace(config, attention="fused"), fixed))
+    fits = []
+    for what, cfg, pins in tries:
+        try:
+            plan = plan_gpt(cfg, spec, devices, global_batch, dtype, memory_limit, max_micro_batch, fixed=pins)
+        except ConfigError:
+            continue
+        b = plan.best
+        fits.append(f"{what} it fits ({b.mesh()}, micro-batch {b.b}, ZeRO {b.zero}, recompute "
+                    f"{'full' if b.recompute else 'off'}: {b.memory / 2**30:.1f} GiB)")
+    return "; ".join(fits)
+
+
 def _powers_of_two(limit: int) -> list[int]:
     out, v = [], 1
     while v <= limit:
@@ -375,11 +402,12 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
                           f"degree must divide the batch, tensor parallelism the key/value heads ({config.kv_groups}) and one "
                           f"node ({spec.devices_per_node}), the stages the layers ({config.layers})")
     if not fitting:
+        remedy = _what_would_fit(config, spec, devices, global_batch, dtype, memory_limit, max_micro_batch, fixed)
         raise ConfigError(
             f"{config.describe()} fits nowhere on {devices} x {spec.device_name}: the smallest plan "
             f"({smallest.mesh()}, micro-batch {smallest.b}, ZeRO {smallest.zero}, recompute "
             f"{'full' if smallest.recompute else 'off'}) needs {smallest.memory / 2**30:.1f} GiB per device, "
-            f"{limit / 2**30:.1f} GiB usable")
+            f"{limit / 2**30:.1f} GiB usable" + (f"; {remedy}" if remedy else ""))
     fitting.sort(key=lambda k: (k.step, k.memory))
     best = fitting[0]
     return MeshPlan(config, spec, devices, global_batch, dtype, best, fitting, planner, considered,
