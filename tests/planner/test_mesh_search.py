@@ -3,6 +3,7 @@ data x tensor x pipeline x ZeRO search (all on fixed figures, deterministic, no 
 import dataclasses
 import json
 import math
+import re
 import resource
 import subprocess
 import sys
@@ -240,14 +241,45 @@ def test_llama3_8b_fsdp_at_sequence_8192_fits_with_fused_attention_and_not_with_
     pin = {"tp": 1, "pp": 1, "zero": 3, "micro_batch": 1, "recompute": False}
     with pytest.raises(ConfigError, match="materialized attention fits nowhere on 64 x A100") as info:
         plan_gpt(dataclasses.replace(PRESETS["llama3-8b"], attention="materialized"), A100, 64, 64, fixed=pin)
-    # and the line says what would make it fit: recomputation, or the fused kernel
+    # and the line says what would make it fit: selective recomputation (the scores dropped and recomputed), or the
+    # fused kernel -- which keep the same activations but for the fused kernel's log-sum-exp
     said = str(info.value)
-    assert "; without --recompute off it fits (dp 64 x tp 1 x pp 1, micro-batch 1, ZeRO 3, recompute full: " in said
-    assert "; with --attention fused it fits (dp 64 x tp 1 x pp 1, micro-batch 1, ZeRO 3, recompute off: " in said
+    selective = re.search(r"; without --recompute off it fits \(dp 64 x tp 1 x pp 1, micro-batch 1, ZeRO 3, "
+                          r"recompute selective: ([\d.]+) GiB\)", said)
+    fused = re.search(r"; with --attention fused it fits \(dp 64 x tp 1 x pp 1, micro-batch 1, ZeRO 3, recompute "
+                      r"off: ([\d.]+) GiB\)", said)
+    assert selective and fused and abs(float(selective[1]) - float(fused[1])) < 0.5, said
     plan = plan_gpt(PRESETS["llama3-8b"], A100, 64, 64, fixed=pin)
     assert plan.best.memory <= plan.memory_limit
     scores = 32 * 8192 * 8192 * 2 * PRESETS["llama3-8b"].layers  # what the materialized plan would keep
     assert plan.best.memory_parts["activations"] < scores / 3
+
+
+def test_selective_recomputation_drops_the_stored_scores_and_recomputes_the_attention_core():
+    """GPT-3 175B on 64 A100s as Korthikanti et al. 2022 ran it (tp 8, pp 8, micro-batch 1), scores stored: without
+    recomputation it does not fit; selective recomputation (the scores and softmax dropped, the attention core's
+    forward run again) fits and is faster than full recomputation; its hardware FLOPs count the core once more."""
+    cfg = GPTConfig(96, 12288, 96, attention="materialized")
+    pin = {"tp": 8, "pp": 8, "micro_batch": 1, "zero": 0}
+    with pytest.raises(ConfigError, match="recompute off.* needs .*; without --recompute off it fits .*recompute "
+                                          "selective"):
+        plan_gpt(cfg, A100, 64, 64, fixed={**pin, "recompute": False})
+    sel = plan_gpt(cfg, A100, 64, 64, fixed={**pin, "recompute": "selective"})
+    full = plan_gpt(cfg, A100, 64, 64, fixed={**pin, "recompute": True})
+    assert sel.best.recompute_name == "selective" and sel.best.memory <= sel.memory_limit
+    assert sel.best.step < full.best.step and sel.best.memory > full.best.memory
+    layer = sel.planner.layer(8, 1)
+    assert layer.core_activation_bytes == 2 * 12 * 2048 * 2048 * 2  # scores and softmax: 12 heads a rank, bf16
+    s, h, b = 2048, 12288, 64
+    extra = cfg.model_flops(b, "selective") - cfg.model_flops(b)
+    assert extra == pytest.approx(b * s * 96 * 4 * s * h)
+    assert sel.to_dict()["configuration"]["recompute"] == "selective"
+    # the free search weighs it too, and with fused attention there is nothing to drop: selective is off
+    assert any(c.recompute == "selective" for c in plan_gpt(cfg, A100, 64, 64, fixed=pin).ranked)
+    fused = dataclasses.replace(cfg, attention="fused")
+    one = plan_gpt(fused, A100, 64, 64, fixed={**pin, "recompute": "selective"}).best
+    off = plan_gpt(fused, A100, 64, 64, fixed={**pin, "recompute": False}).best
+    assert (one.step, one.memory) == (off.step, off.memory)
 
 
 @pytest.mark.slow

@@ -45,7 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--pp", type=int, default=None, help="pin the pipeline stages")
     g.add_argument("--micro-batch", type=int, default=None, help="pin the micro-batch size")
     g.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3), help="pin the ZeRO level")
-    g.add_argument("--recompute", default=None, choices=("on", "off"), help="pin activation recomputation")
+    g.add_argument("--recompute", default=None, choices=("full", "selective", "none", "on", "off"),
+                   help="pin activation recomputation: full (on), selective (the attention core only: Korthikanti et "
+                        "al. 2022) or none (off)")
     g.add_argument("--attention", default="fused", choices=("fused", "materialized"),
                    help="fused: one kernel, the scores never stored (FlashAttention, SDPA; the default); "
                         "materialized: the s x s scores kept for the backward (Megatron-LM of 2021-2022)")
@@ -188,7 +190,8 @@ def run_gpt(args: argparse.Namespace) -> int:
         dtype = args.dtype or "fp32"
     limit = memory_bytes(args.memory_limit, "--memory-limit") if args.memory_limit else None
     fixed = {"tp": args.tp, "pp": args.pp, "micro_batch": args.micro_batch, "zero": args.zero,
-             "recompute": None if args.recompute is None else args.recompute == "on"}
+             "recompute": {None: None, "full": True, "on": True, "none": False, "off": False,
+                           "selective": "selective"}[args.recompute]}
     print(f"[autopar] planning {config.describe()} on {args.nproc} x {spec.device_name} ({spec.name})...",
           file=sys.stderr, flush=True)
     plan = plan_gpt(config, spec, args.nproc, args.global_batch, dtype, limit, fixed=fixed)

@@ -79,14 +79,18 @@ class GPTConfig:
         layer = 3 * h * h + 3 * h + (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
         return self.layers * layer + self.vocab * h + self.seq * h + 2 * h
 
-    def model_flops(self, global_batch: int, recompute: bool = False) -> float:
+    def model_flops(self, global_batch: int, recompute: bool | str = False) -> float:
         """FLOPs of one training step, the matmuls only (Narayanan et al.): per token and layer 2 x (the projections'
         weights) + 4 s h for the attention, x3 for forward and backward (x4 with full recompute), plus the output
-        head's 6 h V. For the GPT shape this is 72 B s l h^2 (1 + s/6h + V/12lh), 96 ... (V/16lh) with recompute."""
+        head's 6 h V. For the GPT shape this is 72 B s l h^2 (1 + s/6h + V/12lh), 96 ... (V/16lh) with recompute.
+        ``recompute="selective"`` adds the attention core's forward once more, 4 s h per token and layer (Korthikanti
+        et al. 2022, arXiv 2205.05198 sec. 5)."""
         b, s, l, h, v, f = global_batch, self.seq, self.layers, self.hidden, self.vocab, self.ffn_size
         kv = self.kv_groups * (h // self.heads)
         weights = 2 * h * h + 2 * h * kv + (3 if self.llama else 2) * h * f
         per_token_layer = 2.0 * weights + 4.0 * s * h
+        if recompute == "selective":
+            return b * s * (l * (3.0 * per_token_layer + 4.0 * s * h) + 6.0 * h * v)
         passes = 4.0 if recompute else 3.0
         return b * s * (passes * l * per_token_layer + 6.0 * h * v)
 

@@ -13,7 +13,8 @@ layers are the same; Alpa clusters them the same way). Around it the mesh search
 - ``d`` = N / (t p) data-parallel replicas, ranks ordered tensor-innermost then data then pipeline (Megatron's
   order: tensor groups inside a node, data-parallel groups ``t`` ranks apart, stages farthest apart);
 - ZeRO level 0-3 over the data-parallel group (pipelines take level 0/1, as Megatron's distributed optimizer);
-- full activation recomputation or none.
+- activation recomputation: none, selective (materialized attention: the scores and their softmax dropped and
+  the attention core run again in the backward, Korthikanti et al. 2022) or full.
 
 Memory per device: mixed-precision Adam (16 bytes per parameter: bf16 weight and gradient, fp32 master weight and two
 moments -- ZeRO's K = 12) divided by ZeRO as its level says, plus activations. Communication is costed
@@ -58,6 +59,10 @@ class LayerPlan:
     param_count: float  # this device's parameters (the planned operators' slices + the small replicated ones)
     activation_bytes: float
     input_bytes: float  # the layer input a recomputing layer keeps
+    # the attention core whose scores are stored (materialized attention: the scores' and the softmax's s x s outputs)
+    # -- what selective recomputation (Korthikanti et al. 2022, arXiv 2205.05198 sec. 5) drops and recomputes
+    core_activation_bytes: float = 0.0
+    core_forward: float = 0.0  # seconds of its forward (the scores matmul, the softmax, the context matmul)
 
     def rows(self) -> list[tuple]:
         out = []
@@ -92,8 +97,21 @@ def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: t
     itemsize = inputs[0].element_size()
     params = (sum(c.param_bytes for c in chosen) + other_param_bytes(module, graph)) / itemsize
     activations = sum(c.activation_bytes for c in chosen) + graph.other_activation_bytes / split
+    core = [(node, c) for node, c in zip(graph.nodes, chosen) if _attention_core(node)]
     return LayerPlan(t, b, graph, costs, problem, choice, total + other, compute / 3.0, params, activations,
-                     inputs[0].numel() * itemsize / split)
+                     inputs[0].numel() * itemsize / split,
+                     sum(c.out_bytes for node, c in core if _scores_shaped(node)),
+                     sum(c.compute - c.optimizer for _, c in core) / 3.0)
+
+
+def _attention_core(node) -> bool:
+    """The materialized attention's nodes: its scores matmul, softmax and context matmul (``attention.*``)."""
+    return node.name.split(".")[-2:-1] == ["attention"] and node.kind in ("matmul", "softmax")
+
+
+def _scores_shaped(node) -> bool:
+    """An output of ``[b, heads, rows, s]``: the scores or their softmax (the context's is ``[b, heads, rows, d]``)."""
+    return node.kind == "softmax" or node.name.endswith(".scores")
 
 
 @dataclass
@@ -104,7 +122,7 @@ class Candidate:
     b: int
     m: int  # micro-batches per step
     zero: int
-    recompute: bool
+    recompute: bool | str  # False, "selective" or True (full)
     step: float = 0.0
     memory: float = 0.0
     parts: dict = field(default_factory=dict)  # seconds by cause
@@ -116,6 +134,14 @@ class Candidate:
 
     def mesh(self) -> str:
         return f"dp {self.d} x tp {self.t} x pp {self.p}"
+
+    @property
+    def recompute_name(self) -> str:
+        return recompute_name(self.recompute)
+
+
+def recompute_name(recompute: bool | str) -> str:
+    return "selective" if recompute == "selective" else "full" if recompute else "off"
 
 
 @dataclass
@@ -143,7 +169,7 @@ class MeshPlan:
 
     def tflops_per_device(self, c: Candidate | None = None, with_recompute: bool = False) -> float:
         c = c or self.best
-        flops = self.config.model_flops(self.global_batch, recompute=with_recompute and c.recompute)
+        flops = self.config.model_flops(self.global_batch, recompute=c.recompute if with_recompute else False)
         return flops / c.step / self.devices / 1e12
 
     def to_dict(self, c: Candidate | None = None) -> dict:
@@ -161,7 +187,8 @@ class MeshPlan:
             "configuration": {"model": self.config.describe(), "devices": self.devices, "machine": self.spec.name,
                               "global_batch": self.global_batch, "dtype": self.dtype, "dp": c.d, "tp": c.t,
                               "pp": c.p, "micro_batch": c.b, "micro_batches": c.m, "zero": c.zero,
-                              "recompute": "full" if c.recompute else "none", "attention": self.config.attention},
+                              "recompute": {"off": "none"}.get(c.recompute_name, c.recompute_name),
+                              "attention": self.config.attention},
             "breakdown_s": dict(c.parts),
             "memory_breakdown_gib": {k: v / gib for k, v in c.memory_parts.items()},
         }
@@ -181,7 +208,7 @@ class MeshPlan:
             f"pipeline: {c.p} stage(s) of {math.ceil(cfg.layers / c.p)} layers, 1F1B, {c.m} micro-batches of {c.b}; "
             f"bubble (p-1)/(m+p-1) = {c.bubble:.1%}",
             f"optimizer sharding: ZeRO level {c.zero}" + (" (off)" if c.zero == 0 else f" over {c.d} replicas")
-            + f"; activation recomputation: {'full' if c.recompute else 'off'}",
+            + f"; activation recomputation: {c.recompute_name}",
             f"predicted step: {c.step:.3f} s = " + " + ".join(f"{k} {v:.3f}" for k, v in c.parts.items()),
             f"throughput: {self.global_batch * cfg.seq / c.step:,.0f} tokens/s; {self.tflops_per_device():.0f} "
             f"TFLOP/s per device of model FLOPs, MFU {self.mfu():.1%}"
@@ -200,7 +227,7 @@ class MeshPlan:
         lines.append(f"  {'mesh':<24} {'micro':>5} {'m':>5} {'ZeRO':>4} {'recomp':>6} {'bubble':>7} {'step s':>8} "
                      f"{'GiB':>6} {'MFU':>6}")
         for r in self.ranked[:6]:
-            lines.append(f"  {r.mesh():<24} {r.b:>5} {r.m:>5} {r.zero:>4} {'full' if r.recompute else 'off':>6} "
+            lines.append(f"  {r.mesh():<24} {r.b:>5} {r.m:>5} {r.zero:>4} {r.recompute_name[:6]:>6} "
                          f"{r.bubble:>7.1%} {r.step:>8.3f} {r.memory / gib:>6.1f} {self.mfu(r):>6.1%}")
         return "\n".join(lines)
 
@@ -257,7 +284,9 @@ class _Planner:
         # the token embedding is vocabulary-parallel over the tensor group (an all-reduce of its output), a lookup
         embed_params = cfg.vocab * cfg.hidden / k.t + (0 if cfg.llama else cfg.seq * cfg.hidden)
         embed_time = 3 * boundary / spec.memory_bandwidth + 2 * spec.collective("all_reduce", boundary, k.t)[0]
-        layer_time = layer.time * (1 + layer.forward / layer.time if k.recompute else 1)
+        layer_time = layer.time + (layer.core_forward if k.recompute == "selective" else layer.forward if k.recompute
+                                   else 0.0)
+        kept = layer.activation_bytes - (layer.core_activation_bytes if k.recompute == "selective" else 0.0)
         first = per_stage * layer_time + embed_time + (head.time if k.p == 1 else 0.0)
         last = (cfg.layers // k.p) * layer_time + head.time if k.p > 1 else first
         micro = max(first, last)
@@ -295,13 +324,13 @@ class _Planner:
                  3: stage_params * (WEIGHT_GRAD_BYTES + OPTIMIZER_BYTES) / d
                  + 2 * layer.param_count * itemsize}[k.zero]
         in_flight = min(k.p, k.m)
-        if k.recompute:
+        full = k.recompute is True
+        if full:
             acts = in_flight * per_stage * layer.input_bytes + layer.activation_bytes
         else:
-            acts = in_flight * per_stage * layer.activation_bytes
+            acts = in_flight * per_stage * kept
         acts += head.activation_bytes if k.p == 1 else 0.0
-        last_acts = head.activation_bytes + (layer.activation_bytes if k.recompute else
-                                             (cfg.layers // k.p) * layer.activation_bytes)
+        last_acts = head.activation_bytes + (layer.activation_bytes if full else (cfg.layers // k.p) * kept)
         k.memory_parts = {"weights+grads+optimizer": state, "activations": max(acts, last_acts) if k.p > 1 else acts}
         k.memory = sum(k.memory_parts.values())
 
@@ -311,12 +340,13 @@ _FLAGS = {"tp": "--tp", "pp": "--pp", "micro_batch": "--micro-batch", "zero": "-
 
 def _what_would_fit(config, spec, devices, global_batch, dtype, memory_limit, max_micro_batch, fixed) -> str:
     """What would make a configuration that fits nowhere fit: the ZeRO level, recomputation or micro-batch pin given
-    up alone, and fused attention for a model that stores its scores -- the changes that fit, each with the plan it then gets; '' where none does."""
+    up alone, and fused attention for a model that stores its scores -- the changes that fit, each with the plan it
+    then gets; '' where none does."""
     import dataclasses
 
     # the pins whose relaxation re-plans the layer only at the sizes already captured (tp and pp would search
     # every tensor degree again: tens of seconds for an error line)
-    tries = [(f"without {_FLAGS[k]} {'on' if v is True else 'off' if v is False else v}", config,
+    tries = [(f"without {_FLAGS[k]} {recompute_name(v) if k == 'recompute' else v}", config,
               {**fixed, k: None}) for k, v in fixed.items() if v is not None and k in ("zero", "recompute",
                                                                                       "micro_batch")]
     if config.attention == "materialized":
@@ -329,7 +359,7 @@ def _what_would_fit(config, spec, devices, global_batch, dtype, memory_limit, ma
             continue
         b = plan.best
         fits.append(f"{what} it fits ({b.mesh()}, micro-batch {b.b}, ZeRO {b.zero}, recompute "
-                    f"{'full' if b.recompute else 'off'}: {b.memory / 2**30:.1f} GiB)")
+                    f"{b.recompute_name}: {b.memory / 2**30:.1f} GiB)")
     return "; ".join(fits)
 
 
@@ -388,7 +418,9 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
                     progress(f"tp {t} x pp {p} x dp {d}, micro-batch {b}")
                 levels = (0,) if d == 1 else (0, 1) if p > 1 else (0, 1, 2, 3)
                 for zero in [z for z in levels if keep("zero", z)]:
-                    for recompute in [r for r in (False, True) if keep("recompute", r)]:
+                    # selective recomputation where there are stored scores to drop (fused attention stores none)
+                    options = (False, "selective", True) if config.attention == "materialized" else (False, True)
+                    for recompute in [r for r in options if keep("recompute", r)] or [fixed["recompute"]]:
                         k = Candidate(t, p, d, b, global_batch // (d * b), zero, recompute)
                         planner.evaluate(k)
                         considered += 1
@@ -406,7 +438,7 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
         raise ConfigError(
             f"{config.describe()} fits nowhere on {devices} x {spec.device_name}: the smallest plan "
             f"({smallest.mesh()}, micro-batch {smallest.b}, ZeRO {smallest.zero}, recompute "
-            f"{'full' if smallest.recompute else 'off'}) needs {smallest.memory / 2**30:.1f} GiB per device, "
+            f"{smallest.recompute_name}) needs {smallest.memory / 2**30:.1f} GiB per device, "
             f"{limit / 2**30:.1f} GiB usable" + (f"; {remedy}" if remedy else ""))
     fitting.sort(key=lambda k: (k.step, k.memory))
     best = fitting[0]
