@@ -21,7 +21,11 @@ def test_readme_command_trains_and_its_accuracy_follows_the_loss(procs, tmp_path
     assert args[:3] == ["train", "-n", "2"] and "--eval" in args, args
     res = procs.run(autopar_cmd(*args, "--log-dir", str(tmp_path)), timeout=500)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "epoch: 1 step: 78, loss is" in res.stdout  # rank 0 streamed, MindSpore's line
+    assert "[rank 0] epoch: 1 step: 78, loss is" in res.stdout  # every rank streamed, MindSpore's line
+    assert "[rank 1] epoch: 1 step: 78, loss is" in res.stdout
+    # what ran, said once before the first step; where the metrics went, said at the end
+    assert res.stdout.count("[autopar] data_parallel on 2 ranks: mesh dp 2 x tp 1 x pp 1; no ZeRO;") == 1, res.stdout
+    assert f"every step: {tmp_path / 'train_metrics.csv'}; its loss curve: {tmp_path / 'loss_curve.png'}" in res.stdout
     losses = [float(r["loss"]) for r in csv.DictReader(open(tmp_path / "train_metrics.csv"))]
     assert len(losses) == 78  # 1000 records x 5 files / 2 ranks / batch 32
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10

@@ -175,6 +175,9 @@ class ProgressBar(Callback):
     on_train_end = on_train_epoch_end
 
 
+_NAMED: set = set()  # the metrics files a training of this process has named already
+
+
 class MetricsRecorder(Callback):
     """Append step, loss, step time and images/s to ``train_metrics.csv`` as training goes (flushed every step,
     so a crash loses nothing); draw ``loss_curve.png`` when training ends."""
@@ -218,8 +221,10 @@ class MetricsRecorder(Callback):
             self._fh = None
         if self._losses:
             plot_loss_curve(self._losses, self.png_path)
-            print(f"[autopar] rank 0's loss, step time and images/s at every step: {self.csv_path.resolve()}; its "
-                  f"loss curve: {self.png_path.resolve()}", flush=True)
+            if self.csv_path.resolve() not in _NAMED:  # once a process: a loop calling train() per epoch says it once
+                _NAMED.add(self.csv_path.resolve())
+                print(f"[autopar] rank 0's loss, step time and images/s at every step: {self.csv_path.resolve()}; "
+                      f"its loss curve: {self.png_path.resolve()}", flush=True)
 
 
 def plot_loss_curve(points: list[tuple[int, float]], path: Path, title: str = "training loss") -> None:
