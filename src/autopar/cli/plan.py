@@ -44,6 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--tp", type=int, default=None, help="pin the tensor-parallel degree")
     g.add_argument("--pp", type=int, default=None, help="pin the pipeline stages")
     g.add_argument("--micro-batch", type=int, default=None, help="pin the micro-batch size")
+    g.add_argument("--vpp", type=int, default=None,
+                   help="pin the virtual stages per device (interleaved 1F1B; 1: plain 1F1B)")
     g.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3), help="pin the ZeRO level")
     g.add_argument("--recompute", default=None, choices=("full", "selective", "none", "on", "off"),
                    help="pin activation recomputation: full (on), selective (the attention core only: Korthikanti et "
@@ -189,7 +191,7 @@ def run_gpt(args: argparse.Namespace) -> int:
         spec = ClusterSpec.from_machine_model(model, args.nproc)
         dtype = args.dtype or "fp32"
     limit = memory_bytes(args.memory_limit, "--memory-limit") if args.memory_limit else None
-    fixed = {"tp": args.tp, "pp": args.pp, "micro_batch": args.micro_batch, "zero": args.zero,
+    fixed = {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "micro_batch": args.micro_batch, "zero": args.zero,
              "recompute": {None: None, "full": True, "on": True, "none": False, "off": False,
                            "selective": "selective"}[args.recompute]}
     print(f"[autopar] planning {config.describe()} on {args.nproc} x {spec.device_name} ({spec.name})...",

@@ -8,7 +8,9 @@ layers are the same; Alpa clusters them the same way). Around it the mesh search
 - ``t``: a divisor of the devices per node (where NVLink is), or two nodes' worth -- costed on the network, so
   tensor parallelism leaves a node only if the cost model finds that faster;
 - ``p`` pipeline stages (1F1B schedule, ``M`` micro-batches): step = (M + p - 1) x the slowest stage's micro-batch
-  time, so the bubble is (p - 1) / (M + p - 1); activations of ``min(p, M)`` micro-batches are in flight on the
+  time, so the bubble is (p - 1) / (M + p - 1); interleaved with ``v`` virtual stages a device holds v chunks of
+  layers and the bubble shrinks to (p - 1) / (v M + p - 1) for v times the point-to-point messages (Narayanan et
+  al. 2021, arXiv 2104.04473 sec. 2.2.2); activations of ``min(p, M)`` micro-batches are in flight on the
   first stage;
 - ``d`` = N / (t p) data-parallel replicas, ranks ordered tensor-innermost then data then pipeline (Megatron's
   order: tensor groups inside a node, data-parallel groups ``t`` ranks apart, stages farthest apart);
@@ -123,6 +125,7 @@ class Candidate:
     m: int  # micro-batches per step
     zero: int
     recompute: bool | str  # False, "selective" or True (full)
+    v: int = 1  # virtual stages per device (interleaved 1F1B); 1: plain 1F1B
     step: float = 0.0
     memory: float = 0.0
     parts: dict = field(default_factory=dict)  # seconds by cause
@@ -130,10 +133,10 @@ class Candidate:
 
     @property
     def bubble(self) -> float:
-        return (self.p - 1) / (self.m + self.p - 1)
+        return (self.p - 1) / (self.v * self.m + self.p - 1)
 
     def mesh(self) -> str:
-        return f"dp {self.d} x tp {self.t} x pp {self.p}"
+        return f"dp {self.d} x tp {self.t} x pp {self.p}" + (f" (vpp {self.v})" if self.v > 1 else "")
 
     @property
     def recompute_name(self) -> str:
@@ -186,7 +189,7 @@ class MeshPlan:
             "memory_gib": c.memory / gib,
             "configuration": {"model": self.config.describe(), "devices": self.devices, "machine": self.spec.name,
                               "global_batch": self.global_batch, "dtype": self.dtype, "dp": c.d, "tp": c.t,
-                              "pp": c.p, "micro_batch": c.b, "micro_batches": c.m, "zero": c.zero,
+                              "pp": c.p, "vpp": c.v, "micro_batch": c.b, "micro_batches": c.m, "zero": c.zero,
                               "recompute": {"off": "none"}.get(c.recompute_name, c.recompute_name),
                               "attention": self.config.attention},
             "breakdown_s": dict(c.parts),
@@ -205,8 +208,10 @@ class MeshPlan:
             "",
             f"mesh: {c.mesh()}  (tensor groups {where}, data-parallel groups {c.t} ranks apart, "
             f"stages {c.t * c.d} ranks apart)",
-            f"pipeline: {c.p} stage(s) of {math.ceil(cfg.layers / c.p)} layers, 1F1B, {c.m} micro-batches of {c.b}; "
-            f"bubble (p-1)/(m+p-1) = {c.bubble:.1%}",
+            f"pipeline: {c.p} stage(s) of {math.ceil(cfg.layers / c.p)} layers, "
+            + (f"interleaved 1F1B ({c.v} chunks of {cfg.layers // (c.p * c.v)} layers a device)" if c.v > 1
+               else "1F1B") + f", {c.m} micro-batches of {c.b}; "
+            + (f"bubble (p-1)/(v m+p-1) = {c.bubble:.1%}" if c.v > 1 else f"bubble (p-1)/(m+p-1) = {c.bubble:.1%}"),
             f"optimizer sharding: ZeRO level {c.zero}" + (" (off)" if c.zero == 0 else f" over {c.d} replicas")
             + f"; activation recomputation: {c.recompute_name}",
             f"predicted step: {c.step:.3f} s = " + " + ".join(f"{k} {v:.3f}" for k, v in c.parts.items()),
@@ -293,7 +298,9 @@ class _Planner:
         p2p = 0.0
         if k.p > 1:  # activation forward, its gradient back; split over the tensor group (scatter-gather)
             p2p = 2 * spec.collective("all_gather", 2 * boundary / k.t, 2, k.t * k.d)[0]
-        pipeline = (k.m + k.p - 1) * (micro + p2p)
+        # interleaved: the warm-up and drain shrink to (p - 1) / v of a stage's micro-batch time, and every micro-batch
+        # crosses v times as many stage boundaries (Narayanan et al. 2021 sec. 2.2.2); v = 1 is (m + p - 1)(micro + p2p)
+        pipeline = (k.m + (k.p - 1) / k.v) * micro + (k.m * k.v + k.p - 1) * p2p
         # parameters of the largest stage on one device
         stage_params = max(per_stage * layer.param_count + embed_params + (head.param_count if k.p == 1 else 0),
                            (cfg.layers // k.p) * layer.param_count + head.param_count)
@@ -323,7 +330,9 @@ class _Planner:
                  2: stage_params * (itemsize + (itemsize + OPTIMIZER_BYTES) / d),
                  3: stage_params * (WEIGHT_GRAD_BYTES + OPTIMIZER_BYTES) / d
                  + 2 * layer.param_count * itemsize}[k.zero]
-        in_flight = min(k.p, k.m)
+        # interleaving keeps more micro-batches in flight: Megatron-LM's interleaved_schedule_memory_penalty,
+        # 1 + (p - 1) / (p v) (megatron/training/theoretical_memory_usage.py)
+        in_flight = min(k.p, k.m) if k.v == 1 else math.ceil((1 + (k.p - 1) / (k.p * k.v)) * k.p)
         full = k.recompute is True
         if full:
             acts = in_flight * per_stage * layer.input_bytes + layer.activation_bytes
@@ -335,7 +344,8 @@ class _Planner:
         k.memory = sum(k.memory_parts.values())
 
 
-_FLAGS = {"tp": "--tp", "pp": "--pp", "micro_batch": "--micro-batch", "zero": "--zero", "recompute": "--recompute"}
+_FLAGS = {"tp": "--tp", "pp": "--pp", "micro_batch": "--micro-batch", "zero": "--zero", "recompute": "--recompute",
+          "vpp": "--vpp"}
 
 
 def _what_would_fit(config, spec, devices, global_batch, dtype, memory_limit, max_micro_batch, fixed) -> str:
@@ -363,6 +373,16 @@ def _what_would_fit(config, spec, devices, global_batch, dtype, memory_limit, ma
     return "; ".join(fits)
 
 
+def _virtual_stages(layers: int, p: int, m: int, pinned: int | None) -> list[int]:
+    """The interleaving degrees a pipeline of ``p`` stages and ``m`` micro-batches can run: Megatron-LM's interleaved
+    schedule needs every device's chunks equal (layers divisible by p x v) and the micro-batches a multiple of p."""
+    if pinned is not None:
+        return [pinned] if pinned == 1 or (p > 1 and layers % (p * pinned) == 0 and m % p == 0) else []
+    if p == 1 or m % p:
+        return [1]
+    return [v for v in (1, 2, 3, 4, 6, 8, 12, 16) if layers % (p * v) == 0]
+
+
 def _powers_of_two(limit: int) -> list[int]:
     out, v = [], 1
     while v <= limit:
@@ -376,12 +396,15 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
              fixed: dict | None = None) -> MeshPlan:
     """The fastest (data, tensor, pipeline, ZeRO, recompute) plan of ``config`` on ``devices`` of ``spec``.
 
-    ``fixed`` pins any of ``tp``, ``pp``, ``micro_batch``, ``zero``, ``recompute`` (e.g. to predict a published
-    configuration); the rest is searched."""
+    ``fixed`` pins any of ``tp``, ``pp``, ``micro_batch``, ``zero``, ``recompute``, ``vpp`` (e.g. to predict a
+    published configuration); the rest is searched."""
     fixed = dict(fixed or {})
-    unknown = set(fixed) - {"tp", "pp", "micro_batch", "zero", "recompute"}
+    unknown = set(fixed) - {"tp", "pp", "micro_batch", "zero", "recompute", "vpp"}
     if unknown:
         raise ConfigError(f"unknown plan constraint(s): {', '.join(sorted(unknown))}")
+    vpp = fixed.get("vpp")
+    if vpp is not None and (isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1):
+        raise ConfigError(f"--vpp must be a positive number of virtual stages per device, got {vpp!r}")
     keep = lambda key, value: fixed.get(key) is None or fixed[key] == value  # noqa: E731
     start = time.perf_counter()
     if devices < 1:
@@ -421,18 +444,20 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
                     # selective recomputation where there are stored scores to drop (fused attention stores none)
                     options = (False, "selective", True) if config.attention == "materialized" else (False, True)
                     for recompute in [r for r in options if keep("recompute", r)] or [fixed["recompute"]]:
-                        k = Candidate(t, p, d, b, global_batch // (d * b), zero, recompute)
-                        planner.evaluate(k)
-                        considered += 1
-                        if smallest is None or k.memory < smallest.memory:
-                            smallest = k
-                        if k.memory <= limit:
-                            fitting.append(k)
+                        for v in _virtual_stages(config.layers, p, global_batch // (d * b), fixed.get("vpp")):
+                            k = Candidate(t, p, d, b, global_batch // (d * b), zero, recompute, v)
+                            planner.evaluate(k)
+                            considered += 1
+                            if smallest is None or k.memory < smallest.memory:
+                                smallest = k
+                            if k.memory <= limit:
+                                fitting.append(k)
     if smallest is None:
         pinned = "".join(f", {k} {v}" for k, v in fixed.items() if v is not None)
         raise ConfigError(f"no plan of {devices} devices for global batch {global_batch}{pinned}: the data-parallel "
                           f"degree must divide the batch, tensor parallelism the key/value heads ({config.kv_groups}) and one "
-                          f"node ({spec.devices_per_node}), the stages the layers ({config.layers})")
+                          f"node ({spec.devices_per_node}), the stages the layers ({config.layers}); interleaving (vpp) "
+                          f"needs the layers divisible by pp x vpp and the micro-batches by pp")
     if not fitting:
         remedy = _what_would_fit(config, spec, devices, global_batch, dtype, memory_limit, max_micro_batch, fixed)
         raise ConfigError(
