@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     for name in COMMANDS:
         importlib.import_module(f"autopar.cli.{name}").register(sub)
+    parser.commands = sub.choices  # each sub-command's parser: a wrong flag is reported under its usage
     return parser
 
 
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the sub-command's own usage, not the top level's: that is where the flag was looked for
-        parser._subparsers._group_actions[0].choices[args.command].error(
+        parser.commands[args.command].error(
             f"unrecognized arguments: {' '.join(unknown)}")
     return guarded("autopar", lambda: args.func(args))
 

@@ -10,6 +10,7 @@ exits 0 without joining a job the others joined is a failure, not a success.
 """
 from __future__ import annotations
 
+import codecs
 import ctypes
 import os
 import re
@@ -89,13 +90,15 @@ class Streamer(threading.Thread):
     A rank's one-line error (``autopar: error: ...``) is held back: the launcher's report prints it once, with every
     rank that hit the same one, where streaming would repeat it once per rank."""
 
-    def __init__(self, logs: dict[int, Path] | Path):
+    def __init__(self, logs: dict[int, Path]):
         super().__init__(name="autopar-stream", daemon=True)
-        self.logs = logs if isinstance(logs, dict) else {0: logs}
+        self.logs = logs
         self.prefixed = len(self.logs) > 1
         self.stop_event = threading.Event()
         self.pos = dict.fromkeys(self.logs, 0)
         self.partial = dict.fromkeys(self.logs, "")
+        # a character whose bytes a read splits is decoded whole with the next read, not as two replacement marks
+        self.decoders = {rank: codecs.getincrementaldecoder("utf-8")(errors="replace") for rank in self.logs}
 
     def _show(self, rank: int, line: str) -> None:
         if not line.startswith(ERROR_MARK):
@@ -111,7 +114,7 @@ class Streamer(threading.Thread):
             except OSError:
                 continue
             self.pos[rank] += len(data)
-            text = self.partial[rank] + data.decode(errors="replace")
+            text = self.partial[rank] + self.decoders[rank].decode(data, final=final)
             lines = text.splitlines(keepends=True)
             self.partial[rank] = lines.pop() if lines and not lines[-1].endswith(("\n", "\r")) else ""
             if final and self.partial[rank]:

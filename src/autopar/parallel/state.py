@@ -64,11 +64,15 @@ class ParallelState:
                 stack.enter_context(engine.no_sync())
             yield
 
-    def describe(self) -> str:
-        """One line: how this network's gradients are completed (for logs and the docs' examples)."""
+    def gradient_engines(self) -> str:
+        """How this network's gradients are completed: its engines, each with its transport."""
         parts = [getattr(e, "name", type(e).__name__) + (f" over {e.transport_name}" if hasattr(e, "transport_name")
                                                          else "") for e in self.engines]
-        return f"{self.mode.value} on {self.world} ranks: " + (", ".join(parts) or "no gradient communication")
+        return ", ".join(parts) or "no gradient communication"
+
+    def describe(self) -> str:
+        """One line: how this network's gradients are completed (for logs and the docs' examples)."""
+        return f"{self.mode.value} on {self.world} ranks: {self.gradient_engines()}"
 
     def close(self) -> None:
         """Remove every hook autopar put on this network and its parameters."""

@@ -43,16 +43,8 @@ def _spelled(how) -> str:
 
 def _tensor_parallel(runtime) -> int:
     """The most ways one parameter is split by its layout (what a user calls the TP degree); 1 where none is."""
-    from torch.distributed.tensor import Shard
-
-    most = 1
-    for _who, placements, _layout in getattr(runtime, "param_layout", {}).values():
-        mesh = runtime.device_num
-        splits = [p for p in placements if isinstance(p, Shard)]
-        if splits:
-            most = max(most, mesh if len(placements) == 1 else math.prod(
-                s for s, p in zip(getattr(_layout, "device_matrix", ()), placements) if isinstance(p, Shard)) or mesh)
-    return most
+    return max((math.prod(layout.full_shape) // max(1, math.prod(layout.slice_shape))
+                for _who, _placements, layout in runtime.param_layout.values()), default=1)
 
 
 def describe(state, network: torch.nn.Module) -> str:
@@ -78,8 +70,7 @@ def describe(state, network: torch.nn.Module) -> str:
         runner = state.pipeline
         parts.append(f"pipeline: {pp} stages, {getattr(runner, 'micro_batches', '?')} micro-batches, "
                      f"{getattr(runner, 'schedule_name', '?')}")
-    engines = state.describe().split(": ", 1)[1]
-    parts.append(f"gradients: {engines}")
+    parts.append(f"gradients: {state.gradient_engines()}")
     if state.plan is not None:
         parts.append(f"chosen by AUTO_PARALLEL (why: {Path(_context.log_dir()) / 'auto_parallel_plan.txt'})")
     return "; ".join(parts)

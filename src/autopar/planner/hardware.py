@@ -145,11 +145,10 @@ _OPTIONAL = {"device.attention_efficiency": float}  # fields newer than the firs
 
 
 def _has(data: dict, dotted: str) -> bool:
-    node = data
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return False
-        node = node[part]
+    try:
+        _get(data, dotted, "")
+    except ConfigError:
+        return False
     return True
 
 
