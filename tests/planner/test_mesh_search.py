@@ -298,10 +298,112 @@ def test_interleaved_1f1b_shrinks_the_bubble_by_its_virtual_stages_for_more_mess
     assert acts == pytest.approx(math.ceil((1 + (p - 1) / (p * 12)) * p) / p, rel=0.02)
     # the free search weighs it; a degree the layers or micro-batches do not allow is one line
     assert any(c.v > 1 for c in plan_gpt(PRESETS["175b"], h100, 1024, 2048, fixed=pin).ranked)
-    with pytest.raises(ConfigError, match="interleaving \\(vpp\\) needs the layers divisible by pp x vpp"):
-        plan_gpt(PRESETS["175b"], h100, 1024, 2048, fixed={**pin, "vpp": 5})
+    with pytest.raises(ConfigError, match="interleaving \\(vpp\\) needs the micro-batches divisible by pp and at least "
+                       "pp x vpp layers"):
+        plan_gpt(PRESETS["175b"], h100, 1024, 2048, fixed={**pin, "vpp": 13})
     with pytest.raises(ConfigError, match="--vpp must be a positive number"):
         plan_gpt(PRESETS["175b"], h100, 1024, 2048, fixed={**pin, "vpp": 0})
+
+
+def test_interleaving_pinned_over_layers_that_do_not_divide_takes_uneven_chunks():
+    """126 layers (Llama 3 405B's) over 16 stages: plain 1F1B puts 7-8 layers a stage; 2 virtual stages make chunks of
+    3-4 layers, and the warm-up waits on the longest chunk, not on half a stage."""
+    h100 = load_cluster("h100-ib")
+    cfg = GPTConfig(126, 2048, 16, family="llama", kv_heads=8)
+    pin = {"tp": 8, "pp": 16, "micro_batch": 1, "recompute": False, "zero": 1}
+    plain = plan_gpt(cfg, h100, 256, 64, fixed={**pin, "vpp": 1})
+    inter = plan_gpt(cfg, h100, 256, 64, fixed={**pin, "vpp": 2})
+    assert "16 stage(s) of 7-8 layers, interleaved 1F1B (2 chunks of 3-4 layers a device)" in inter.explain()
+    k, c = inter.best, plain.best
+    micro = c.parts["pipeline"] / (c.m + c.p - 1)  # plain 1F1B: (m + p - 1) x (a stage's micro-batch + its messages)
+    assert k.parts["pipeline"] < c.parts["pipeline"]
+    # the warm-up and drain: (p - 1) chunks of 4 layers of a stage of 8, plus the point-to-point messages
+    assert k.parts["pipeline"] == pytest.approx(k.m * micro + (k.p - 1) * micro * 4 / 8, rel=0.02)
+
+
+def test_zero_inside_pipeline_stages_is_planned_where_pinned_and_said():
+    """torchtitan runs FSDP inside pipeline stages; the search keeps pipelines to ZeRO 0/1 (Megatron's distributed
+    optimizer), a pin plans the others, and the plan says what autopar's runtime does not run."""
+    h100 = load_cluster("h100-ib")
+    pin = {"tp": 8, "pp": 4, "micro_batch": 1, "recompute": True}
+    searched = plan_gpt(PRESETS["llama3-70b"], h100, 128, 64, fixed=pin)
+    assert {c.zero for c in searched.ranked} <= {0, 1}
+    three = plan_gpt(PRESETS["llama3-70b"], h100, 128, 64, fixed={**pin, "zero": 3})
+    assert three.best.zero == 3
+    assert three.best.memory_parts["weights+grads+optimizer"] < searched.best.memory_parts["weights+grads+optimizer"]
+    assert "autopar's runtime does not run ZeRO-3 inside pipeline stages yet" in three.explain()
+    assert three.to_dict()["not_run_by_autopar"] == ["ZeRO-3 inside pipeline stages"]
+
+
+def test_sequence_parallelism_keeps_what_the_tensor_group_held_whole_split_on_the_sequence():
+    """Korthikanti et al. 2022 (arXiv 2205.05198, sec. 4.2.2): with tensor parallelism alone a layer keeps
+    (10 + 24/t) s b h bytes -- the norms' inputs and the projections' whole inputs and outputs on every device;
+    sequence parallelism splits those too, 34/t (no dropout here: 32/t, fused attention: no scores)."""
+    h100 = load_cluster("h100-ib")
+    from autopar.planner.mesh_search import _Planner
+
+    planner = _Planner(PRESETS["175b"], h100, "bf16")
+    whole = planner.layer(1, 1).activation_bytes
+    for t in (2, 4):
+        tp, sp = planner.layer(t, 1).activation_bytes, planner.layer(t, 1, sp=True).activation_bytes
+        assert sp == pytest.approx(whole / t, rel=0.01) and tp > 1.25 * sp
+    # NeMo's GPT-3 175B on 128 H100s (tp 4, pp 8, VP12, micro-batch 1): without sequence parallelism it needs full
+    # recomputation to fit; with it, none -- and the step is shorter
+    pin = {"tp": 4, "pp": 8, "vpp": 12, "micro_batch": 1, "zero": 1}
+    with pytest.raises(ConfigError, match="fits nowhere"):
+        plan_gpt(PRESETS["175b"], h100, 128, 256, fixed={**pin, "recompute": False})
+    tp_only = plan_gpt(PRESETS["175b"], h100, 128, 256, fixed=pin).best
+    with_sp = plan_gpt(PRESETS["175b"], h100, 128, 256, fixed={**pin, "sp": True})
+    assert tp_only.recompute is True and with_sp.best.recompute is False and with_sp.best.step < 0.85 * tp_only.step
+    assert with_sp.best.mesh() == "dp 4 x tp 4 (sp) x pp 8 (vpp 12)"
+    assert with_sp.to_dict()["configuration"]["sp"] is True
+    assert "does not run sequence parallelism or ZeRO-1 inside pipeline stages yet" in with_sp.explain()
+
+
+def test_context_parallelism_splits_the_sequence_and_passes_keys_and_values_round_a_ring():
+    """Llama-3-8B at sequence 32,768: each of cp ranks holds 1/cp of every sequence (two mirrored chunks), its
+    activations 1/cp; its attention meets every key, so the work is conserved; the key/value ring shows only
+    where the network is slower than the attention; the weights' replicas are dp x cp."""
+    h100 = load_cluster("h100-ib")
+    from autopar.planner.mesh_search import _Planner
+
+    cfg = dataclasses.replace(PRESETS["llama3-8b"], seq=32768)
+    planner = _Planner(cfg, h100, "bf16")
+    one, four = planner.layer(1, 1), planner.layer(1, 1, 4)
+    assert four.activation_bytes == pytest.approx(one.activation_bytes / 4, rel=0.01)
+    assert four.time == pytest.approx(one.time / 4, rel=0.05) and four.context_ring == 0.0
+    slow = dataclasses.replace(h100, inter=dataclasses.replace(h100.inter, bandwidth=h100.inter.bandwidth / 1000))
+    # a ring across nodes (tp 8 fills a node) on a network 1,000x slower shows
+    assert _Planner(cfg, slow, "bf16").layer(8, 1, 4).context_ring > 0.0 == planner.layer(8, 1, 4).context_ring
+    plan = plan_gpt(cfg, h100, 64, 16, fixed={"cp": 4, "tp": 2, "pp": 1, "zero": 3, "micro_batch": 1})
+    k = plan.best
+    assert (k.d, k.cp, k.t) == (8, 4, 2) and k.mesh() == "dp 8 x cp 4 x tp 2 x pp 1"
+    assert "context parallelism: ring attention over 4 ranks, 8192 tokens each" in plan.explain()
+    assert plan.to_dict()["configuration"]["cp"] == 4 and plan.to_dict()["not_run_by_autopar"] == [
+        "context parallelism"]
+    # ZeRO-3 shards over the 32 replicas, not the 8 data-parallel ones
+    assert k.memory_parts["weights+grads+optimizer"] < 16 * cfg.parameters / 16 / 2
+    # the search never picks it unpinned: autopar's runtime does not run it yet
+    assert all(c.cp == 1 and not c.sp for c in plan_gpt(cfg, h100, 64, 16, fixed={"tp": 8}).ranked)
+
+
+@pytest.mark.parametrize("pins, message", [
+    ({"cp": 3}, "--cp 3 needs the sequence \\(8192\\) divisible by 2 x cp = 6"),
+    ({"cp": 2, "attention": "materialized"}, "--cp 2 needs --attention fused"),
+    ({"cp": 128}, "--cp 128 does not divide the 64 devices"),
+    ({"sp": True, "tp": 1}, "--sp \\(sequence parallelism\\) .* needs --tp 2 or more"),
+    ({"cp": 0}, "--cp must be a positive context-parallel degree"),
+])
+def test_context_and_sequence_parallel_pins_that_cannot_run_are_one_line(pins, message):
+    pins = dict(pins)
+    cfg = dataclasses.replace(PRESETS["llama3-8b"], attention=pins.pop("attention", "fused"))
+    with pytest.raises(ConfigError, match=message):
+        plan_gpt(cfg, load_cluster("h100-ib"), 64, 16, fixed=pins)
+
+
+def test_gpt_only_pins_on_another_model_are_one_line(capsys):
+    assert cli(["plan", "mlp", "-n", "2", "--tp", "2", "--sp", "--no-calibrate"]) == 2
+    assert "--tp, --sp pin the cluster plan (autopar plan gpt|llama ...)" in capsys.readouterr().err
 
 
 @pytest.mark.slow

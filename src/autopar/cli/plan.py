@@ -7,8 +7,8 @@ machine model comes from the cache of a calibration on this host with N local wo
 
 MODEL ``gpt`` plans a GPT decoder of any size (``--size 1.3b|13b|175b`` or ``--layers --hidden [--heads]``), built on
 the meta device, over data x tensor x pipeline parallelism and ZeRO on a cluster: ``--machine a100-ib`` (a preset)
-or ``--machine cluster.json`` (same form); without ``--machine`` it plans for this host. ``--tp/--pp/--micro-batch/
---zero/--recompute`` pin parts of the plan (to predict a configuration you have in mind).
+or ``--machine cluster.json`` (same form); without ``--machine`` it plans for this host. ``--tp/--pp/--vpp/--cp/--sp/
+--micro-batch/--zero/--recompute/--attention`` pin parts of the plan (to predict a configuration you have in mind).
 """
 from __future__ import annotations
 
@@ -47,6 +47,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--vpp", type=int, default=None,
                    help="pin the virtual stages per device (interleaved 1F1B; 1: plain 1F1B)")
     g.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3), help="pin the ZeRO level")
+    g.add_argument("--cp", type=int, default=None,
+                   help="pin the context-parallel degree (ring attention over the sequence; planned only where "
+                        "pinned: autopar's runtime does not run it yet)")
+    g.add_argument("--sp", action="store_true",
+                   help="sequence parallelism in the tensor group (Megatron's; planned only where pinned)")
     g.add_argument("--recompute", default=None, choices=("full", "selective", "none", "on", "off"),
                    help="pin activation recomputation: full (on), selective (the attention core only: Korthikanti et "
                         "al. 2022) or none (off)")
@@ -138,6 +143,13 @@ def run(args: argparse.Namespace) -> int:
         return run_gpt(args)
     if args.json:
         raise ConfigError("--json is the cluster plan's (autopar plan gpt|llama ...); this model's plan is the table")
+    cluster_only = [flag for flag, value in (("--tp", args.tp), ("--pp", args.pp), ("--vpp", args.vpp), ("--cp", args.cp),
+                                             ("--sp", args.sp), ("--zero", args.zero), ("--recompute", args.recompute),
+                                             ("--micro-batch", args.micro_batch), ("--machine", args.machine))
+                    if value not in (None, False)]
+    if cluster_only:
+        raise ConfigError(f"{', '.join(cluster_only)} pin{'s' if len(cluster_only) == 1 else ''} the cluster plan "
+                          f"(autopar plan gpt|llama ...); {args.model}'s plan is AUTO_PARALLEL's own search")
     network, loss_fn, sample = build(args)
     machine = MachineModel(device_num=args.nproc) if args.no_calibrate else machine_for(args.nproc, args.recalibrate)
     limit = memory_bytes(args.memory_limit, "--memory-limit") if args.memory_limit else None
@@ -192,6 +204,7 @@ def run_gpt(args: argparse.Namespace) -> int:
         dtype = args.dtype or "fp32"
     limit = memory_bytes(args.memory_limit, "--memory-limit") if args.memory_limit else None
     fixed = {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "micro_batch": args.micro_batch, "zero": args.zero,
+             "cp": args.cp, "sp": args.sp or None,
              "recompute": {None: None, "full": True, "on": True, "none": False, "off": False,
                            "selective": "selective"}[args.recompute]}
     print(f"[autopar] planning {config.describe()} on {args.nproc} x {spec.device_name} ({spec.name})...",

@@ -65,6 +65,7 @@ class LayerPlan:
     # -- what selective recomputation (Korthikanti et al. 2022, arXiv 2205.05198 sec. 5) drops and recomputes
     core_activation_bytes: float = 0.0
     core_forward: float = 0.0  # seconds of its forward (the scores matmul, the softmax, the context matmul)
+    context_ring: float = 0.0  # seconds of context parallelism's key/value ring not hidden behind the attention
 
     def rows(self) -> list[tuple]:
         out = []
@@ -76,8 +77,14 @@ class LayerPlan:
 
 
 def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: tuple, t: int, spec: ClusterSpec,
-                dtype: str, graph: Graph | None = None) -> LayerPlan:
-    """``graph``: the module's capture at these inputs, if made already (it does not depend on ``t``)."""
+                dtype: str, graph: Graph | None = None, sp: bool = False) -> LayerPlan:
+    """``graph``: the module's capture at these inputs, if made already (it does not depend on ``t``).
+
+    ``sp``: Megatron's sequence parallelism (Korthikanti et al. 2022, arXiv 2205.05198 sec. 4.2.2) -- the norms,
+    dropout and residuals run on ``1/t`` of the sequence, and the inputs the tensor group otherwise keeps whole (a
+    column-split projection's) are kept split on the sequence and gathered again in the backward, overlapped with
+    the input-gradient matmul as Megatron-LM does. Its all-gather + reduce-scatter move what the all-reduce they
+    replace moves, so the collectives are costed as before."""
     graph = graph or capture(module, loss, inputs)
     machine = spec.group_machine(t, 1, dtype)
     costs = graph_costs(graph, machine, t)
@@ -89,7 +96,8 @@ def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: t
     optimizer = sum(c.optimizer for c in chosen)
     total = problem.total(choice) - optimizer
     b = int(inputs[0].shape[0])
-    split = t if b % t == 0 else 1  # data-parallel operators (norms, the loss) split the batch when they can
+    # data-parallel operators (norms, the loss) split the batch when they can, the sequence under sequence parallelism
+    split = t if sp or b % t == 0 else 1
     # norms and the loss (batch split when possible), and the element-wise work between the planned operators
     # (biases, GELU, the causal mask and scaling of the scores: split with the tensors they follow, taken as split
     # over the group): memory-bound, forward + backward ~ 3x the traffic
@@ -99,11 +107,61 @@ def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: t
     itemsize = inputs[0].element_size()
     params = (sum(c.param_bytes for c in chosen) + other_param_bytes(module, graph)) / itemsize
     activations = sum(c.activation_bytes for c in chosen) + graph.other_activation_bytes / split
+    if sp:
+        activations -= (1 - 1 / t) * _whole_on_every_device(graph, chosen)
     core = [(node, c) for node, c in zip(graph.nodes, chosen) if _attention_core(node)]
     return LayerPlan(t, b, graph, costs, problem, choice, total + other, compute / 3.0, params, activations,
                      inputs[0].numel() * itemsize / split,
                      sum(c.out_bytes for node, c in core if _scores_shaped(node)),
                      sum(c.compute - c.optimizer for _, c in core) / 3.0)
+
+
+def with_context_parallel(plan: LayerPlan, cp: int, spec: ClusterSpec) -> LayerPlan:
+    """A layer planned at ``1/cp`` of the sequence made a context-parallel one (ring attention, Liu et al. 2023, arXiv
+    2310.01889; Megatron-LM's context parallelism): each device's queries meet every key, so its attention does
+    ``cp`` times the work of the local block (with causal load balancing -- two mirrored chunks a device -- every
+    device does ``1/cp`` of the whole), while the key/value blocks travel ``cp - 1`` hops round the group, ``t``
+    ranks apart, in the forward, and the keys/values with their gradients (twice the bytes) in the backward. Each
+    hop overlaps the attention of the block in hand, so only a ring slower than the attention shows."""
+    if cp == 1:
+        return plan
+    import dataclasses
+
+    from autopar.planner.costs import nbytes
+
+    extra = extra_forward = exposed = 0.0
+    for n, node in enumerate(plan.graph.nodes):
+        if node.kind != "attention":
+            continue
+        c = plan.costs[n].choices[plan.choice[n]]
+        attention = c.compute - c.optimizer  # forward + backward of the local block: 1 + 2.5 passes
+        kv = sum(nbytes(c.plan.inputs[i].slice_shape, node.itemsize) for i in (1, 2))
+        ring = spec.collective("all_gather", cp * kv, cp, plan.t)[0]  # cp - 1 blocks of k and v, one hop each
+        extra += (cp - 1) * attention
+        extra_forward += (cp - 1) * attention / 3.5
+        exposed += max(0.0, ring - cp * attention / 3.5) + max(0.0, 2 * ring - cp * attention * 2.5 / 3.5)
+    return dataclasses.replace(plan, time=plan.time + extra + exposed, forward=plan.forward + extra_forward,
+                               context_ring=exposed)
+
+
+def _whole_on_every_device(graph: Graph, chosen) -> float:
+    """Bytes of the activations the tensor group keeps whole on every device: the inputs that come from outside
+    the planned operators (a norm's output) into an operator split another way (a column-split projection), and the
+    outputs left whole or as partial sums (a row-split projection's, on its way to the residual). Sequence
+    parallelism keeps each of them split on the sequence."""
+    from torch.distributed.tensor import Shard
+
+    from autopar.planner.costs import nbytes
+
+    total = 0.0
+    for node, c in zip(graph.nodes, chosen):
+        for i, src in node.in_sources.items():
+            if not isinstance(src, int) and node.param_names[i] is None \
+                    and not any(isinstance(p, Shard) for p in c.in_placements[i]):
+                total += nbytes(c.plan.inputs[i].slice_shape, node.itemsize)
+        if not any(isinstance(p, Shard) for p in c.out_placements):
+            total += c.out_bytes
+    return total
 
 
 def _attention_core(node) -> bool:
@@ -126,6 +184,8 @@ class Candidate:
     zero: int
     recompute: bool | str  # False, "selective" or True (full)
     v: int = 1  # virtual stages per device (interleaved 1F1B); 1: plain 1F1B
+    cp: int = 1  # context-parallel degree: the sequence split over cp ranks (ring attention)
+    sp: bool = False  # sequence parallelism in the tensor group (norms, dropout, residuals split on the sequence)
     step: float = 0.0
     memory: float = 0.0
     parts: dict = field(default_factory=dict)  # seconds by cause
@@ -136,7 +196,21 @@ class Candidate:
         return (self.p - 1) / (self.v * self.m + self.p - 1)
 
     def mesh(self) -> str:
-        return f"dp {self.d} x tp {self.t} x pp {self.p}" + (f" (vpp {self.v})" if self.v > 1 else "")
+        return (f"dp {self.d}" + (f" x cp {self.cp}" if self.cp > 1 else "") + f" x tp {self.t}"
+                + (" (sp)" if self.sp else "") + f" x pp {self.p}" + (f" (vpp {self.v})" if self.v > 1 else ""))
+
+    def not_run_by_autopar(self) -> list[str]:
+        """What of this plan autopar's runtime does not run yet: context and sequence parallelism are planned only
+        where pinned (to predict another system's run); ZeRO inside pipeline stages is searched, as Megatron-LM's
+        distributed optimizer runs it, and said."""
+        out = []
+        if self.cp > 1:
+            out.append("context parallelism")
+        if self.sp:
+            out.append("sequence parallelism")
+        if self.p > 1 and self.zero >= 1:
+            out.append(f"ZeRO-{self.zero} inside pipeline stages")
+        return out
 
     @property
     def recompute_name(self) -> str:
@@ -191,7 +265,8 @@ class MeshPlan:
                               "global_batch": self.global_batch, "dtype": self.dtype, "dp": c.d, "tp": c.t,
                               "pp": c.p, "vpp": c.v, "micro_batch": c.b, "micro_batches": c.m, "zero": c.zero,
                               "recompute": {"off": "none"}.get(c.recompute_name, c.recompute_name),
-                              "attention": self.config.attention},
+                              "attention": self.config.attention, "cp": c.cp, "sp": c.sp},
+            "not_run_by_autopar": c.not_run_by_autopar(),
             "breakdown_s": dict(c.parts),
             "memory_breakdown_gib": {k: v / gib for k, v in c.memory_parts.items()},
         }
@@ -206,13 +281,15 @@ class MeshPlan:
             f"{math.ceil(self.devices / self.spec.devices_per_node)} nodes); searched {self.considered} plans in "
             f"{self.seconds:.1f} s, {self.too_big} did not fit {self.memory_limit / gib:.1f} GiB per device",
             "",
-            f"mesh: {c.mesh()}  (tensor groups {where}, data-parallel groups {c.t} ranks apart, "
-            f"stages {c.t * c.d} ranks apart)",
-            f"pipeline: {c.p} stage(s) of {math.ceil(cfg.layers / c.p)} layers, "
-            + (f"interleaved 1F1B ({c.v} chunks of {cfg.layers // (c.p * c.v)} layers a device)" if c.v > 1
-               else "1F1B") + f", {c.m} micro-batches of {c.b}; "
+            f"mesh: {c.mesh()}  (tensor groups {where}, "
+            + (f"context-parallel groups {c.t} ranks apart, data-parallel groups {c.t * c.cp} ranks apart, "
+               if c.cp > 1 else f"data-parallel groups {c.t} ranks apart, ")
+            + f"stages {c.t * c.cp * c.d} ranks apart)",
+            f"pipeline: {c.p} stage(s) of {_stage_sizes(cfg.layers, c.p)} layers, "
+            + (f"interleaved 1F1B ({c.v} chunks of {_stage_sizes(cfg.layers, c.p * c.v)} layers a device)"
+               if c.v > 1 else "1F1B") + f", {c.m} micro-batches of {c.b}; "
             + (f"bubble (p-1)/(v m+p-1) = {c.bubble:.1%}" if c.v > 1 else f"bubble (p-1)/(m+p-1) = {c.bubble:.1%}"),
-            f"optimizer sharding: ZeRO level {c.zero}" + (" (off)" if c.zero == 0 else f" over {c.d} replicas")
+            f"optimizer sharding: ZeRO level {c.zero}" + (" (off)" if c.zero == 0 else f" over {c.d * c.cp} replicas")
             + f"; activation recomputation: {c.recompute_name}",
             f"predicted step: {c.step:.3f} s = " + " + ".join(f"{k} {v:.3f}" for k, v in c.parts.items()),
             f"throughput: {self.global_batch * cfg.seq / c.step:,.0f} tokens/s; {self.tflops_per_device():.0f} "
@@ -221,12 +298,23 @@ class MeshPlan:
                if c.recompute else ""),
             f"memory per device: {c.memory / gib:.1f} GiB = " + " + ".join(
                 f"{k} {v / gib:.1f}" for k, v in c.memory_parts.items()),
-            "",
-            f"one decoder layer on a tensor group of {c.t}, micro-batch {c.b} (every layer the same):",
         ]
-        lines += _table(self.planner.layer(c.t, c.b).rows())
+        layer = self.planner.layer(c.t, c.b, c.cp, c.sp)
+        if c.cp > 1:
+            lines.append(f"context parallelism: ring attention over {c.cp} ranks, {cfg.seq // c.cp} tokens each (two "
+                         f"mirrored chunks); key/value ring not hidden by the attention: "
+                         f"{layer.context_ring * 1e3:.2f} ms a layer")
+        if c.not_run_by_autopar():
+            lines.append(f"note: autopar's runtime does not run {' or '.join(c.not_run_by_autopar())} yet: this "
+                         "predicts another system's run")
+        lines += [
+            "",
+            f"one decoder layer on a tensor group of {c.t}, micro-batch {c.b}"
+            + (f" of {cfg.seq // c.cp} tokens a sequence" if c.cp > 1 else "") + " (every layer the same):",
+        ]
+        lines += _table(layer.rows())
         lines.append("output head and loss on the last stage:")
-        lines += _table(self.planner.head(c.t, c.b).rows())
+        lines += _table(self.planner.head(c.t, c.b, c.cp, c.sp).rows())
         lines.append("")
         lines.append("runners-up:")
         lines.append(f"  {'mesh':<24} {'micro':>5} {'m':>5} {'ZeRO':>4} {'recomp':>6} {'bubble':>7} {'step s':>8} "
@@ -235,6 +323,12 @@ class MeshPlan:
             lines.append(f"  {r.mesh():<24} {r.b:>5} {r.m:>5} {r.zero:>4} {r.recompute_name[:6]:>6} "
                          f"{r.bubble:>7.1%} {r.step:>8.3f} {r.memory / gib:>6.1f} {self.mfu(r):>6.1%}")
         return "\n".join(lines)
+
+
+def _stage_sizes(layers: int, parts: int) -> str:
+    """``12`` where the layers divide evenly, ``7-8`` where some parts are a layer shorter."""
+    low, high = layers // parts, math.ceil(layers / parts)
+    return str(high) if low == high else f"{low}-{high}"
 
 
 def _table(rows: list[tuple]) -> list[str]:
@@ -257,35 +351,40 @@ class _Planner:
         with torch.device("meta"):
             self.layer_module = make_layer(c).to(self.torch_dtype)
             self.head_module = GPTHead(c.hidden, c.vocab, rms=c.llama).to(self.torch_dtype)
-        self._graphs: dict = {}  # (layer | head, micro-batch) -> its capture: the same for every tensor degree
+        self._graphs: dict = {}  # (layer | head, micro-batch, cp) -> its capture: the same for every tensor degree
 
-    def _graph(self, which: str, b: int, module, loss, inputs) -> Graph:
-        if (which, b) not in self._graphs:
-            self._graphs[(which, b)] = capture(module, loss, inputs)
-        return self._graphs[(which, b)]
+    def _graph(self, which: str, b: int, cp: int, module, loss, inputs) -> Graph:
+        if (which, b, cp) not in self._graphs:
+            self._graphs[(which, b, cp)] = capture(module, loss, inputs)
+        return self._graphs[(which, b, cp)]
 
-    def layer(self, t: int, b: int) -> LayerPlan:
-        if (t, b) not in self._layers:
+    def layer(self, t: int, b: int, cp: int = 1, sp: bool = False) -> LayerPlan:
+        """One decoder layer on a tensor group of ``t`` for a micro-batch of ``b``, with ``1/cp`` of the sequence."""
+        if (t, b, cp, sp) not in self._layers:
             c = self.config
-            x = torch.empty(b, c.seq, c.hidden, dtype=self.torch_dtype, device="meta")
-            graph = self._graph("layer", b, self.layer_module, None, (x,))
-            self._layers[(t, b)] = plan_module(self.layer_module, None, (x,), t, self.spec, self.dtype, graph)
-        return self._layers[(t, b)]
+            x = torch.empty(b, c.seq // cp, c.hidden, dtype=self.torch_dtype, device="meta")
+            graph = self._graph("layer", b, cp, self.layer_module, None, (x,))
+            plan = plan_module(self.layer_module, None, (x,), t, self.spec, self.dtype, graph, sp)
+            self._layers[(t, b, cp, sp)] = with_context_parallel(plan, cp, self.spec)
+        return self._layers[(t, b, cp, sp)]
 
-    def head(self, t: int, b: int) -> LayerPlan:
-        if (t, b) not in self._heads:
+    def head(self, t: int, b: int, cp: int = 1, sp: bool = False) -> LayerPlan:
+        if (t, b, cp, sp) not in self._heads:
             c = self.config
-            x = torch.empty(b, c.seq, c.hidden, dtype=self.torch_dtype, device="meta")
-            y = torch.empty(b, c.seq, dtype=torch.long, device="meta")
-            graph = self._graph("head", b, self.head_module, TokenLoss(), (x, y))
-            self._heads[(t, b)] = plan_module(self.head_module, TokenLoss(), (x, y), t, self.spec, self.dtype, graph)
-        return self._heads[(t, b)]
+            x = torch.empty(b, c.seq // cp, c.hidden, dtype=self.torch_dtype, device="meta")
+            y = torch.empty(b, c.seq // cp, dtype=torch.long, device="meta")
+            graph = self._graph("head", b, cp, self.head_module, TokenLoss(), (x, y))
+            self._heads[(t, b, cp, sp)] = plan_module(self.head_module, TokenLoss(), (x, y), t, self.spec, self.dtype,
+                                                      graph, sp)
+        return self._heads[(t, b, cp, sp)]
 
     def evaluate(self, k: Candidate) -> None:
         cfg, spec, itemsize = self.config, self.spec, self.itemsize
-        layer, head = self.layer(k.t, k.b), self.head(k.t, k.b)
+        layer, head = self.layer(k.t, k.b, k.cp, k.sp), self.head(k.t, k.b, k.cp, k.sp)
         per_stage = math.ceil(cfg.layers / k.p)
-        boundary = k.b * cfg.seq * cfg.hidden * itemsize
+        boundary = k.b * (cfg.seq // k.cp) * cfg.hidden * itemsize
+        # ranks in Megatron's order: tensor innermost, then context, data, pipeline
+        replicas = k.d * k.cp  # the weights are the same on the data- and context-parallel ranks
         # the token embedding is vocabulary-parallel over the tensor group (an all-reduce of its output), a lookup
         embed_params = cfg.vocab * cfg.hidden / k.t + (0 if cfg.llama else cfg.seq * cfg.hidden)
         embed_time = 3 * boundary / spec.memory_bandwidth + 2 * spec.collective("all_reduce", boundary, k.t)[0]
@@ -297,15 +396,17 @@ class _Planner:
         micro = max(first, last)
         p2p = 0.0
         if k.p > 1:  # activation forward, its gradient back; split over the tensor group (scatter-gather)
-            p2p = 2 * spec.collective("all_gather", 2 * boundary / k.t, 2, k.t * k.d)[0]
-        # interleaved: the warm-up and drain shrink to (p - 1) / v of a stage's micro-batch time, and every micro-batch
-        # crosses v times as many stage boundaries (Narayanan et al. 2021 sec. 2.2.2); v = 1 is (m + p - 1)(micro + p2p)
-        pipeline = (k.m + (k.p - 1) / k.v) * micro + (k.m * k.v + k.p - 1) * p2p
+            p2p = 2 * spec.collective("all_gather", 2 * boundary / k.t, 2, k.t * replicas)[0]
+        # interleaved: the warm-up and drain shrink to (p - 1) chunks of ceil(layers / (p v)) layers, and every
+        # micro-batch crosses v times as many stage boundaries (Narayanan et al. 2021 sec. 2.2.2); v = 1 is
+        # (m + p - 1)(micro + p2p). Layers that do not divide into p v chunks leave some chunks a layer longer.
+        chunk = micro * math.ceil(cfg.layers / (k.p * k.v)) / per_stage if k.v > 1 else micro
+        pipeline = k.m * micro + (k.p - 1) * chunk + (k.m * k.v + k.p - 1) * p2p
         # parameters of the largest stage on one device
         stage_params = max(per_stage * layer.param_count + embed_params + (head.param_count if k.p == 1 else 0),
                            (cfg.layers // k.p) * layer.param_count + head.param_count)
         grads = stage_params * itemsize
-        ar = lambda kind, nbytes: spec.collective(kind, nbytes, k.d, k.t)[0]  # noqa: E731
+        ar = lambda kind, nbytes: spec.collective(kind, nbytes, replicas, k.t)[0]  # noqa: E731
         backward_last = micro * 2 / 3
         if k.zero == 0:
             dp = max(0.0, ar("all_reduce", grads) - backward_last)
@@ -315,20 +416,20 @@ class _Planner:
             dp = k.m * max(0.0, ar("reduce_scatter", grads) - backward_last) + ar("all_gather", grads)
         else:  # weights gathered for forward and backward, gradients scattered, every micro-batch (prefetched)
             dp = k.m * max(0.0, 2 * ar("all_gather", grads) + ar("reduce_scatter", grads) - micro)
-        tied = spec.collective("all_reduce", cfg.vocab * cfg.hidden / k.t * itemsize, 2, k.t * k.d * (k.p - 1))[0] \
-            if k.p > 1 and not cfg.llama else 0.0  # Llama's head is not tied to the embedding
-        opt_params = stage_params / (k.d if k.zero >= 1 else 1)
+        tied = spec.collective("all_reduce", cfg.vocab * cfg.hidden / k.t * itemsize, 2,
+                               k.t * replicas * (k.p - 1))[0] if k.p > 1 and not cfg.llama else 0.0  # Llama: untied
+        opt_params = stage_params / (replicas if k.zero >= 1 else 1)
         optimizer = opt_params * ADAM_TRAFFIC / spec.memory_bandwidth
         k.parts = {"pipeline": pipeline, "data-parallel sync": dp, "optimizer": optimizer}
         if tied:
             k.parts["tied embedding"] = tied
         k.step = sum(k.parts.values())
         # memory of the largest stage
-        d = k.d
+        r = replicas  # ZeRO shards over the data- and context-parallel ranks (Megatron's distributed optimizer)
         state = {0: stage_params * (WEIGHT_GRAD_BYTES + OPTIMIZER_BYTES),
-                 1: stage_params * (WEIGHT_GRAD_BYTES + OPTIMIZER_BYTES / d),
-                 2: stage_params * (itemsize + (itemsize + OPTIMIZER_BYTES) / d),
-                 3: stage_params * (WEIGHT_GRAD_BYTES + OPTIMIZER_BYTES) / d
+                 1: stage_params * (WEIGHT_GRAD_BYTES + OPTIMIZER_BYTES / r),
+                 2: stage_params * (itemsize + (itemsize + OPTIMIZER_BYTES) / r),
+                 3: stage_params * (WEIGHT_GRAD_BYTES + OPTIMIZER_BYTES) / r
                  + 2 * layer.param_count * itemsize}[k.zero]
         # interleaving keeps more micro-batches in flight: Megatron-LM's interleaved_schedule_memory_penalty,
         # 1 + (p - 1) / (p v) (megatron/training/theoretical_memory_usage.py)
@@ -373,11 +474,33 @@ def _what_would_fit(config, spec, devices, global_batch, dtype, memory_limit, ma
     return "; ".join(fits)
 
 
+def _context_and_sequence(config: GPTConfig, fixed: dict) -> tuple[int, bool]:
+    """The pinned context-parallel degree and sequence parallelism, checked (one line each); neither is searched:
+    autopar's runtime does not run them yet."""
+    cp, sp = (1 if fixed.get("cp") is None else fixed["cp"]), bool(fixed.get("sp"))
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ConfigError(f"--cp must be a positive context-parallel degree, got {fixed.get('cp')!r}")
+    if cp > 1 and config.attention != "fused":
+        raise ConfigError(f"--cp {cp} needs --attention fused: ring attention passes key/value blocks between fused "
+                          "attention kernels, it never materializes the scores")
+    if cp > 1 and config.seq % (2 * cp):
+        raise ConfigError(f"--cp {cp} needs the sequence ({config.seq}) divisible by 2 x cp = {2 * cp}: with causal "
+                          "load balancing each rank holds two mirrored chunks")
+    if sp and fixed.get("tp") == 1:
+        raise ConfigError("--sp (sequence parallelism) splits the tensor-parallel group's norms and residuals on the "
+                          "sequence: it needs --tp 2 or more")
+    if sp and fixed.get("tp") and config.seq % (fixed["tp"] * cp):
+        raise ConfigError(f"--sp needs the sequence per context-parallel rank ({config.seq // cp}) divisible by --tp "
+                          f"{fixed['tp']}")
+    return cp, sp
+
+
 def _virtual_stages(layers: int, p: int, m: int, pinned: int | None) -> list[int]:
     """The interleaving degrees a pipeline of ``p`` stages and ``m`` micro-batches can run: Megatron-LM's interleaved
-    schedule needs every device's chunks equal (layers divisible by p x v) and the micro-batches a multiple of p."""
+    schedule needs the micro-batches a multiple of p; the search takes every device's chunks equal (layers
+    divisible by p x v), a pinned degree also uneven chunks (126 layers over 16 stages: some a layer shorter)."""
     if pinned is not None:
-        return [pinned] if pinned == 1 or (p > 1 and layers % (p * pinned) == 0 and m % p == 0) else []
+        return [pinned] if pinned == 1 or (p > 1 and layers >= p * pinned and m % p == 0) else []
     if p == 1 or m % p:
         return [1]
     return [v for v in (1, 2, 3, 4, 6, 8, 12, 16) if layers % (p * v) == 0]
@@ -399,12 +522,13 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
     ``fixed`` pins any of ``tp``, ``pp``, ``micro_batch``, ``zero``, ``recompute``, ``vpp`` (e.g. to predict a
     published configuration); the rest is searched."""
     fixed = dict(fixed or {})
-    unknown = set(fixed) - {"tp", "pp", "micro_batch", "zero", "recompute", "vpp"}
+    unknown = set(fixed) - {"tp", "pp", "micro_batch", "zero", "recompute", "vpp", "cp", "sp"}
     if unknown:
         raise ConfigError(f"unknown plan constraint(s): {', '.join(sorted(unknown))}")
     vpp = fixed.get("vpp")
     if vpp is not None and (isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1):
         raise ConfigError(f"--vpp must be a positive number of virtual stages per device, got {vpp!r}")
+    cp, sp = _context_and_sequence(config, fixed)
     keep = lambda key, value: fixed.get(key) is None or fixed[key] == value  # noqa: E731
     start = time.perf_counter()
     if devices < 1:
@@ -417,19 +541,21 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
         raise ConfigError(f"the global batch must be positive, got {global_batch}")
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+    if devices % cp:
+        raise ConfigError(f"--cp {cp} does not divide the {devices} devices")
     spec.peak(dtype)
     limit = memory_limit or spec.memory * MEMORY_HEADROOM
     planner = _Planner(config, spec, dtype)
     fitting, smallest, considered = [], None, 0
     # every divisor of a node, and one step across nodes (two nodes' worth), for the cost model to reject
     tp_options = [t for t in list(range(1, spec.devices_per_node + 1)) + [2 * spec.devices_per_node]
-                  if (t > spec.devices_per_node or spec.devices_per_node % t == 0) and devices % t == 0
-                  and config.kv_groups % t == 0 and keep("tp", t)]
+                  if (t > spec.devices_per_node or spec.devices_per_node % t == 0) and (devices // cp) % t == 0
+                  and config.kv_groups % t == 0 and keep("tp", t) and (not sp or (t > 1 and config.seq % (t * cp) == 0))]
     for t in tp_options:
-        for p in range(1, min(config.layers, devices // t) + 1):
-            if (devices // t) % p or not keep("pp", p):
+        for p in range(1, min(config.layers, devices // (t * cp)) + 1):
+            if (devices // (t * cp)) % p or not keep("pp", p):
                 continue
-            d = devices // (t * p)
+            d = devices // (t * cp * p)
             if global_batch % d:
                 continue
             sizes = [fixed["micro_batch"]] if fixed.get("micro_batch") else _powers_of_two(
@@ -439,13 +565,15 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
                     continue
                 if progress:
                     progress(f"tp {t} x pp {p} x dp {d}, micro-batch {b}")
-                levels = (0,) if d == 1 else (0, 1) if p > 1 else (0, 1, 2, 3)
+                # pipelines take ZeRO 0/1 (Megatron's distributed optimizer) unless pinned higher (FSDP inside
+                # stages, as torchtitan runs it)
+                levels = (0,) if d * cp == 1 else (0, 1) if p > 1 and fixed.get("zero") is None else (0, 1, 2, 3)
                 for zero in [z for z in levels if keep("zero", z)]:
                     # selective recomputation where there are stored scores to drop (fused attention stores none)
                     options = (False, "selective", True) if config.attention == "materialized" else (False, True)
                     for recompute in [r for r in options if keep("recompute", r)] or [fixed["recompute"]]:
                         for v in _virtual_stages(config.layers, p, global_batch // (d * b), fixed.get("vpp")):
-                            k = Candidate(t, p, d, b, global_batch // (d * b), zero, recompute, v)
+                            k = Candidate(t, p, d, b, global_batch // (d * b), zero, recompute, v, cp, sp)
                             planner.evaluate(k)
                             considered += 1
                             if smallest is None or k.memory < smallest.memory:
@@ -456,8 +584,8 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
         pinned = "".join(f", {k} {v}" for k, v in fixed.items() if v is not None)
         raise ConfigError(f"no plan of {devices} devices for global batch {global_batch}{pinned}: the data-parallel "
                           f"degree must divide the batch, tensor parallelism the key/value heads ({config.kv_groups}) and one "
-                          f"node ({spec.devices_per_node}), the stages the layers ({config.layers}); interleaving (vpp) "
-                          f"needs the layers divisible by pp x vpp and the micro-batches by pp")
+                          f"node ({spec.devices_per_node}), pp at most the layers ({config.layers}), cp the devices; "
+                          f"interleaving (vpp) needs the micro-batches divisible by pp and at least pp x vpp layers")
     if not fitting:
         remedy = _what_would_fit(config, spec, devices, global_batch, dtype, memory_limit, max_micro_batch, fixed)
         raise ConfigError(
