@@ -124,13 +124,21 @@ def test_a_user_machine_file_is_used(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------------------- hierarchical costs
-def test_collectives_inside_a_node_follow_the_ring_formula():
-    s, n = 1e9, 8
-    t, algo = A100.collective("all_reduce", s, n, 1)
-    expect = 2 * (n - 1) * A100.intra.latency + 2 * (n - 1) / n * s / (A100.intra.bandwidth * A100.intra.efficiency)
-    assert algo == "ring" and t == pytest.approx(expect)
-    ag, _ = A100.collective("all_gather", s, n, 1)
-    assert ag == pytest.approx(t / 2, rel=1e-3)
+def test_collectives_inside_a_node_follow_the_ring_formula_in_nccls_faster_protocol():
+    """NCCL's ring: LL128 (the links' hop latencies, 120 data bytes a 128-byte line) or Simple (full bandwidth, its
+    own base and hop latencies from tuning.cc), whichever is faster at the size."""
+    from autopar.planner.hardware import NCCL_BASE_LATENCY, NCCL_SIMPLE_HOP
+
+    n, bus = 8, A100.intra.bandwidth * A100.intra.efficiency
+    for s in (1e3, 1e9):
+        t, algo = A100.collective("all_reduce", s, n, 1)
+        ll128 = NCCL_BASE_LATENCY["LL128"] + 2 * (n - 1) * A100.intra.latency + 2 * (n - 1) / n * s / bus * 128 / 120
+        simple = NCCL_BASE_LATENCY["Simple"] + 2 * (n - 1) * NCCL_SIMPLE_HOP["intra"] + 2 * (n - 1) / n * s / bus
+        assert algo == "ring" and t == pytest.approx(min(ll128, simple))
+    assert A100.collective("all_reduce", 1e3, n, 1)[0] < NCCL_BASE_LATENCY["Simple"] + 14 * NCCL_SIMPLE_HOP["intra"]
+    assert A100.collective("all_reduce", 1e9, n, 1)[0] < 2 * 7 / 8 * 1e9 / bus * 128 / 120  # big: Simple's bandwidth
+    ag, _ = A100.collective("all_gather", 1e9, n, 1)
+    assert ag == pytest.approx(A100.collective("all_reduce", 1e9, n, 1)[0] / 2, rel=2e-3)  # half the bytes and hops
 
 
 def test_collectives_across_nodes_are_bound_by_the_network_and_pick_tree_or_ring():
@@ -146,6 +154,40 @@ def test_collectives_across_nodes_are_bound_by_the_network_and_pick_tree_or_ring
     assert algo == "tree"  # latency-bound across 128 nodes: log2 hops instead of a ring's 2 x 128
     assert A100.collective("all_reduce", 1e10, 16, 1)[1] == "ring"
     assert A100.collective("all_reduce", 1e9, 1, 1) == (0.0, "none")
+
+
+def test_a_gemm_pays_for_its_partial_tiles_and_waves():
+    """Tile and wave quantization (NVIDIA's Matrix Multiplication Background User's Guide): 132 tiles of 256 x 128
+    fill an H100's 132 SMs exactly; 12 tiles more need a second wave -- the kernel then takes 128 x 128 tiles, 288 of
+    them in 3 waves; without an SM count every shape runs at the measured ceiling."""
+    h100 = load_cluster("h100-ib")
+    assert h100.sms == 132 and h100.gemm_efficiency(1, 3072, 1408) == 1.0
+    assert h100.gemm_efficiency(1, 3072, 1536) == pytest.approx(288 / 396)
+    assert h100.gemm_efficiency(8, 3072, 1408) == 1.0  # a batch of GEMMs fills the waves together
+    assert dataclasses.replace(h100, sms=None).gemm_efficiency(1, 3072, 1536) == 1.0
+    # a GEMM's time: forward and both gradients, each at its own output shape's rate
+    machine = h100.group_machine(1, 1, "bf16")
+    rate = h100.peak("bf16") * h100.matmul_efficiency
+    assert machine.gemm_seconds(1, 3072, 1536, 4096) == pytest.approx(2 * 3072 * 1536 * 4096 / (rate * 288 / 396))
+
+
+def test_fp8_runs_the_projections_at_the_fp8_rate_and_the_rest_in_bf16():
+    """Transformer Engine's fp8: the Linears' GEMMs at the fp8 ceiling (its own kernel benchmark in the preset),
+    attention and everything else as in bf16; a device without fp8 says so in one line."""
+    h100 = load_cluster("h100-ib")
+    fp8, bf16 = h100.group_machine(4, 1, "fp8"), h100.group_machine(4, 1, "bf16")
+    assert fp8.flops["matmul"] == pytest.approx(h100.peak("fp8") * h100.matmul_efficiency_fp8)
+    assert fp8.flops["attention"] == bf16.flops["attention"]
+    from autopar.planner.mesh_search import _Planner
+
+    one, eight = _Planner(PRESETS["llama3-8b"], h100, "bf16").layer(1, 1), _Planner(PRESETS["llama3-8b"], h100,
+                                                                                        "fp8").layer(1, 1)
+    by_name = lambda plan: {r[0]: r[5] for r in plan.rows()}  # noqa: E731
+    assert by_name(eight)["gate"] < 0.6 * by_name(one)["gate"]
+    assert by_name(eight)["attention.fused"] == pytest.approx(by_name(one)["attention.fused"])
+    assert eight.activation_bytes == one.activation_bytes
+    with pytest.raises(ConfigError, match="machine 'a100-ib' gives no FLOP/s for dtype 'fp8'"):
+        plan_gpt(PRESETS["1.3b"], A100, 8, 64, "fp8")
 
 
 # ----------------------------------------------------------------------------------------------- GPT on meta
@@ -333,6 +375,21 @@ def test_zero_inside_pipeline_stages_is_planned_where_pinned_and_said():
     assert three.best.memory_parts["weights+grads+optimizer"] < searched.best.memory_parts["weights+grads+optimizer"]
     assert "autopar's runtime does not run ZeRO-3 inside pipeline stages yet" in three.explain()
     assert three.to_dict()["not_run_by_autopar"] == ["ZeRO-3 inside pipeline stages"]
+
+
+def test_fsdp_on_thousands_of_ranks_pays_a_ring_of_hops_for_every_layer():
+    """ZeRO-3 gathers each layer's weights for its forward and backward and scatters its gradients: one collective
+    a layer each, whose ring crosses every rank -- 2,048 ranks are ~2,300 hops each time. A small GPT there is
+    latency-bound under ZeRO-3; the search keeps its weights whole instead."""
+    cfg = GPTConfig(24, 1024, 16, seq=1024)
+    pin = {"tp": 1, "pp": 1, "micro_batch": 1, "recompute": False}
+    three = plan_gpt(cfg, A100, 2048, 2048, fixed={**pin, "zero": 3}).best
+    one = plan_gpt(cfg, A100, 2048, 2048, fixed={**pin, "zero": 1}).best
+    nodes = 2048 // 8
+    hops = nodes * A100.inter.latency + (2048 - nodes) * A100.intra.latency  # LL128: the links' own latencies
+    assert three.parts["data-parallel sync"] > 3 * cfg.layers * hops
+    assert three.step > 5 * one.step
+    assert plan_gpt(cfg, A100, 2048, 2048).best.zero < 3
 
 
 def test_sequence_parallelism_keeps_what_the_tensor_group_held_whole_split_on_the_sequence():

@@ -40,7 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--ffn", type=int, default=None, help="feed-forward size (gpt: 4 x hidden)")
     g.add_argument("--global-batch", type=int, default=512, help="sequences per step")
     g.add_argument("--machine", default=None, help="preset name or cluster JSON file (default: this host)")
-    g.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default bf16, fp32 on this host)")
+    g.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 | fp8 (default bf16, fp32 on this host; fp8: the "
+                   "projections' GEMMs in fp8 as Transformer Engine runs them, the rest in bf16)")
     g.add_argument("--tp", type=int, default=None, help="pin the tensor-parallel degree")
     g.add_argument("--pp", type=int, default=None, help="pin the pipeline stages")
     g.add_argument("--micro-batch", type=int, default=None, help="pin the micro-batch size")

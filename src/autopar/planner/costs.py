@@ -188,6 +188,26 @@ def nbytes(shape, itemsize: int) -> float:
     return float(math.prod(shape) if shape else 1) * itemsize
 
 
+def _gemm_dims(node: OpNode, plan: OpPlan) -> tuple[int, int, int, int] | None:
+    """(batch, M, N, K) of this device's forward GEMM of a Linear or a (batched) matmul, from its labels: K the
+    contracted ones, the batch those of both operands and the output, M the first operand's other output labels,
+    N the second's; None for anything else."""
+    if node.kind not in ("linear", "matmul") or len(node.spec.inputs) < 2:
+        return None
+    a, w = node.spec.inputs[0], node.spec.inputs[1]
+    sizes: dict[str, int] = {}
+    for i, labels in enumerate((a, w)):
+        shape = plan.inputs[i].slice_shape
+        if len(shape) != len(labels):
+            return None
+        sizes.update(zip(labels, shape))
+    out = set(node.spec.output)
+    prod = lambda labels: math.prod(sizes[c] for c in labels)  # noqa: E731
+    dims = (prod([c for c in a if c in w and c in out]), prod([c for c in a if c in out and c not in w]),
+            prod([c for c in w if c in out and c not in a]), prod([c for c in a if c in w and c not in out]))
+    return dims if all(dims) else None
+
+
 class NodeCosts:
     """Candidate choices of one node with their intrinsic costs (reshardings are added by the search)."""
 
@@ -265,6 +285,14 @@ class NodeCosts:
         measured = timer.node(node, [plan.inputs[i].slice_shape for i in range(len(node.shapes))]) if timer else None
         if measured is not None:  # this operator at this rank's shapes, timed on this job's device
             compute, backward = measured[1], measured[1] - measured[0]
+        elif getattr(machine, "gemm_seconds", None) and _gemm_dims(node, plan):
+            # a cluster device: the forward GEMM and the backward's two (input and weight gradients), each at the
+            # rate its own output shape reaches on the device's SMs
+            b, m, n, k = _gemm_dims(node, plan)
+            forward, backward = machine.gemm_seconds(b, m, n, k), machine.gemm_seconds(b, m, k, n) + \
+                machine.gemm_seconds(b, n, k, m)
+            compute = max(forward + backward, 3.0 * moved / machine.memory_bandwidth)
+            backward = compute * backward / (forward + backward)
         else:  # forward + 2x backward; a fused attention's backward recomputes the scores: 2.5x (FlashAttention-2,
             passes = 3.5 if node.kind == "attention" else 3.0  # arXiv 2307.08691 sec. 4.1: 5 matmuls against 2)
             compute = machine.compute(kind, passes * node.flops / parts, 3.0 * moved)

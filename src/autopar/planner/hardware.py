@@ -40,6 +40,17 @@ class Link:
         return self.bandwidth * self.efficiency
 
 
+# NCCL's ring latencies per protocol (src/graph/tuning.cc, github.com/NVIDIA/nccl): baseLat, once a collective
+# (Ring: LL128 14.0 us, Simple 8.4 us) and hwLat per hop for Simple (Ring: NVLink 3.4 us, network 14.0 us); LL128's
+# hops are the presets' link latencies (hwLat Ring LL128: NVLink 1.9 us, network 4.0 us)
+NCCL_BASE_LATENCY = {"LL128": 14.0e-6, "Simple": 8.4e-6}
+NCCL_SIMPLE_HOP = {"intra": 3.4e-6, "inter": 14.0e-6}
+
+# threadblock tiles (rows x columns of the output) of cuBLAS's / CUTLASS's bf16 tensor-core GEMMs on A100 and H100
+# (CUTLASS's default 128x256 / 256x128 and 128x128 tile configurations, media/docs/efficient_gemm.md)
+GEMM_TILES = ((256, 128), (128, 256), (128, 128))
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     name: str
@@ -58,6 +69,30 @@ class ClusterSpec:
     # fraction of peak a fused causal attention kernel reaches, forward and backward together (None: a file written
     # before the field -- taken as matmul_efficiency)
     attention_efficiency: float | None = None
+    # streaming multiprocessors (None: every GEMM at matmul_efficiency, whatever its shape)
+    sms: int | None = None
+    # the measured matmul ceiling of a dtype whose GEMMs reach another fraction of its peak (fp8), else
+    # matmul_efficiency
+    matmul_efficiency_fp8: float | None = None
+    # collectives run by NCCL (its protocols' latencies); False for this host's calibrated figures
+    nccl: bool = True
+
+    def gemm_ceiling(self, dtype: str) -> float:
+        return self.matmul_efficiency_fp8 if dtype == "fp8" and self.matmul_efficiency_fp8 else self.matmul_efficiency
+
+    def gemm_efficiency(self, batch: int, m: int, n: int) -> float:
+        """The fraction of the measured matmul ceiling a GEMM of ``batch`` x ``m`` x ``n`` outputs reaches: tile and
+        wave quantization (NVIDIA's Matrix Multiplication Background User's Guide, docs.nvidia.com/deeplearning/
+        performance/dl-performance-matrix-multiplication): the output is cut into threadblock tiles, one SM a
+        tile, so a shape pays for its last partial tile and its last partial wave of ``sms`` tiles. The kernel
+        takes whichever of cuBLAS's large tensor-core tiles wastes least, each taken at the ceiling's rate."""
+        if not self.sms:
+            return 1.0
+        best = 0.0
+        for tm, tn in GEMM_TILES:
+            tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
+            best = max(best, batch * m * n / (math.ceil(tiles / self.sms) * self.sms * tm * tn))
+        return best
 
     @property
     def devices(self) -> int:
@@ -83,18 +118,26 @@ class ClusterSpec:
         return per_node, math.ceil(size / per_node)
 
     def collective(self, kind: str, nbytes: float, size: int, stride: int = 1) -> tuple[float, str]:
-        """Seconds and algorithm ("ring" / "tree") of a collective on a group placed with ``stride``."""
+        """Seconds and algorithm ("ring" / "tree") of a collective on a group placed with ``stride``.
+
+        A ring runs NCCL's faster protocol for its size (NCCL's tuner): LL128, whose hops are the links' own
+        latencies and whose lines carry 120 bytes of data in 128, or Simple, full bandwidth for longer hops and
+        base latency -- so a small collective on thousands of ranks pays thousands of hops, and a large one its
+        bytes. A cluster described by a calibration (this host, not NCCL) pays its links' figures alone."""
         if size <= 1 or nbytes <= 0:
             return 0.0, "none"
         m, k = self.placement(size, stride)
         factor = RING[kind](size)
-        if k == 1:
-            return (size - 1) * (2 if kind == "all_reduce" else 1) * self.intra.latency + factor * nbytes / \
-                self.intra.effective, "ring"
-        bus = min(self.intra.effective, m * self.nic_per_device)
-        hops = (k * self.inter.latency + (size - k) * self.intra.latency) * (2 if kind == "all_reduce" else 1)
-        ring = hops + factor * nbytes / bus
-        if kind != "all_reduce":
+        steps = 2 if kind == "all_reduce" else 1
+        bus = self.intra.effective if k == 1 else min(self.intra.effective, m * self.nic_per_device)
+        inter_hops, intra_hops = (0, size - 1) if k == 1 else (k, size - k)
+        ring = steps * (inter_hops * self.inter.latency + intra_hops * self.intra.latency) + factor * nbytes / bus
+        if self.nccl:
+            ll128 = NCCL_BASE_LATENCY["LL128"] + ring + factor * nbytes / bus * (128 / 120 - 1)
+            simple = NCCL_BASE_LATENCY["Simple"] + steps * (inter_hops * NCCL_SIMPLE_HOP["inter"] + intra_hops * max(
+                NCCL_SIMPLE_HOP["intra"], self.intra.latency)) + factor * nbytes / bus
+            ring = min(ll128, simple)
+        if kind != "all_reduce" or k == 1:
             return ring, "ring"
         tree = 2 * (math.ceil(math.log2(k)) * self.inter.latency + (m - 1) * self.intra.latency) + 2 * nbytes / bus
         return (tree, "tree") if tree < ring else (ring, "ring")
@@ -105,7 +148,7 @@ class ClusterSpec:
         alpha, beta = model.collectives["all_reduce"]
         link = Link(1.0 / beta, alpha / max(1, 2 * (devices - 1)), 1.0)
         memory = model.memory_per_device or 2.0**30
-        return cls(name="this host", device_name="CPU worker", flops={"fp32": model.flops["matmul"]},
+        return cls(name="this host", device_name="CPU worker", flops={"fp32": model.flops["matmul"]}, nccl=False,
                    matmul_efficiency=1.0, memory=memory, memory_bandwidth=model.memory_bandwidth,
                    devices_per_node=devices, nodes=1, intra=link, nics_per_node=1, inter=link,
                    description=model.source)
@@ -119,12 +162,19 @@ class GroupMachine(MachineModel):
     """A :class:`MachineModel` whose collectives are those of one placed group of a :class:`ClusterSpec`."""
 
     def __init__(self, spec: ClusterSpec, size: int, stride: int, dtype: str):
-        rate = spec.peak(dtype) * spec.matmul_efficiency
-        attention = spec.peak(dtype) * (spec.attention_efficiency or spec.matmul_efficiency)
+        rate = spec.peak(dtype) * spec.gemm_ceiling(dtype)
+        # fp8 runs the projections' GEMMs only (Transformer Engine): attention stays at the bf16 rate
+        held = "bf16" if dtype == "fp8" else dtype
+        attention = spec.peak(held) * (spec.attention_efficiency or spec.matmul_efficiency)
         super().__init__(device_num=size, flops={"matmul": rate, "conv": rate, "other": rate, "attention": attention},
                          backend="nccl", source=f"{spec.name} ({spec.device_name}, {dtype})",
                          memory_bandwidth=spec.memory_bandwidth, memory_per_device=spec.memory)
         self.spec, self.stride = spec, stride
+        self.matmul_rate = rate
+
+    def gemm_seconds(self, batch: int, m: int, n: int, k: int) -> float:
+        """Seconds of one ``batch`` x (``m`` x ``k``) @ (``k`` x ``n``) GEMM at its shape's rate."""
+        return 2.0 * batch * m * n * k / (self.matmul_rate * self.spec.gemm_efficiency(batch, m, n))
 
     def collective(self, kind: str, nbytes: float, n: int) -> float:
         return self.spec.collective(kind, nbytes, n, self.stride)[0]
@@ -141,7 +191,7 @@ _REQUIRED = {
 
 
 _FREE = {"name", "description", "sources"}  # free-form: names, prose, each constant's source
-_OPTIONAL = {"device.attention_efficiency": float}  # fields newer than the first files: absent means the default
+_OPTIONAL = {"device.attention_efficiency": float, "device.sms": int, "device.matmul_efficiency_fp8": float}  # fields newer than the first files: absent means the default
 
 
 def _has(data: dict, dotted: str) -> bool:
@@ -200,9 +250,9 @@ def parse_cluster(data: dict, where: str = "machine file") -> ClusterSpec:
         raise ConfigError(f"{where}: expected a JSON object, got {type(data).__name__}")
     v = {k: _field(data, k, t, where) for k, t in _REQUIRED.items()}
     optional = {k: _field(data, k, t, where) for k, t in _OPTIONAL.items() if _has(data, k)}
-    if optional.get("device.attention_efficiency", 0) > 1:
-        raise ConfigError(f"{where}: field 'device.attention_efficiency' is a fraction of peak and must be <= 1, got "
-                          f"{optional['device.attention_efficiency']}")
+    for k in ("device.attention_efficiency", "device.matmul_efficiency_fp8"):
+        if optional.get(k, 0) > 1:
+            raise ConfigError(f"{where}: field {k!r} is a fraction of peak and must be <= 1, got {optional[k]}")
     unknown = sorted(set(_leaves(data)) - set(_REQUIRED) - set(_OPTIONAL) - _FREE)
     if unknown:  # a file written for another version (a field since dropped) still loads; what it says is not used
         warnings.warn(f"autopar: {where}: field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
@@ -219,7 +269,8 @@ def parse_cluster(data: dict, where: str = "machine file") -> ClusterSpec:
         nics_per_node=v["inter_node.nics_per_node"],
         inter=Link(v["inter_node.nic_bandwidth"], v["inter_node.latency"], v["inter_node.efficiency"]),
         description=str(data.get("description", "")), sources=data.get("sources"),
-        attention_efficiency=optional.get("device.attention_efficiency"))
+        attention_efficiency=optional.get("device.attention_efficiency"), sms=optional.get("device.sms"),
+        matmul_efficiency_fp8=optional.get("device.matmul_efficiency_fp8"))
 
 
 def presets() -> list[str]:

@@ -43,7 +43,9 @@ WEIGHT_GRAD_BYTES = 4  # bf16 weight + bf16 gradient per parameter
 OPTIMIZER_BYTES = 12  # fp32 master weight, Adam's two moments
 ADAM_TRAFFIC = 28  # bytes read + written per parameter by a fused mixed-precision Adam step
 MEMORY_HEADROOM = 0.9  # of a device's memory: the rest is workspace, allocator fragmentation, the CUDA context
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# fp8: Transformer Engine's recipe -- the projections' GEMMs (forward and both gradients) in fp8, everything else
+# (attention, norms, the activations and weights kept, the collectives) in bf16
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
 
 
 @dataclass
@@ -414,8 +416,16 @@ class _Planner:
             dp = max(0.0, ar("reduce_scatter", grads) - backward_last) + ar("all_gather", grads)
         elif k.zero == 2:
             dp = k.m * max(0.0, ar("reduce_scatter", grads) - backward_last) + ar("all_gather", grads)
-        else:  # weights gathered for forward and backward, gradients scattered, every micro-batch (prefetched)
-            dp = k.m * max(0.0, 2 * ar("all_gather", grads) + ar("reduce_scatter", grads) - micro)
+        else:  # FSDP: every layer's weights gathered for its forward and again for its backward, its gradients
+            # scattered, every micro-batch: one collective a layer each (so thousands of ranks pay thousands of
+            # hops a layer), the next layer's prefetched under this one's compute -- but the first gather and the
+            # last scatter of a micro-batch have nothing to hide behind
+            unit = layer.param_count * itemsize
+            rest = max(0.0, grads - per_stage * unit)  # the embedding and the head: a unit each
+            gathers = per_stage * ar("all_gather", unit) + ar("all_gather", rest)
+            scatters = per_stage * ar("reduce_scatter", unit) + ar("reduce_scatter", rest)
+            exposed = ar("all_gather", unit) + ar("reduce_scatter", unit)
+            dp = k.m * (max(0.0, 2 * gathers + scatters - micro) + exposed)
         tied = spec.collective("all_reduce", cfg.vocab * cfg.hidden / k.t * itemsize, 2,
                                k.t * replicas * (k.p - 1))[0] if k.p > 1 and not cfg.llama else 0.0  # Llama: untied
         opt_params = stage_params / (replicas if k.zero >= 1 else 1)
