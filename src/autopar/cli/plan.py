@@ -53,9 +53,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "pinned: autopar's runtime does not run it yet)")
     g.add_argument("--sp", action="store_true",
                    help="sequence parallelism in the tensor group (Megatron's; planned only where pinned)")
-    g.add_argument("--recompute", default=None, choices=("full", "selective", "none", "on", "off"),
+    g.add_argument("--recompute", default=None, choices=("full", "selective", "block", "none", "on", "off"),
                    help="pin activation recomputation: full (on), selective (the attention core only: Korthikanti et "
-                        "al. 2022) or none (off)")
+                        "al. 2022), block (some layers of a device whole, Megatron's --recompute-method block: the "
+                        "fewest that fit, or --recompute-layers) or none (off)")
+    g.add_argument("--recompute-layers", type=int, default=None,
+                   help="pin block recomputation of this many layers a device")
     g.add_argument("--attention", default="fused", choices=("fused", "materialized"),
                    help="fused: one kernel, the scores never stored (FlashAttention, SDPA; the default); "
                         "materialized: the s x s scores kept for the backward (Megatron-LM of 2021-2022)")
@@ -146,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--json is the cluster plan's (autopar plan gpt|llama ...); this model's plan is the table")
     cluster_only = [flag for flag, value in (("--tp", args.tp), ("--pp", args.pp), ("--vpp", args.vpp), ("--cp", args.cp),
                                              ("--sp", args.sp), ("--zero", args.zero), ("--recompute", args.recompute),
+                                             ("--recompute-layers", args.recompute_layers),
                                              ("--micro-batch", args.micro_batch), ("--machine", args.machine))
                     if value not in (None, False)]
     if cluster_only:
@@ -207,7 +211,8 @@ def run_gpt(args: argparse.Namespace) -> int:
     fixed = {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "micro_batch": args.micro_batch, "zero": args.zero,
              "cp": args.cp, "sp": args.sp or None,
              "recompute": {None: None, "full": True, "on": True, "none": False, "off": False,
-                           "selective": "selective"}[args.recompute]}
+                           "selective": "selective", "block": "block"}[args.recompute],
+             "recompute_layers": args.recompute_layers}
     print(f"[autopar] planning {config.describe()} on {args.nproc} x {spec.device_name} ({spec.name})...",
           file=sys.stderr, flush=True)
     plan = plan_gpt(config, spec, args.nproc, args.global_batch, dtype, limit, fixed=fixed)

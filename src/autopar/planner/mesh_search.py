@@ -25,6 +25,7 @@ fits the memory wins; the explanation lists it, its per-layer strategies and the
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -127,8 +128,6 @@ def with_context_parallel(plan: LayerPlan, cp: int, spec: ClusterSpec) -> LayerP
     hop overlaps the attention of the block in hand, so only a ring slower than the attention shows."""
     if cp == 1:
         return plan
-    import dataclasses
-
     from autopar.planner.costs import nbytes
 
     extra = extra_forward = exposed = 0.0
@@ -184,10 +183,11 @@ class Candidate:
     b: int
     m: int  # micro-batches per step
     zero: int
-    recompute: bool | str  # False, "selective" or True (full)
+    recompute: bool | str  # False, "selective", True (full) or "block" (full, ``recompute_layers`` of a device's)
     v: int = 1  # virtual stages per device (interleaved 1F1B); 1: plain 1F1B
     cp: int = 1  # context-parallel degree: the sequence split over cp ranks (ring attention)
     sp: bool = False  # sequence parallelism in the tensor group (norms, dropout, residuals split on the sequence)
+    recompute_layers: int = 0  # "block": the layers of a device recomputed whole (Megatron's --recompute-method block)
     step: float = 0.0
     memory: float = 0.0
     parts: dict = field(default_factory=dict)  # seconds by cause
@@ -216,11 +216,18 @@ class Candidate:
 
     @property
     def recompute_name(self) -> str:
-        return recompute_name(self.recompute)
+        return f"block {self.recompute_layers}" if self.recompute == "block" else recompute_name(self.recompute)
+
+    def recomputed_fraction(self, layers: int) -> float:
+        """The share of the layers whose forward runs twice (full: all; block: the layers recomputed of a device's)."""
+        if self.recompute == "block":
+            return min(1.0, self.recompute_layers / math.ceil(layers / self.p))
+        return 1.0 if self.recompute is True else 0.0
 
 
 def recompute_name(recompute: bool | str) -> str:
-    return "selective" if recompute == "selective" else "full" if recompute else "off"
+    return {"selective": "selective", "block": "block"}.get(recompute) if isinstance(recompute, str) else \
+        "full" if recompute else "off"
 
 
 @dataclass
@@ -248,7 +255,12 @@ class MeshPlan:
 
     def tflops_per_device(self, c: Candidate | None = None, with_recompute: bool = False) -> float:
         c = c or self.best
-        flops = self.config.model_flops(self.global_batch, recompute=c.recompute if with_recompute else False)
+        flops = self.config.model_flops(self.global_batch)
+        if with_recompute and c.recompute == "selective":
+            flops = self.config.model_flops(self.global_batch, recompute="selective")
+        elif with_recompute:  # a forward more for the layers recomputed whole
+            flops += c.recomputed_fraction(self.config.layers) * (self.config.model_flops(
+                self.global_batch, recompute=True) - flops)
         return flops / c.step / self.devices / 1e12
 
     def to_dict(self, c: Candidate | None = None) -> dict:
@@ -267,6 +279,7 @@ class MeshPlan:
                               "global_batch": self.global_batch, "dtype": self.dtype, "dp": c.d, "tp": c.t,
                               "pp": c.p, "vpp": c.v, "micro_batch": c.b, "micro_batches": c.m, "zero": c.zero,
                               "recompute": {"off": "none"}.get(c.recompute_name, c.recompute_name),
+                              "recompute_layers": c.recompute_layers,
                               "attention": self.config.attention, "cp": c.cp, "sp": c.sp},
             "not_run_by_autopar": c.not_run_by_autopar(),
             "breakdown_s": dict(c.parts),
@@ -292,7 +305,9 @@ class MeshPlan:
                if c.v > 1 else "1F1B") + f", {c.m} micro-batches of {c.b}; "
             + (f"bubble (p-1)/(v m+p-1) = {c.bubble:.1%}" if c.v > 1 else f"bubble (p-1)/(m+p-1) = {c.bubble:.1%}"),
             f"optimizer sharding: ZeRO level {c.zero}" + (" (off)" if c.zero == 0 else f" over {c.d * c.cp} replicas")
-            + f"; activation recomputation: {c.recompute_name}",
+            + "; activation recomputation: " + (f"block ({c.recompute_layers} of a device's {math.ceil(cfg.layers / c.p)} "
+                                                f"layers recompute their forward whole)" if c.recompute == "block"
+                                                else c.recompute_name),
             f"predicted step: {c.step:.3f} s = " + " + ".join(f"{k} {v:.3f}" for k, v in c.parts.items()),
             f"throughput: {self.global_batch * cfg.seq / c.step:,.0f} tokens/s; {self.tflops_per_device():.0f} "
             f"TFLOP/s per device of model FLOPs, MFU {self.mfu():.1%}"
@@ -319,10 +334,10 @@ class MeshPlan:
         lines += _table(self.planner.head(c.t, c.b, c.cp, c.sp).rows())
         lines.append("")
         lines.append("runners-up:")
-        lines.append(f"  {'mesh':<24} {'micro':>5} {'m':>5} {'ZeRO':>4} {'recomp':>6} {'bubble':>7} {'step s':>8} "
+        lines.append(f"  {'mesh':<24} {'micro':>5} {'m':>5} {'ZeRO':>4} {'recomp':>9} {'bubble':>7} {'step s':>8} "
                      f"{'GiB':>6} {'MFU':>6}")
         for r in self.ranked[:6]:
-            lines.append(f"  {r.mesh():<24} {r.b:>5} {r.m:>5} {r.zero:>4} {r.recompute_name[:6]:>6} "
+            lines.append(f"  {r.mesh():<24} {r.b:>5} {r.m:>5} {r.zero:>4} {r.recompute_name[:9]:>9} "
                          f"{r.bubble:>7.1%} {r.step:>8.3f} {r.memory / gib:>6.1f} {self.mfu(r):>6.1%}")
         return "\n".join(lines)
 
@@ -390,11 +405,13 @@ class _Planner:
         # the token embedding is vocabulary-parallel over the tensor group (an all-reduce of its output), a lookup
         embed_params = cfg.vocab * cfg.hidden / k.t + (0 if cfg.llama else cfg.seq * cfg.hidden)
         embed_time = 3 * boundary / spec.memory_bandwidth + 2 * spec.collective("all_reduce", boundary, k.t)[0]
-        layer_time = layer.time + (layer.core_forward if k.recompute == "selective" else layer.forward if k.recompute
-                                   else 0.0)
+        block = k.recompute_layers if k.recompute == "block" else 0  # layers of a device recomputed whole
+        layer_time = layer.time + (layer.core_forward if k.recompute == "selective" else layer.forward
+                                   if k.recompute is True else 0.0)
         kept = layer.activation_bytes - (layer.core_activation_bytes if k.recompute == "selective" else 0.0)
-        first = per_stage * layer_time + embed_time + (head.time if k.p == 1 else 0.0)
-        last = (cfg.layers // k.p) * layer_time + head.time if k.p > 1 else first
+        first = per_stage * layer_time + block * layer.forward + embed_time + (head.time if k.p == 1 else 0.0)
+        last = (cfg.layers // k.p) * layer_time + min(block, cfg.layers // k.p) * layer.forward + head.time \
+            if k.p > 1 else first
         micro = max(first, last)
         p2p = 0.0
         if k.p > 1:  # activation forward, its gradient back; split over the tensor group (scatter-gather)
@@ -447,10 +464,13 @@ class _Planner:
         full = k.recompute is True
         if full:
             acts = in_flight * per_stage * layer.input_bytes + layer.activation_bytes
-        else:
-            acts = in_flight * per_stage * kept
+        else:  # block: those layers keep their input, and one of them is rebuilt whole at a time
+            acts = in_flight * ((per_stage - block) * kept + block * layer.input_bytes) + (
+                layer.activation_bytes if block else 0.0)
         acts += head.activation_bytes if k.p == 1 else 0.0
-        last_acts = head.activation_bytes + (layer.activation_bytes if full else (cfg.layers // k.p) * kept)
+        own = min(block, cfg.layers // k.p)
+        last_acts = head.activation_bytes + (layer.activation_bytes if full else (cfg.layers // k.p - own) * kept + own * (
+            layer.input_bytes) + (layer.activation_bytes if own else 0.0))
         k.memory_parts = {"weights+grads+optimizer": state, "activations": max(acts, last_acts) if k.p > 1 else acts}
         k.memory = sum(k.memory_parts.values())
 
@@ -463,8 +483,6 @@ def _what_would_fit(config, spec, devices, global_batch, dtype, memory_limit, ma
     """What would make a configuration that fits nowhere fit: the ZeRO level, recomputation or micro-batch pin given
     up alone, and fused attention for a model that stores its scores -- the changes that fit, each with the plan it
     then gets; '' where none does."""
-    import dataclasses
-
     # the pins whose relaxation re-plans the layer only at the sizes already captured (tp and pp would search
     # every tensor degree again: tens of seconds for an error line)
     tries = [(f"without {_FLAGS[k]} {recompute_name(v) if k == 'recompute' else v}", config,
@@ -482,6 +500,26 @@ def _what_would_fit(config, spec, devices, global_batch, dtype, memory_limit, ma
         fits.append(f"{what} it fits ({b.mesh()}, micro-batch {b.b}, ZeRO {b.zero}, recompute "
                     f"{b.recompute_name}: {b.memory / 2**30:.1f} GiB)")
     return "; ".join(fits)
+
+
+def _fewest_recomputed(planner: "_Planner", k: Candidate, limit: float, pinned: int | None) -> Candidate:
+    """Block recomputation (Megatron-LM's ``--recompute-method block --recompute-num-layers n``): the ``n`` first
+    layers of a device recompute their forward whole, the others keep their activations. Pinned, ``n`` as given;
+    searched, the fewest that fit -- between none and full, where a stage is a few layers too big for its memory."""
+    per_stage = math.ceil(planner.config.layers / k.p)
+    if pinned is not None:
+        k.recompute_layers = min(pinned, per_stage)
+        planner.evaluate(k)
+        return k
+    low, high = 1, max(1, per_stage - 1)  # memory falls as n grows: the fewest that fit, by bisection
+    while low < high:
+        mid = (low + high) // 2
+        probe = dataclasses.replace(k, recompute_layers=mid)
+        planner.evaluate(probe)
+        low, high = (low, mid) if probe.memory <= limit else (mid + 1, high)
+    k = dataclasses.replace(k, recompute_layers=low)
+    planner.evaluate(k)
+    return k
 
 
 def _context_and_sequence(config: GPTConfig, fixed: dict) -> tuple[int, bool]:
@@ -532,13 +570,21 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
     ``fixed`` pins any of ``tp``, ``pp``, ``micro_batch``, ``zero``, ``recompute``, ``vpp`` (e.g. to predict a
     published configuration); the rest is searched."""
     fixed = dict(fixed or {})
-    unknown = set(fixed) - {"tp", "pp", "micro_batch", "zero", "recompute", "vpp", "cp", "sp"}
+    unknown = set(fixed) - {"tp", "pp", "micro_batch", "zero", "recompute", "vpp", "cp", "sp", "recompute_layers"}
     if unknown:
         raise ConfigError(f"unknown plan constraint(s): {', '.join(sorted(unknown))}")
     vpp = fixed.get("vpp")
     if vpp is not None and (isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1):
         raise ConfigError(f"--vpp must be a positive number of virtual stages per device, got {vpp!r}")
     cp, sp = _context_and_sequence(config, fixed)
+    layers_pin = fixed.get("recompute_layers")
+    if layers_pin is not None:
+        if isinstance(layers_pin, bool) or not isinstance(layers_pin, int) or layers_pin < 1:
+            raise ConfigError(f"--recompute-layers must be a positive number of layers, got {layers_pin!r}")
+        if fixed.get("recompute") not in (None, "block"):
+            raise ConfigError(f"--recompute-layers {layers_pin} recomputes that many layers of a device whole: it is "
+                              f"--recompute block, not --recompute {recompute_name(fixed['recompute'])}")
+        fixed["recompute"] = "block"
     keep = lambda key, value: fixed.get(key) is None or fixed[key] == value  # noqa: E731
     start = time.perf_counter()
     if devices < 1:
@@ -580,11 +626,15 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
                 levels = (0,) if d * cp == 1 else (0, 1) if p > 1 and fixed.get("zero") is None else (0, 1, 2, 3)
                 for zero in [z for z in levels if keep("zero", z)]:
                     # selective recomputation where there are stored scores to drop (fused attention stores none)
-                    options = (False, "selective", True) if config.attention == "materialized" else (False, True)
+                    options = (False, "selective", "block", True) if config.attention == "materialized" else (
+                        False, "block", True)
                     for recompute in [r for r in options if keep("recompute", r)] or [fixed["recompute"]]:
                         for v in _virtual_stages(config.layers, p, global_batch // (d * b), fixed.get("vpp")):
                             k = Candidate(t, p, d, b, global_batch // (d * b), zero, recompute, v, cp, sp)
-                            planner.evaluate(k)
+                            if recompute == "block":
+                                k = _fewest_recomputed(planner, k, limit, fixed.get("recompute_layers"))
+                            else:
+                                planner.evaluate(k)
                             considered += 1
                             if smallest is None or k.memory < smallest.memory:
                                 smallest = k
