@@ -61,6 +61,9 @@ class OpNode:
     # redistribution runs forward only -- the backward that :func:`autopar.planner.costs.reshard_cost` prices for
     # the others never runs for them
     no_grad_inputs: frozenset = frozenset()
+    # activation input -> (an earlier node, its input) fed the very same tensor from outside the planned operators
+    # (one norm's output into q and kv, or into gate and up): autograd keeps it once
+    same_input: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     def shapes_text(self) -> str:
         """``a b -> out`` (the first two inputs), as the plan tables show it."""
@@ -185,6 +188,7 @@ class Tracer:
         self.edge_resolved: set = set()
         self.tensor_calls = 0  # torch functions that made a tensor, inside modules too
         self.keep: list[torch.Tensor] = []  # ids stay unique while the trace runs
+        self._outside_inputs: dict[int, tuple[int, int]] = {}  # tensor id -> the first (node, input) it fed
         self.depth = 0
         self.other_flops = 0.0
         self.other_bytes = 0.0
@@ -238,6 +242,12 @@ class Tracer:
         for i in acts:
             src = self._src(tensors[i])
             node.in_sources[i] = src
+            if not isinstance(src, int):
+                first = self._outside_inputs.setdefault(id(tensors[i]), (node.index, i))
+                if first != (node.index, i):
+                    node.same_input[i] = first
+                else:
+                    self.keep.append(tensors[i])  # its id stays its own while the trace runs
             if isinstance(src, int):
                 self.edges.append((src, node.index, i))
                 if id(tensors[i]) in self.resolved:

@@ -109,7 +109,8 @@ def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: t
     compute = sum(c.compute for c in chosen) - optimizer + other
     itemsize = inputs[0].element_size()
     params = (sum(c.param_bytes for c in chosen) + other_param_bytes(module, graph)) / itemsize
-    activations = sum(c.activation_bytes for c in chosen) + graph.other_activation_bytes / split
+    activations = sum(c.activation_bytes for c in chosen) + graph.other_activation_bytes / split \
+        - _kept_twice(graph, chosen)
     if sp:
         activations -= (1 - 1 / t) * _whole_on_every_device(graph, chosen)
     core = [(node, c) for node, c in zip(graph.nodes, chosen) if _attention_core(node)]
@@ -145,6 +146,19 @@ def with_context_parallel(plan: LayerPlan, cp: int, spec: ClusterSpec) -> LayerP
                                context_ring=exposed)
 
 
+def _kept_twice(graph: Graph, chosen) -> float:
+    """Bytes counted twice among the operators' activations: an input two operators take as the same tensor in the
+    same layout (q and kv of one norm's output) is kept once."""
+    from autopar.planner.costs import nbytes
+
+    total = 0.0
+    for node, c in zip(graph.nodes, chosen):
+        for i, (j, k) in node.same_input.items():
+            if c.in_placements[i] == chosen[j].in_placements[k]:
+                total += nbytes(c.plan.inputs[i].slice_shape, node.itemsize)
+    return total
+
+
 def _whole_on_every_device(graph: Graph, chosen) -> float:
     """Bytes of the activations the tensor group keeps whole on every device: the inputs that come from outside
     the planned operators (a norm's output) into an operator split another way (a column-split projection), and the
@@ -157,7 +171,7 @@ def _whole_on_every_device(graph: Graph, chosen) -> float:
     total = 0.0
     for node, c in zip(graph.nodes, chosen):
         for i, src in node.in_sources.items():
-            if not isinstance(src, int) and node.param_names[i] is None \
+            if not isinstance(src, int) and node.param_names[i] is None and i not in node.same_input \
                     and not any(isinstance(p, Shard) for p in c.in_placements[i]):
                 total += nbytes(c.plan.inputs[i].slice_shape, node.itemsize)
         if not any(isinstance(p, Shard) for p in c.out_placements):
