@@ -89,6 +89,8 @@ def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: t
     the input-gradient matmul as Megatron-LM does. Its all-gather + reduce-scatter move what the all-reduce they
     replace moves, so the collectives are costed as before."""
     graph = graph or capture(module, loss, inputs)
+    if sp and t > 1:
+        graph = _megatron_layout(graph, t)
     machine = spec.group_machine(t, 1, dtype)
     costs = graph_costs(graph, machine, t)
     problem = Problem(graph, costs, machine, 0.0, None)
@@ -144,6 +146,31 @@ def with_context_parallel(plan: LayerPlan, cp: int, spec: ClusterSpec) -> LayerP
         exposed += max(0.0, ring - cp * attention / 3.5) + max(0.0, 2 * ring - cp * attention * 2.5 / 3.5)
     return dataclasses.replace(plan, time=plan.time + extra + exposed, forward=plan.forward + extra_forward,
                                context_ring=exposed)
+
+
+# Megatron's tensor-parallel layout, which sequence parallelism is defined on (Korthikanti et al. 2022 sec. 4.2.2):
+# the projections into the attention and the MLP split by columns (their outputs), those out of them by rows
+COLUMN_PARALLEL = {"qkv", "fc1", "q", "kv", "gate", "up", "out"}  # "out": the head, vocabulary-parallel
+ROW_PARALLEL = {"proj", "fc2", "o", "down"}
+
+
+def _megatron_layout(graph: Graph, t: int) -> Graph:
+    """``graph`` with its projections pinned to Megatron's column / row splits over ``t`` (the attention between
+    them follows by heads): sequence parallelism's all-gather before a column-split projection and reduce-scatter
+    after a row-split one are defined on that layout, not on whatever else the search might find as fast."""
+    nodes = []
+    for node in graph.nodes:
+        short = node.name.split(".")[-1]
+        if node.kind == "linear" and (short in COLUMN_PARALLEL or short in ROW_PARALLEL):
+            rank = len(node.shapes[0])
+            bias = len(node.shapes) > 2
+            if short in COLUMN_PARALLEL:
+                fixed = ((1,) * rank, (t, 1)) + (((t,),) if bias else ())
+            else:
+                fixed = ((1,) * (rank - 1) + (t,), (1, t)) + (((1,),) if bias else ())
+            node = dataclasses.replace(node, fixed=fixed)
+        nodes.append(node)
+    return dataclasses.replace(graph, nodes=nodes)
 
 
 def _kept_twice(graph: Graph, chosen) -> float:
