@@ -585,14 +585,14 @@ def _context_and_sequence(config: GPTConfig, fixed: dict) -> tuple[int, bool]:
 
 
 def _virtual_stages(layers: int, p: int, m: int, pinned: int | None) -> list[int]:
-    """The interleaving degrees a pipeline of ``p`` stages and ``m`` micro-batches can run: Megatron-LM's interleaved
-    schedule needs the micro-batches a multiple of p; the search takes every device's chunks equal (layers
-    divisible by p x v), a pinned degree also uneven chunks (126 layers over 16 stages: some a layer shorter)."""
+    """The interleaving degrees a pipeline of ``p`` stages and ``m`` micro-batches can run: the interleaved schedule
+    needs the micro-batches a multiple of p (Megatron-LM's) and at least one layer a chunk; chunks may be uneven
+    (126 layers over 16 stages, as Llama 3 ran them: some a layer shorter, torchtitan's splits)."""
     if pinned is not None:
         return [pinned] if pinned == 1 or (p > 1 and layers >= p * pinned and m % p == 0) else []
     if p == 1 or m % p:
         return [1]
-    return [v for v in (1, 2, 3, 4, 6, 8, 12, 16) if layers % (p * v) == 0]
+    return [v for v in (1, 2, 3, 4, 6, 8, 12, 16) if layers >= p * v]
 
 
 def _powers_of_two(limit: int) -> list[int]:
