@@ -21,9 +21,8 @@ import time
 from pathlib import Path
 
 from autopar.errors import ConfigError
+from autopar.planner.cluster import load_cluster, plan_gpt
 from autopar.planner.gpt import GPTConfig
-from autopar.planner.hardware import load_cluster
-from autopar.planner.mesh_search import plan_gpt
 
 MEGATRON_2021 = "Narayanan et al. 2021, arXiv 2104.04473, Table 1 (Selene, interleaved 1F1B, full recomputation)"
 KORTHIKANTI = "Korthikanti et al. 2022, arXiv 2205.05198, Tables 3 and 5 [S] (full recomputation column)"

@@ -27,8 +27,8 @@ from pathlib import Path
 from published_gpt import plan_row  # bench/ is the script's own folder
 
 from autopar.errors import ConfigError
+from autopar.planner.cluster import load_cluster
 from autopar.planner.gpt import GPTConfig
-from autopar.planner.hardware import load_cluster
 
 MLM = ("NVIDIA/Megatron-LM README.md @d98e8a64, 'Weak Scaling Results' table (images/model_table.png, Megatron-Core "
        "r0.8.0, H100); vocabulary 131072, sequence 4096, --overlap-grad-reduce --overlap-param-gather (the distributed "

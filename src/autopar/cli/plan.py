@@ -193,8 +193,7 @@ def run_gpt(args: argparse.Namespace) -> int:
     import sys
 
     from autopar.context_values import memory_bytes
-    from autopar.planner.hardware import ClusterSpec, load_cluster
-    from autopar.planner.mesh_search import plan_gpt
+    from autopar.planner.cluster import ClusterSpec, load_cluster, plan_gpt
 
     config = gpt_config(args)
     if args.machine:

@@ -97,7 +97,7 @@ def dry_run(world: int, script: str, args: list[str], log_dir: str, ranks: list[
     if not os.path.isfile(script):
         raise ConfigError(f"script {script!r} not found")
     if machine is not None:
-        from autopar.planner.hardware import load_cluster
+        from autopar.planner.cluster import load_cluster
 
         load_cluster(machine)  # an unknown preset or a bad file: one line now, not in every simulated rank
         os.environ["AUTOPAR_DRYRUN_MACHINE"] = machine

@@ -28,7 +28,7 @@ def make_plan(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sample:
     (:data:`autopar.parallel.data.step_timer.DATA_PARALLEL_STEP`; the planner does not import the runtime)."""
     ctx = _context.auto_parallel_context()
     if os.environ.get("AUTOPAR_DRYRUN"):  # fake tensors: nothing to measure (autopar launch --dry-run)
-        from autopar.planner.hardware import dry_run_machine
+        from autopar.planner.cluster import dry_run_machine
 
         machine = dry_run_machine(dist.get_world_size() if dist.is_initialized() else 1)
     else:

@@ -14,10 +14,10 @@ import torch
 
 from autopar.cli.main import main as cli
 from autopar.errors import ConfigError
+from autopar.planner.cluster import load_cluster, parse_cluster, plan_gpt, presets
+from autopar.planner.cluster.layers import LayerPlanner
 from autopar.planner.gpt import GPT, PRESETS, GPTConfig, GPTLayer, LlamaLayer, make_layer
 from autopar.planner.graph import capture
-from autopar.planner.hardware import load_cluster, parse_cluster, presets
-from autopar.planner.mesh_search import plan_gpt
 
 A100 = load_cluster("a100-ib")
 
@@ -127,7 +127,7 @@ def test_a_user_machine_file_is_used(tmp_path, capsys):
 def test_collectives_inside_a_node_follow_the_ring_formula_in_nccls_faster_protocol():
     """NCCL's ring: LL128 (the links' hop latencies, 120 data bytes a 128-byte line) or Simple (full bandwidth, its
     own base and hop latencies from tuning.cc), whichever is faster at the size."""
-    from autopar.planner.hardware import NCCL_BASE_LATENCY, NCCL_SIMPLE_HOP
+    from autopar.planner.cluster.collectives import NCCL_BASE_LATENCY, NCCL_SIMPLE_HOP
 
     n, bus = 8, A100.intra.bandwidth * A100.intra.efficiency
     for s in (1e3, 1e9):
@@ -178,9 +178,7 @@ def test_fp8_runs_the_projections_at_the_fp8_rate_and_the_rest_in_bf16():
     fp8, bf16 = h100.group_machine(4, 1, "fp8"), h100.group_machine(4, 1, "bf16")
     assert fp8.flops["matmul"] == pytest.approx(h100.peak("fp8") * h100.matmul_efficiency_fp8)
     assert fp8.flops["attention"] == bf16.flops["attention"]
-    from autopar.planner.mesh_search import _Planner
-
-    one, eight = _Planner(PRESETS["llama3-8b"], h100, "bf16").layer(1, 1), _Planner(PRESETS["llama3-8b"], h100,
+    one, eight = LayerPlanner(PRESETS["llama3-8b"], h100, "bf16").layer(1, 1), LayerPlanner(PRESETS["llama3-8b"], h100,
                                                                                         "fp8").layer(1, 1)
     by_name = lambda plan: {r[0]: r[5] for r in plan.rows()}  # noqa: E731
     assert by_name(eight)["gate"] < 0.6 * by_name(one)["gate"]
@@ -328,10 +326,8 @@ def test_an_input_two_projections_share_is_kept_once():
     """q and kv take one norm's output, gate and up another's: autograd keeps each tensor once. Llama 3 70B's layer
     then keeps 30.5 s b h bytes, against Megatron-LM's (18 + 4 ffn/h) s b h = 32 (theoretical_memory_usage.py), not
     34.5 as when every projection counted its own copy."""
-    from autopar.planner.mesh_search import _Planner
-
     cfg = PRESETS["llama3-70b"]
-    layer = _Planner(cfg, load_cluster("h100-ib"), "bf16").layer(1, 1)
+    layer = LayerPlanner(cfg, load_cluster("h100-ib"), "bf16").layer(1, 1)
     nodes = {n.name: n for n in layer.graph.nodes}
     assert nodes["kv"].same_input == {0: (nodes["q"].index, 0)}
     assert nodes["up"].same_input == {0: (nodes["gate"].index, 0)}
@@ -442,9 +438,7 @@ def test_sequence_parallelism_keeps_what_the_tensor_group_held_whole_split_on_th
     (10 + 24/t) s b h bytes -- the norms' inputs and the projections' whole inputs and outputs on every device;
     sequence parallelism splits those too, 34/t (no dropout here: 32/t, fused attention: no scores)."""
     h100 = load_cluster("h100-ib")
-    from autopar.planner.mesh_search import _Planner
-
-    planner = _Planner(PRESETS["175b"], h100, "bf16")
+    planner = LayerPlanner(PRESETS["175b"], h100, "bf16")
     whole = planner.layer(1, 1).activation_bytes
     for t in (2, 4, 8):
         tp, sp = planner.layer(t, 1).activation_bytes, planner.layer(t, 1, sp=True).activation_bytes
@@ -473,16 +467,14 @@ def test_context_parallelism_splits_the_sequence_and_passes_keys_and_values_roun
     activations 1/cp; its attention meets every key, so the work is conserved; the key/value ring shows only
     where the network is slower than the attention; the weights' replicas are dp x cp."""
     h100 = load_cluster("h100-ib")
-    from autopar.planner.mesh_search import _Planner
-
     cfg = dataclasses.replace(PRESETS["llama3-8b"], seq=32768)
-    planner = _Planner(cfg, h100, "bf16")
+    planner = LayerPlanner(cfg, h100, "bf16")
     one, four = planner.layer(1, 1), planner.layer(1, 1, 4)
     assert four.activation_bytes == pytest.approx(one.activation_bytes / 4, rel=0.01)
     assert four.time == pytest.approx(one.time / 4, rel=0.05) and four.context_ring == 0.0
     slow = dataclasses.replace(h100, inter=dataclasses.replace(h100.inter, bandwidth=h100.inter.bandwidth / 1000))
     # a ring across nodes (tp 8 fills a node) on a network 1,000x slower shows
-    assert _Planner(cfg, slow, "bf16").layer(8, 1, 4).context_ring > 0.0 == planner.layer(8, 1, 4).context_ring
+    assert LayerPlanner(cfg, slow, "bf16").layer(8, 1, 4).context_ring > 0.0 == planner.layer(8, 1, 4).context_ring
     plan = plan_gpt(cfg, h100, 64, 16, fixed={"cp": 4, "tp": 2, "pp": 1, "zero": 3, "micro_batch": 1})
     k = plan.best
     assert (k.d, k.cp, k.t) == (8, 4, 2) and k.mesh() == "dp 8 x cp 4 x tp 2 x pp 1"

@@ -1,0 +1,44 @@
+"""Attention on the cluster: the materialized core that selective recomputation drops, and context parallelism's
+ring of key/value blocks."""
+from __future__ import annotations
+
+import dataclasses
+
+from autopar.planner.cluster.spec import ClusterSpec
+from autopar.planner.costs import nbytes
+
+
+def with_context_parallel(plan, cp: int, spec: ClusterSpec):
+    """A layer planned at ``1/cp`` of the sequence (a :class:`~autopar.planner.cluster.layers.LayerPlan`) made a
+    context-parallel one (ring attention, Liu et al. 2023, arXiv 2310.01889; Megatron-LM's context parallelism): each device's queries meet every key, so its attention does
+    ``cp`` times the work of the local block (with causal load balancing -- two mirrored chunks a device -- every
+    device does ``1/cp`` of the whole), while the key/value blocks travel ``cp - 1`` hops round the group, ``t``
+    ranks apart, in the forward, and the keys/values with their gradients (twice the bytes) in the backward. Each
+    hop overlaps the attention of the block in hand, so only a ring slower than the attention shows."""
+    if cp == 1:
+        return plan
+    extra = extra_forward = exposed = 0.0
+    for n, node in enumerate(plan.graph.nodes):
+        if node.kind != "attention":
+            continue
+        c = plan.costs[n].choices[plan.choice[n]]
+        attention = c.compute - c.optimizer  # forward + backward of the local block: 1 + 2.5 passes
+        kv = sum(nbytes(c.plan.inputs[i].slice_shape, node.itemsize) for i in (1, 2))
+        ring = spec.collective("all_gather", cp * kv, cp, plan.t)[0]  # cp - 1 blocks of k and v, one hop each
+        extra += (cp - 1) * attention
+        extra_forward += (cp - 1) * attention / 3.5
+        exposed += max(0.0, ring - cp * attention / 3.5) + max(0.0, 2 * ring - cp * attention * 2.5 / 3.5)
+    return dataclasses.replace(plan, time=plan.time + extra + exposed, forward=plan.forward + extra_forward,
+                               context_ring=exposed)
+
+
+def attention_core(node) -> bool:
+    """The materialized attention's nodes: its scores matmul, softmax and context matmul (``attention.*``)."""
+    return node.name.split(".")[-2:-1] == ["attention"] and node.kind in ("matmul", "softmax")
+
+
+def scores_shaped(node) -> bool:
+    """An output of ``[b, heads, rows, s]``: the scores or their softmax (the context's is ``[b, heads, rows, d]``)."""
+    return node.kind == "softmax" or node.name.endswith(".scores")
+
+

@@ -1,0 +1,81 @@
+"""Collectives on a cluster's topology, as NCCL runs them.
+
+nccl-tests' definition of bus bandwidth: a collective of ``S`` bytes on ``n`` devices moves ``f(n) * S`` through each
+device's slowest link, ``f`` = 2(n-1)/n for all-reduce and (n-1)/n for all-gather / reduce-scatter / all-to-all.
+Inside one node the bus bandwidth is the intra-node link's; across ``k`` nodes with ``m`` group members per node, the
+ring crosses the network on the members' own NICs (rail aligned), so the bus bandwidth is ``min(intra, m * nic)``.
+Latency: a ring pays a hop per member and step; a tree (all-reduce across nodes) pays ``2 log2(k)`` network hops but
+moves each byte twice -- the cheaper one is used, as NCCL's tuner picks between them.
+"""
+from __future__ import annotations
+
+import math
+
+from autopar.planner.machine import RING
+
+# NCCL's ring latencies per protocol (src/graph/tuning.cc, github.com/NVIDIA/nccl): baseLat, once a collective
+# (Ring: LL128 14.0 us, Simple 8.4 us) and hwLat per hop for Simple (Ring: NVLink 3.4 us, network 14.0 us); LL128's
+# hops are the presets' link latencies (hwLat Ring LL128: NVLink 1.9 us, network 4.0 us)
+NCCL_BASE_LATENCY = {"LL128": 14.0e-6, "Simple": 8.4e-6}
+NCCL_SIMPLE_HOP = {"intra": 3.4e-6, "inter": 14.0e-6}
+
+
+def placement(spec, size: int, stride: int) -> tuple[int, int]:
+    """(members per node, nodes) of a group of ``size`` devices ``stride`` ranks apart (ranks fill nodes)."""
+    if size <= 1:
+        return 1, 1
+    per_node = max(1, min(size, spec.devices_per_node // stride)) if stride < spec.devices_per_node else 1
+    return per_node, math.ceil(size / per_node)
+
+
+
+def collective_seconds(spec, kind: str, nbytes: float, size: int, stride: int = 1) -> tuple[float, str]:
+    """Seconds and algorithm ("ring" / "tree") of a collective on a group placed with ``stride``.
+
+    A ring runs NCCL's faster protocol for its size (NCCL's tuner): LL128, whose hops are the links' own
+    latencies and whose lines carry 120 bytes of data in 128, or Simple, full bandwidth for longer hops and
+    base latency -- so a small collective on thousands of ranks pays thousands of hops, and a large one its
+    bytes. A cluster described by a calibration (this host, not NCCL) pays its links' figures alone."""
+    if size <= 1 or nbytes <= 0:
+        return 0.0, "none"
+    m, k = placement(spec, size, stride)
+    factor = RING[kind](size)
+    steps = 2 if kind == "all_reduce" else 1
+    bus = spec.intra.effective if k == 1 else min(spec.intra.effective, m * spec.nic_per_device)
+    inter_hops, intra_hops = (0, size - 1) if k == 1 else (k, size - k)
+    ring = steps * (inter_hops * spec.inter.latency + intra_hops * spec.intra.latency) + factor * nbytes / bus
+    if spec.nccl:
+        ll128 = NCCL_BASE_LATENCY["LL128"] + ring + factor * nbytes / bus * (128 / 120 - 1)
+        simple = NCCL_BASE_LATENCY["Simple"] + steps * (inter_hops * NCCL_SIMPLE_HOP["inter"] + intra_hops * max(
+            NCCL_SIMPLE_HOP["intra"], spec.intra.latency)) + factor * nbytes / bus
+        ring = min(ll128, simple)
+    if kind != "all_reduce" or k == 1:
+        return ring, "ring"
+    tree = 2 * (math.ceil(math.log2(k)) * spec.inter.latency + (m - 1) * spec.intra.latency) + 2 * nbytes / bus
+    return (tree, "tree") if tree < ring else (ring, "ring")
+
+
+
+def data_parallel_sync(spec, zero: int, m: int, grads: float, unit: float, layers: int, micro: float, replicas: int,
+                       stride: int) -> float:
+    """Seconds a step spends on the data-parallel group's collectives that the backward does not hide: ``grads``
+    bytes of a stage's gradients over ``replicas`` ranks ``stride`` apart, ``m`` micro-batches of ``micro`` seconds.
+
+    ZeRO 0 all-reduces them under the last backward; 1 reduce-scatters there and all-gathers the updated weights; 2
+    reduce-scatters every micro-batch; 3 is FSDP: every layer's weights (``unit`` bytes) gathered for its forward
+    and again for its backward, its gradients scattered, every micro-batch -- one collective a layer each, so
+    thousands of ranks pay thousands of hops a layer; the next layer's prefetched under this one's compute, but the
+    first gather and the last scatter of a micro-batch have nothing to hide behind."""
+    ar = lambda kind, nbytes: spec.collective(kind, nbytes, replicas, stride)[0]  # noqa: E731
+    backward_last = micro * 2 / 3
+    if zero == 0:
+        return max(0.0, ar("all_reduce", grads) - backward_last)
+    if zero == 1:
+        return max(0.0, ar("reduce_scatter", grads) - backward_last) + ar("all_gather", grads)
+    if zero == 2:
+        return m * max(0.0, ar("reduce_scatter", grads) - backward_last) + ar("all_gather", grads)
+    rest = max(0.0, grads - layers * unit)  # the embedding and the head: a unit each
+    gathers = layers * ar("all_gather", unit) + ar("all_gather", rest)
+    scatters = layers * ar("reduce_scatter", unit) + ar("reduce_scatter", rest)
+    exposed = ar("all_gather", unit) + ar("reduce_scatter", unit)
+    return m * (max(0.0, 2 * gathers + scatters - micro) + exposed)

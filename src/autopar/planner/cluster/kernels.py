@@ -1,0 +1,50 @@
+"""Compute on a cluster's device: what a GEMM of a given shape reaches, and the rates the operator-level search
+prices a tensor group's operators at (matmuls, fused attention, fp8 projections, memory-bound work)."""
+from __future__ import annotations
+
+import math
+
+from autopar.planner.machine import MachineModel
+
+# threadblock tiles (rows x columns of the output) of cuBLAS's / CUTLASS's bf16 tensor-core GEMMs on A100 and H100
+# (CUTLASS's default 128x256 / 256x128 and 128x128 tile configurations, media/docs/efficient_gemm.md)
+GEMM_TILES = ((256, 128), (128, 256), (128, 128))
+
+
+def tile_and_wave_efficiency(sms: int | None, batch: int, m: int, n: int) -> float:
+    """The fraction of the measured matmul ceiling a GEMM of ``batch`` x ``m`` x ``n`` outputs reaches: tile and
+    wave quantization (NVIDIA's Matrix Multiplication Background User's Guide, docs.nvidia.com/deeplearning/
+    performance/dl-performance-matrix-multiplication): the output is cut into threadblock tiles, one SM a tile, so a
+    shape pays for its last partial tile and its last partial wave of ``sms`` tiles. The kernel takes whichever of
+    cuBLAS's large tensor-core tiles wastes least, each taken at the ceiling's rate; without an SM count, 1."""
+    if not sms:
+        return 1.0
+    best = 0.0
+    for tm, tn in GEMM_TILES:
+        tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
+        best = max(best, batch * m * n / (math.ceil(tiles / sms) * sms * tm * tn))
+    return best
+
+
+
+class GroupMachine(MachineModel):
+    """A :class:`MachineModel` whose collectives are those of one placed group of a cluster (``spec``, a
+    :class:`~autopar.planner.cluster.spec.ClusterSpec`, which makes these)."""
+
+    def __init__(self, spec, size: int, stride: int, dtype: str):
+        rate = spec.peak(dtype) * spec.gemm_ceiling(dtype)
+        # fp8 runs the projections' GEMMs only (Transformer Engine): attention stays at the bf16 rate
+        held = "bf16" if dtype == "fp8" else dtype
+        attention = spec.peak(held) * (spec.attention_efficiency or spec.matmul_efficiency)
+        super().__init__(device_num=size, flops={"matmul": rate, "conv": rate, "other": rate, "attention": attention},
+                         backend="nccl", source=f"{spec.name} ({spec.device_name}, {dtype})",
+                         memory_bandwidth=spec.memory_bandwidth, memory_per_device=spec.memory)
+        self.spec, self.stride = spec, stride
+        self.matmul_rate = rate
+
+    def gemm_seconds(self, batch: int, m: int, n: int, k: int) -> float:
+        """Seconds of one ``batch`` x (``m`` x ``k``) @ (``k`` x ``n``) GEMM at its shape's rate."""
+        return 2.0 * batch * m * n * k / (self.matmul_rate * self.spec.gemm_efficiency(batch, m, n))
+
+    def collective(self, kind: str, nbytes: float, n: int) -> float:
+        return self.spec.collective(kind, nbytes, n, self.stride)[0]

@@ -1,0 +1,166 @@
+"""One decoder layer (and the output head) planned on a tensor group by the operator-level search.
+
+A layer is captured once per micro-batch (and share of the sequence) on the meta device, and its operators' strategies
+chosen by the exact ILP of :mod:`autopar.planner.search` on the tensor group's own links; every layer of the model is
+the same (Alpa clusters them the same way). Under sequence parallelism the projections take Megatron's layout.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from autopar.errors import StrategyError
+from autopar.planner.cluster.attention import attention_core, scores_shaped, with_context_parallel
+from autopar.planner.cluster.memory import kept_twice, whole_on_every_device
+from autopar.planner.cluster.spec import ClusterSpec
+from autopar.planner.costs import NodeCosts, graph_costs
+from autopar.planner.gpt import GPTConfig, GPTHead, TokenLoss, make_layer
+from autopar.planner.graph import Graph, capture
+from autopar.planner.plan import other_param_bytes
+from autopar.planner.search import Problem, solve_ilp
+
+# fp8: Transformer Engine's recipe -- the projections' GEMMs (forward and both gradients) in fp8, everything else
+# (attention, norms, the activations and weights kept, the collectives) in bf16
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
+
+
+@dataclass
+class LayerPlan:
+    """One module (a decoder layer, or the head with the loss) planned on a tensor group of ``t`` for one
+    micro-batch of ``b``."""
+    t: int
+    b: int
+    graph: Graph
+    costs: list[NodeCosts]
+    problem: Problem
+    choice: list[int]
+    time: float  # forward + backward seconds: compute, tensor-group communication, resharding (no optimizer step)
+    forward: float
+    param_count: float  # this device's parameters (the planned operators' slices + the small replicated ones)
+    activation_bytes: float
+    input_bytes: float  # the layer input a recomputing layer keeps
+    # the attention core whose scores are stored (materialized attention: the scores' and the softmax's s x s outputs)
+    # -- what selective recomputation (Korthikanti et al. 2022, arXiv 2205.05198 sec. 5) drops and recomputes
+    core_activation_bytes: float = 0.0
+    core_forward: float = 0.0  # seconds of its forward (the scores matmul, the softmax, the context matmul)
+    context_ring: float = 0.0  # seconds of context parallelism's key/value ring not hidden behind the attention
+
+    def rows(self) -> list[tuple]:
+        out = []
+        for n, node in enumerate(self.graph.nodes):
+            c = self.costs[n].choices[self.choice[n]]
+            out.append((node.name, node.kind, node.shapes_text(), str(c.strategy), c.label,
+                        (c.compute - c.optimizer) * 1e3, self.costs[n].comm(c, self.problem.machine) * 1e3))
+        return out
+
+
+def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: tuple, t: int, spec: ClusterSpec,
+                dtype: str, graph: Graph | None = None, sp: bool = False) -> LayerPlan:
+    """``graph``: the module's capture at these inputs, if made already (it does not depend on ``t``).
+
+    ``sp``: Megatron's sequence parallelism (Korthikanti et al. 2022, arXiv 2205.05198 sec. 4.2.2) -- the norms,
+    dropout and residuals run on ``1/t`` of the sequence, and the inputs the tensor group otherwise keeps whole (a
+    column-split projection's) are kept split on the sequence and gathered again in the backward, overlapped with
+    the input-gradient matmul as Megatron-LM does. Its all-gather + reduce-scatter move what the all-reduce they
+    replace moves, so the collectives are costed as before."""
+    graph = graph or capture(module, loss, inputs)
+    if sp and t > 1:
+        graph = _megatron_layout(graph, t)
+    machine = spec.group_machine(t, 1, dtype)
+    costs = graph_costs(graph, machine, t)
+    problem = Problem(graph, costs, machine, 0.0, None)
+    choice = solve_ilp(problem)
+    if choice is None:
+        raise StrategyError(f"no strategy for {type(module).__name__} on a tensor group of {t}")
+    chosen = [costs[n].choices[s] for n, s in enumerate(choice)]
+    optimizer = sum(c.optimizer for c in chosen)
+    total = problem.total(choice) - optimizer
+    b = int(inputs[0].shape[0])
+    # data-parallel operators (norms, the loss) split the batch when they can, the sequence under sequence parallelism
+    split = t if sp or b % t == 0 else 1
+    # norms and the loss (batch split when possible), and the element-wise work between the planned operators
+    # (biases, GELU, the causal mask and scaling of the scores: split with the tensors they follow, taken as split
+    # over the group): memory-bound, forward + backward ~ 3x the traffic
+    other = machine.compute("other", 3.0 * graph.other_flops / split, 3.0 * (
+        2 * graph.other_activation_bytes / split + graph.elementwise_bytes / t))
+    compute = sum(c.compute for c in chosen) - optimizer + other
+    itemsize = inputs[0].element_size()
+    params = (sum(c.param_bytes for c in chosen) + other_param_bytes(module, graph)) / itemsize
+    activations = sum(c.activation_bytes for c in chosen) + graph.other_activation_bytes / split \
+        - kept_twice(graph, chosen)
+    if sp:
+        activations -= (1 - 1 / t) * whole_on_every_device(graph, chosen)
+    core = [(node, c) for node, c in zip(graph.nodes, chosen) if attention_core(node)]
+    return LayerPlan(t, b, graph, costs, problem, choice, total + other, compute / 3.0, params, activations,
+                     inputs[0].numel() * itemsize / split,
+                     sum(c.out_bytes for node, c in core if scores_shaped(node)),
+                     sum(c.compute - c.optimizer for _, c in core) / 3.0)
+
+
+# Megatron's tensor-parallel layout, which sequence parallelism is defined on (Korthikanti et al. 2022 sec. 4.2.2):
+# the projections into the attention and the MLP split by columns (their outputs), those out of them by rows
+COLUMN_PARALLEL = {"qkv", "fc1", "q", "kv", "gate", "up", "out"}  # "out": the head, vocabulary-parallel
+ROW_PARALLEL = {"proj", "fc2", "o", "down"}
+
+
+def _megatron_layout(graph: Graph, t: int) -> Graph:
+    """``graph`` with its projections pinned to Megatron's column / row splits over ``t`` (the attention between
+    them follows by heads): sequence parallelism's all-gather before a column-split projection and reduce-scatter
+    after a row-split one are defined on that layout, not on whatever else the search might find as fast."""
+    nodes = []
+    for node in graph.nodes:
+        short = node.name.split(".")[-1]
+        if node.kind == "linear" and (short in COLUMN_PARALLEL or short in ROW_PARALLEL):
+            rank = len(node.shapes[0])
+            bias = len(node.shapes) > 2
+            if short in COLUMN_PARALLEL:
+                fixed = ((1,) * rank, (t, 1)) + (((t,),) if bias else ())
+            else:
+                fixed = ((1,) * (rank - 1) + (t,), (1, t)) + (((1,),) if bias else ())
+            node = dataclasses.replace(node, fixed=fixed)
+        nodes.append(node)
+    return dataclasses.replace(graph, nodes=nodes)
+
+
+class LayerPlanner:
+    """The plans of one decoder layer and of the output head, per (tensor degree, micro-batch, context degree,
+    sequence parallelism) -- each made once and reused by every candidate that needs it."""
+
+    def __init__(self, config: GPTConfig, spec: ClusterSpec, dtype: str):
+        self.config, self.spec, self.dtype = config, spec, dtype
+        self.torch_dtype = DTYPES[dtype]
+        self.itemsize = torch.tensor([], dtype=self.torch_dtype).element_size()
+        self._layers: dict = {}
+        self._heads: dict = {}
+        c = config
+        with torch.device("meta"):
+            self.layer_module = make_layer(c).to(self.torch_dtype)
+            self.head_module = GPTHead(c.hidden, c.vocab, rms=c.llama).to(self.torch_dtype)
+        self._graphs: dict = {}  # (layer | head, micro-batch, cp) -> its capture: the same for every tensor degree
+
+    def _graph(self, which: str, b: int, cp: int, module, loss, inputs) -> Graph:
+        if (which, b, cp) not in self._graphs:
+            self._graphs[(which, b, cp)] = capture(module, loss, inputs)
+        return self._graphs[(which, b, cp)]
+
+    def layer(self, t: int, b: int, cp: int = 1, sp: bool = False) -> LayerPlan:
+        """One decoder layer on a tensor group of ``t`` for a micro-batch of ``b``, with ``1/cp`` of the sequence."""
+        if (t, b, cp, sp) not in self._layers:
+            c = self.config
+            x = torch.empty(b, c.seq // cp, c.hidden, dtype=self.torch_dtype, device="meta")
+            graph = self._graph("layer", b, cp, self.layer_module, None, (x,))
+            plan = plan_module(self.layer_module, None, (x,), t, self.spec, self.dtype, graph, sp)
+            self._layers[(t, b, cp, sp)] = with_context_parallel(plan, cp, self.spec)
+        return self._layers[(t, b, cp, sp)]
+
+    def head(self, t: int, b: int, cp: int = 1, sp: bool = False) -> LayerPlan:
+        if (t, b, cp, sp) not in self._heads:
+            c = self.config
+            x = torch.empty(b, c.seq // cp, c.hidden, dtype=self.torch_dtype, device="meta")
+            y = torch.empty(b, c.seq // cp, dtype=torch.long, device="meta")
+            graph = self._graph("head", b, cp, self.head_module, TokenLoss(), (x, y))
+            self._heads[(t, b, cp, sp)] = plan_module(self.head_module, TokenLoss(), (x, y), t, self.spec, self.dtype,
+                                                      graph, sp)
+        return self._heads[(t, b, cp, sp)]

@@ -1,0 +1,439 @@
+"""The mesh search: data x context x tensor x pipeline x ZeRO x recomputation on a cluster of nodes, for a model you
+have not built.
+
+One decoder layer is planned per (tensor degree ``t``, micro-batch ``b``) by the operator-level ILP (``layers.py``)
+and reused for every layer. Around it the search enumerates:
+
+- ``t``: a divisor of the devices per node (where NVLink is), or two nodes' worth -- costed on the network, so
+  tensor parallelism leaves a node only if the cost model finds that faster;
+- ``p`` pipeline stages, plain or interleaved 1F1B with ``v`` virtual stages (``pipeline.py``);
+- ``d`` = N / (t cp p) data-parallel replicas, ranks in Megatron's order: tensor groups inside a node, then context,
+  data, stages farthest apart;
+- ZeRO level 0-3 over the data- and context-parallel ranks (pipelines take level 0/1, as Megatron's distributed
+  optimizer, unless pinned higher);
+- activation recomputation: none, selective (materialized attention: the scores and their softmax dropped and
+  the attention core run again in the backward, Korthikanti et al. 2022), block (the fewest layers of a device
+  recomputed whole that fit) or full.
+
+Context and sequence parallelism are planned where pinned (autopar's runtime does not run them yet). The fastest plan
+that fits the memory (``memory.py``) wins; the explanation lists it, its per-layer strategies and the runners-up.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+
+from autopar.errors import ConfigError
+from autopar.planner.cluster.collectives import data_parallel_sync
+from autopar.planner.cluster.layers import DTYPES, LayerPlanner
+from autopar.planner.cluster.memory import MEMORY_HEADROOM, weight_state_bytes
+from autopar.planner.cluster.pipeline import in_flight, schedule_seconds, stage_sizes, virtual_stages
+from autopar.planner.cluster.spec import ClusterSpec
+from autopar.planner.gpt import GPTConfig
+
+ADAM_TRAFFIC = 28  # bytes read + written per parameter by a fused mixed-precision Adam step
+
+
+@dataclass
+class Candidate:
+    t: int
+    p: int
+    d: int
+    b: int
+    m: int  # micro-batches per step
+    zero: int
+    recompute: bool | str  # False, "selective", True (full) or "block" (full, ``recompute_layers`` of a device's)
+    v: int = 1  # virtual stages per device (interleaved 1F1B); 1: plain 1F1B
+    cp: int = 1  # context-parallel degree: the sequence split over cp ranks (ring attention)
+    sp: bool = False  # sequence parallelism in the tensor group (norms, dropout, residuals split on the sequence)
+    recompute_layers: int = 0  # "block": the layers of a device recomputed whole (Megatron's --recompute-method block)
+    step: float = 0.0
+    memory: float = 0.0
+    parts: dict = field(default_factory=dict)  # seconds by cause
+    memory_parts: dict = field(default_factory=dict)  # bytes by cause
+
+    @property
+    def bubble(self) -> float:
+        return (self.p - 1) / (self.v * self.m + self.p - 1)
+
+    def mesh(self) -> str:
+        return (f"dp {self.d}" + (f" x cp {self.cp}" if self.cp > 1 else "") + f" x tp {self.t}"
+                + (" (sp)" if self.sp else "") + f" x pp {self.p}" + (f" (vpp {self.v})" if self.v > 1 else ""))
+
+    def not_run_by_autopar(self) -> list[str]:
+        """What of this plan autopar's runtime does not run yet: context and sequence parallelism are planned only
+        where pinned (to predict another system's run); ZeRO inside pipeline stages is searched, as Megatron-LM's
+        distributed optimizer runs it, and said."""
+        out = []
+        if self.cp > 1:
+            out.append("context parallelism")
+        if self.sp:
+            out.append("sequence parallelism")
+        if self.p > 1 and self.zero >= 1:
+            out.append(f"ZeRO-{self.zero} inside pipeline stages")
+        return out
+
+    @property
+    def recompute_name(self) -> str:
+        return f"block {self.recompute_layers}" if self.recompute == "block" else recompute_name(self.recompute)
+
+    def recomputed_fraction(self, layers: int) -> float:
+        """The share of the layers whose forward runs twice (full: all; block: the layers recomputed of a device's)."""
+        if self.recompute == "block":
+            return min(1.0, self.recompute_layers / math.ceil(layers / self.p))
+        return 1.0 if self.recompute is True else 0.0
+
+
+def recompute_name(recompute: bool | str) -> str:
+    return {"selective": "selective", "block": "block"}.get(recompute) if isinstance(recompute, str) else \
+        "full" if recompute else "off"
+
+
+@dataclass
+class MeshPlan:
+    config: GPTConfig
+    spec: ClusterSpec
+    devices: int
+    global_batch: int
+    dtype: str
+    best: Candidate
+    ranked: list[Candidate]
+    planner: "LayerPlanner"  # holds the module plans of every (tensor degree, micro-batch) it costed
+    considered: int
+    too_big: int
+    seconds: float
+    memory_limit: float
+
+    @property
+    def model_flops(self) -> float:
+        return self.config.model_flops(self.global_batch)
+
+    def mfu(self, c: Candidate | None = None) -> float:
+        c = c or self.best
+        return self.model_flops / (c.step * self.devices * self.spec.peak(self.dtype))
+
+    def tflops_per_device(self, c: Candidate | None = None, with_recompute: bool = False) -> float:
+        c = c or self.best
+        flops = self.config.model_flops(self.global_batch)
+        if with_recompute and c.recompute == "selective":
+            flops = self.config.model_flops(self.global_batch, recompute="selective")
+        elif with_recompute:  # a forward more for the layers recomputed whole
+            flops += c.recomputed_fraction(self.config.layers) * (self.config.model_flops(
+                self.global_batch, recompute=True) - flops)
+        return flops / c.step / self.devices / 1e12
+
+    def to_dict(self, c: Candidate | None = None) -> dict:
+        """The plan as one JSON object (``autopar plan --json``): the figures a published run is compared in, the
+        configuration, and the step's and memory's breakdowns."""
+        c = c or self.best
+        gib = 2**30
+        return {
+            "step_s": c.step,
+            "tokens_per_s_per_device": self.global_batch * self.config.seq / c.step / self.devices,
+            "mfu": self.mfu(c),
+            "model_tflops_per_device": self.tflops_per_device(c),
+            "hardware_tflops_per_device": self.tflops_per_device(c, with_recompute=True),
+            "memory_gib": c.memory / gib,
+            "configuration": {"model": self.config.describe(), "devices": self.devices, "machine": self.spec.name,
+                              "global_batch": self.global_batch, "dtype": self.dtype, "dp": c.d, "tp": c.t,
+                              "pp": c.p, "vpp": c.v, "micro_batch": c.b, "micro_batches": c.m, "zero": c.zero,
+                              "recompute": {"off": "none"}.get(c.recompute_name, c.recompute_name),
+                              "recompute_layers": c.recompute_layers,
+                              "attention": self.config.attention, "cp": c.cp, "sp": c.sp},
+            "not_run_by_autopar": c.not_run_by_autopar(),
+            "breakdown_s": dict(c.parts),
+            "memory_breakdown_gib": {k: v / gib for k, v in c.memory_parts.items()},
+        }
+
+    def explain(self) -> str:
+        c, cfg = self.best, self.config
+        gib = 2**30
+        where = "inside a node" if c.t <= self.spec.devices_per_node else "across nodes"
+        lines = [
+            f"{cfg.describe()}; global batch {self.global_batch} sequences, {self.dtype}",
+            f"on {self.devices} x {self.spec.device_name} ({self.spec.name}: {self.spec.devices_per_node} per node, "
+            f"{math.ceil(self.devices / self.spec.devices_per_node)} nodes); searched {self.considered} plans in "
+            f"{self.seconds:.1f} s, {self.too_big} did not fit {self.memory_limit / gib:.1f} GiB per device",
+            "",
+            f"mesh: {c.mesh()}  (tensor groups {where}, "
+            + (f"context-parallel groups {c.t} ranks apart, data-parallel groups {c.t * c.cp} ranks apart, "
+               if c.cp > 1 else f"data-parallel groups {c.t} ranks apart, ")
+            + f"stages {c.t * c.cp * c.d} ranks apart)",
+            f"pipeline: {c.p} stage(s) of {stage_sizes(cfg.layers, c.p)} layers, "
+            + (f"interleaved 1F1B ({c.v} chunks of {stage_sizes(cfg.layers, c.p * c.v)} layers a device)"
+               if c.v > 1 else "1F1B") + f", {c.m} micro-batches of {c.b}; "
+            + (f"bubble (p-1)/(v m+p-1) = {c.bubble:.1%}" if c.v > 1 else f"bubble (p-1)/(m+p-1) = {c.bubble:.1%}"),
+            f"optimizer sharding: ZeRO level {c.zero}" + (" (off)" if c.zero == 0 else f" over {c.d * c.cp} replicas")
+            + "; activation recomputation: " + (f"block ({c.recompute_layers} of a device's {math.ceil(cfg.layers / c.p)} "
+                                                f"layers recompute their forward whole)" if c.recompute == "block"
+                                                else c.recompute_name),
+            f"predicted step: {c.step:.3f} s = " + " + ".join(f"{k} {v:.3f}" for k, v in c.parts.items()),
+            f"throughput: {self.global_batch * cfg.seq / c.step:,.0f} tokens/s; {self.tflops_per_device():.0f} "
+            f"TFLOP/s per device of model FLOPs, MFU {self.mfu():.1%}"
+            + (f" ({self.tflops_per_device(with_recompute=True):.0f} TFLOP/s counting recomputation)"
+               if c.recompute else ""),
+            f"memory per device: {c.memory / gib:.1f} GiB = " + " + ".join(
+                f"{k} {v / gib:.1f}" for k, v in c.memory_parts.items()),
+        ]
+        layer = self.planner.layer(c.t, c.b, c.cp, c.sp)
+        if c.cp > 1:
+            lines.append(f"context parallelism: ring attention over {c.cp} ranks, {cfg.seq // c.cp} tokens each (two "
+                         f"mirrored chunks); key/value ring not hidden by the attention: "
+                         f"{layer.context_ring * 1e3:.2f} ms a layer")
+        if c.not_run_by_autopar():
+            lines.append(f"note: autopar's runtime does not run {' or '.join(c.not_run_by_autopar())} yet: this "
+                         "predicts another system's run")
+        lines += [
+            "",
+            f"one decoder layer on a tensor group of {c.t}, micro-batch {c.b}"
+            + (f" of {cfg.seq // c.cp} tokens a sequence" if c.cp > 1 else "") + " (every layer the same):",
+        ]
+        lines += _table(layer.rows())
+        lines.append("output head and loss on the last stage:")
+        lines += _table(self.planner.head(c.t, c.b, c.cp, c.sp).rows())
+        lines.append("")
+        lines.append("runners-up:")
+        lines.append(f"  {'mesh':<24} {'micro':>5} {'m':>5} {'ZeRO':>4} {'recomp':>9} {'bubble':>7} {'step s':>8} "
+                     f"{'GiB':>6} {'MFU':>6}")
+        for r in self.ranked[:6]:
+            lines.append(f"  {r.mesh():<24} {r.b:>5} {r.m:>5} {r.zero:>4} {r.recompute_name[:9]:>9} "
+                         f"{r.bubble:>7.1%} {r.step:>8.3f} {r.memory / gib:>6.1f} {self.mfu(r):>6.1%}")
+        return "\n".join(lines)
+
+
+def _table(rows: list[tuple]) -> list[str]:
+    head = ("operator", "kind", "shapes", "strategy", "layout")
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(5)]
+    out = ["  " + "  ".join(f"{h:<{w}}" for h, w in zip(head, widths)) + f"  {'compute ms':>10}  {'comm ms':>8}"]
+    for r in rows:
+        out.append("  " + "  ".join(f"{str(v):<{w}}" for v, w in zip(r[:5], widths)) + f"  {r[5]:>10.2f}  {r[6]:>8.2f}")
+    return out
+
+
+
+def evaluate(planner: LayerPlanner, k: Candidate) -> None:
+    """``k``'s step time and memory, each by cause, on its largest stage: the layers' compute and tensor-group
+    communication (``layers.py``), the pipeline's schedule (``pipeline.py``), the data-parallel sync and ZeRO's
+    collectives (``collectives.py``), the optimizer's memory traffic, and the memory the stage keeps (``memory.py``).
+    Ranks are in Megatron's order: tensor innermost, then context, data, pipeline."""
+    cfg, spec, itemsize = planner.config, planner.spec, planner.itemsize
+    layer, head = planner.layer(k.t, k.b, k.cp, k.sp), planner.head(k.t, k.b, k.cp, k.sp)
+    per_stage, last_stage = math.ceil(cfg.layers / k.p), cfg.layers // k.p
+    boundary = k.b * (cfg.seq // k.cp) * cfg.hidden * itemsize
+    replicas = k.d * k.cp  # the weights are the same on the data- and context-parallel ranks
+    # the token embedding is vocabulary-parallel over the tensor group (an all-reduce of its output), a lookup
+    embed_params = cfg.vocab * cfg.hidden / k.t + (0 if cfg.llama else cfg.seq * cfg.hidden)
+    embed_time = 3 * boundary / spec.memory_bandwidth + 2 * spec.collective("all_reduce", boundary, k.t)[0]
+    block = k.recompute_layers if k.recompute == "block" else 0  # layers of a device recomputed whole
+    layer_time = layer.time + (layer.core_forward if k.recompute == "selective" else layer.forward
+                               if k.recompute is True else 0.0)
+    kept = layer.activation_bytes - (layer.core_activation_bytes if k.recompute == "selective" else 0.0)
+    first = per_stage * layer_time + block * layer.forward + embed_time + (head.time if k.p == 1 else 0.0)
+    last = last_stage * layer_time + min(block, last_stage) * layer.forward + head.time if k.p > 1 else first
+    micro = max(first, last)
+    p2p = 0.0
+    if k.p > 1:  # activation forward, its gradient back; split over the tensor group (scatter-gather)
+        p2p = 2 * spec.collective("all_gather", 2 * boundary / k.t, 2, k.t * replicas)[0]
+    pipeline = schedule_seconds(k.m, k.p, k.v, cfg.layers, micro, p2p)
+    # parameters of the largest stage on one device
+    stage_params = max(per_stage * layer.param_count + embed_params + (head.param_count if k.p == 1 else 0),
+                       last_stage * layer.param_count + head.param_count)
+    dp = data_parallel_sync(spec, k.zero, k.m, stage_params * itemsize, layer.param_count * itemsize, per_stage,
+                            micro, replicas, k.t)
+    tied = spec.collective("all_reduce", cfg.vocab * cfg.hidden / k.t * itemsize, 2,
+                           k.t * replicas * (k.p - 1))[0] if k.p > 1 and not cfg.llama else 0.0  # Llama: untied
+    optimizer = stage_params / (replicas if k.zero >= 1 else 1) * ADAM_TRAFFIC / spec.memory_bandwidth
+    k.parts = {"pipeline": pipeline, "data-parallel sync": dp, "optimizer": optimizer}
+    if tied:
+        k.parts["tied embedding"] = tied
+    k.step = sum(k.parts.values())
+    # memory of the largest stage; ZeRO shards over the data- and context-parallel ranks (Megatron's distributed
+    # optimizer)
+    state = weight_state_bytes(k.zero, stage_params, replicas, itemsize, layer.param_count)
+    flight = in_flight(k.p, k.m, k.v)
+    if k.recompute is True:
+        acts = flight * per_stage * layer.input_bytes + layer.activation_bytes
+    else:  # block: those layers keep their input, and one of them is rebuilt whole at a time
+        acts = flight * ((per_stage - block) * kept + block * layer.input_bytes) + (
+            layer.activation_bytes if block else 0.0)
+    acts += head.activation_bytes if k.p == 1 else 0.0
+    own = min(block, last_stage)
+    last_acts = head.activation_bytes + (layer.activation_bytes if k.recompute is True else (last_stage - own) * kept
+                                         + own * layer.input_bytes + (layer.activation_bytes if own else 0.0))
+    k.memory_parts = {"weights+grads+optimizer": state, "activations": max(acts, last_acts) if k.p > 1 else acts}
+    k.memory = sum(k.memory_parts.values())
+
+
+_FLAGS = {"tp": "--tp", "pp": "--pp", "micro_batch": "--micro-batch", "zero": "--zero", "recompute": "--recompute",
+          "vpp": "--vpp"}
+
+
+def _what_would_fit(config, spec, devices, global_batch, dtype, memory_limit, max_micro_batch, fixed) -> str:
+    """What would make a configuration that fits nowhere fit: the ZeRO level, recomputation or micro-batch pin given
+    up alone, and fused attention for a model that stores its scores -- the changes that fit, each with the plan it
+    then gets; '' where none does."""
+    # the pins whose relaxation re-plans the layer only at the sizes already captured (tp and pp would search
+    # every tensor degree again: tens of seconds for an error line)
+    tries = [(f"without {_FLAGS[k]} {recompute_name(v) if k == 'recompute' else v}", config,
+              {**fixed, k: None}) for k, v in fixed.items() if v is not None and k in ("zero", "recompute",
+                                                                                      "micro_batch")]
+    if config.attention == "materialized":
+        tries.append(("with --attention fused", dataclasses.replace(config, attention="fused"), fixed))
+    fits = []
+    for what, cfg, pins in tries:
+        try:
+            plan = plan_gpt(cfg, spec, devices, global_batch, dtype, memory_limit, max_micro_batch, fixed=pins)
+        except ConfigError:
+            continue
+        b = plan.best
+        fits.append(f"{what} it fits ({b.mesh()}, micro-batch {b.b}, ZeRO {b.zero}, recompute "
+                    f"{b.recompute_name}: {b.memory / 2**30:.1f} GiB)")
+    return "; ".join(fits)
+
+
+def _fewest_recomputed(planner: "LayerPlanner", k: Candidate, limit: float, pinned: int | None) -> Candidate:
+    """Block recomputation (Megatron-LM's ``--recompute-method block --recompute-num-layers n``): the ``n`` first
+    layers of a device recompute their forward whole, the others keep their activations. Pinned, ``n`` as given;
+    searched, the fewest that fit -- between none and full, where a stage is a few layers too big for its memory."""
+    per_stage = math.ceil(planner.config.layers / k.p)
+    if pinned is not None:
+        k.recompute_layers = min(pinned, per_stage)
+        evaluate(planner, k)
+        return k
+    low, high = 1, max(1, per_stage - 1)  # memory falls as n grows: the fewest that fit, by bisection
+    while low < high:
+        mid = (low + high) // 2
+        probe = dataclasses.replace(k, recompute_layers=mid)
+        evaluate(planner, probe)
+        low, high = (low, mid) if probe.memory <= limit else (mid + 1, high)
+    k = dataclasses.replace(k, recompute_layers=low)
+    evaluate(planner, k)
+    return k
+
+
+def _context_and_sequence(config: GPTConfig, fixed: dict) -> tuple[int, bool]:
+    """The pinned context-parallel degree and sequence parallelism, checked (one line each); neither is searched:
+    autopar's runtime does not run them yet."""
+    cp, sp = (1 if fixed.get("cp") is None else fixed["cp"]), bool(fixed.get("sp"))
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ConfigError(f"--cp must be a positive context-parallel degree, got {fixed.get('cp')!r}")
+    if cp > 1 and config.attention != "fused":
+        raise ConfigError(f"--cp {cp} needs --attention fused: ring attention passes key/value blocks between fused "
+                          "attention kernels, it never materializes the scores")
+    if cp > 1 and config.seq % (2 * cp):
+        raise ConfigError(f"--cp {cp} needs the sequence ({config.seq}) divisible by 2 x cp = {2 * cp}: with causal "
+                          "load balancing each rank holds two mirrored chunks")
+    if sp and fixed.get("tp") == 1:
+        raise ConfigError("--sp (sequence parallelism) splits the tensor-parallel group's norms and residuals on the "
+                          "sequence: it needs --tp 2 or more")
+    if sp and fixed.get("tp") and config.seq % (fixed["tp"] * cp):
+        raise ConfigError(f"--sp needs the sequence per context-parallel rank ({config.seq // cp}) divisible by --tp "
+                          f"{fixed['tp']}")
+    return cp, sp
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    out, v = [], 1
+    while v <= limit:
+        out.append(v)
+        v *= 2
+    return out
+
+
+def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: int, dtype: str = "bf16",
+             memory_limit: float | None = None, max_micro_batch: int = 8, progress=None,
+             fixed: dict | None = None) -> MeshPlan:
+    """The fastest (data, tensor, pipeline, ZeRO, recompute) plan of ``config`` on ``devices`` of ``spec``.
+
+    ``fixed`` pins any of ``tp``, ``pp``, ``micro_batch``, ``zero``, ``recompute``, ``vpp`` (e.g. to predict a
+    published configuration); the rest is searched."""
+    fixed = dict(fixed or {})
+    unknown = set(fixed) - {"tp", "pp", "micro_batch", "zero", "recompute", "vpp", "cp", "sp", "recompute_layers"}
+    if unknown:
+        raise ConfigError(f"unknown plan constraint(s): {', '.join(sorted(unknown))}")
+    vpp = fixed.get("vpp")
+    if vpp is not None and (isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1):
+        raise ConfigError(f"--vpp must be a positive number of virtual stages per device, got {vpp!r}")
+    cp, sp = _context_and_sequence(config, fixed)
+    layers_pin = fixed.get("recompute_layers")
+    if layers_pin is not None:
+        if isinstance(layers_pin, bool) or not isinstance(layers_pin, int) or layers_pin < 1:
+            raise ConfigError(f"--recompute-layers must be a positive number of layers, got {layers_pin!r}")
+        if fixed.get("recompute") not in (None, "block"):
+            raise ConfigError(f"--recompute-layers {layers_pin} recomputes that many layers of a device whole: it is "
+                              f"--recompute block, not --recompute {recompute_name(fixed['recompute'])}")
+        fixed["recompute"] = "block"
+    keep = lambda key, value: fixed.get(key) is None or fixed[key] == value  # noqa: E731
+    start = time.perf_counter()
+    if devices < 1:
+        raise ConfigError(f"the number of devices must be positive, got {devices}")
+    if devices > spec.devices:
+        raise ConfigError(f"{devices} devices need {math.ceil(devices / spec.devices_per_node)} nodes of "
+                          f"{spec.devices_per_node}, but machine {spec.name!r} has nodes = {spec.nodes} "
+                          f"({spec.devices} devices)")
+    if global_batch < 1:
+        raise ConfigError(f"the global batch must be positive, got {global_batch}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+    if devices % cp:
+        raise ConfigError(f"--cp {cp} does not divide the {devices} devices")
+    spec.peak(dtype)
+    limit = memory_limit or spec.memory * MEMORY_HEADROOM
+    planner = LayerPlanner(config, spec, dtype)
+    fitting, smallest, considered = [], None, 0
+    # every divisor of a node, and one step across nodes (two nodes' worth), for the cost model to reject
+    tp_options = [t for t in list(range(1, spec.devices_per_node + 1)) + [2 * spec.devices_per_node]
+                  if (t > spec.devices_per_node or spec.devices_per_node % t == 0) and (devices // cp) % t == 0
+                  and config.kv_groups % t == 0 and keep("tp", t) and (not sp or (t > 1 and config.seq % (t * cp) == 0))]
+    for t in tp_options:
+        for p in range(1, min(config.layers, devices // (t * cp)) + 1):
+            if (devices // (t * cp)) % p or not keep("pp", p):
+                continue
+            d = devices // (t * cp * p)
+            if global_batch % d:
+                continue
+            sizes = [fixed["micro_batch"]] if fixed.get("micro_batch") else _powers_of_two(
+                min(max_micro_batch, global_batch // d))
+            for b in sizes:
+                if (global_batch // d) % b:
+                    continue
+                if progress:
+                    progress(f"tp {t} x pp {p} x dp {d}, micro-batch {b}")
+                # pipelines take ZeRO 0/1 (Megatron's distributed optimizer) unless pinned higher (FSDP inside
+                # stages, as torchtitan runs it)
+                levels = (0,) if d * cp == 1 else (0, 1) if p > 1 and fixed.get("zero") is None else (0, 1, 2, 3)
+                for zero in [z for z in levels if keep("zero", z)]:
+                    # selective recomputation where there are stored scores to drop (fused attention stores none)
+                    options = (False, "selective", "block", True) if config.attention == "materialized" else (
+                        False, "block", True)
+                    for recompute in [r for r in options if keep("recompute", r)] or [fixed["recompute"]]:
+                        for v in virtual_stages(config.layers, p, global_batch // (d * b), fixed.get("vpp")):
+                            k = Candidate(t, p, d, b, global_batch // (d * b), zero, recompute, v, cp, sp)
+                            if recompute == "block":
+                                k = _fewest_recomputed(planner, k, limit, fixed.get("recompute_layers"))
+                            else:
+                                evaluate(planner, k)
+                            considered += 1
+                            if smallest is None or k.memory < smallest.memory:
+                                smallest = k
+                            if k.memory <= limit:
+                                fitting.append(k)
+    if smallest is None:
+        pinned = "".join(f", {k} {v}" for k, v in fixed.items() if v is not None)
+        raise ConfigError(f"no plan of {devices} devices for global batch {global_batch}{pinned}: the data-parallel "
+                          f"degree must divide the batch, tensor parallelism the key/value heads ({config.kv_groups}) and one "
+                          f"node ({spec.devices_per_node}), pp at most the layers ({config.layers}), cp the devices; "
+                          f"interleaving (vpp) needs the micro-batches divisible by pp and at least pp x vpp layers")
+    if not fitting:
+        remedy = _what_would_fit(config, spec, devices, global_batch, dtype, memory_limit, max_micro_batch, fixed)
+        raise ConfigError(
+            f"{config.describe()} fits nowhere on {devices} x {spec.device_name}: the smallest plan "
+            f"({smallest.mesh()}, micro-batch {smallest.b}, ZeRO {smallest.zero}, recompute "
+            f"{smallest.recompute_name}) needs {smallest.memory / 2**30:.1f} GiB per device, "
+            f"{limit / 2**30:.1f} GiB usable" + (f"; {remedy}" if remedy else ""))
+    fitting.sort(key=lambda k: (k.step, k.memory))
+    best = fitting[0]
+    return MeshPlan(config, spec, devices, global_batch, dtype, best, fitting, planner, considered,
+                    considered - len(fitting), time.perf_counter() - start, limit)

@@ -1,0 +1,101 @@
+"""A cluster as data: its device, its nodes, the link inside a node and the network between them.
+
+What each figure means and where it comes from is in the cluster files (``files.py``, presets in
+``planner/machines/*.json``, every figure with its source); what a collective costs on it is ``collectives.py``'s,
+what a GEMM reaches on its device ``kernels.py``'s.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.errors import ConfigError
+from autopar.planner.cluster.collectives import collective_seconds, placement
+from autopar.planner.cluster.kernels import GroupMachine, tile_and_wave_efficiency
+from autopar.planner.machine import MachineModel
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth: float  # bytes/s, one direction, per device (intra) or per NIC (inter)
+    latency: float  # seconds per hop
+    efficiency: float  # achieved fraction of the line rate (bus bandwidth / bandwidth)
+
+    @property
+    def effective(self) -> float:
+        return self.bandwidth * self.efficiency
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    name: str
+    device_name: str
+    flops: dict  # dtype -> peak FLOP/s (dense)
+    matmul_efficiency: float  # fraction of peak reached by large matmuls
+    memory: float  # bytes per device
+    memory_bandwidth: float  # bytes/s per device
+    devices_per_node: int
+    nodes: int  # how many nodes the cluster has
+    intra: Link
+    nics_per_node: int
+    inter: Link
+    description: str = ""
+    sources: dict | None = None
+    # fraction of peak a fused causal attention kernel reaches, forward and backward together (None: a file written
+    # before the field -- taken as matmul_efficiency)
+    attention_efficiency: float | None = None
+    # streaming multiprocessors (None: every GEMM at matmul_efficiency, whatever its shape)
+    sms: int | None = None
+    # the measured matmul ceiling of a dtype whose GEMMs reach another fraction of its peak (fp8), else
+    # matmul_efficiency
+    matmul_efficiency_fp8: float | None = None
+    # collectives run by NCCL (its protocols' latencies); False for this host's calibrated figures
+    nccl: bool = True
+
+    def gemm_ceiling(self, dtype: str) -> float:
+        return self.matmul_efficiency_fp8 if dtype == "fp8" and self.matmul_efficiency_fp8 else self.matmul_efficiency
+
+    def gemm_efficiency(self, batch: int, m: int, n: int) -> float:
+        """The fraction of the measured matmul ceiling a GEMM of ``batch`` x ``m`` x ``n`` outputs reaches
+        (kernels.py)."""
+        return tile_and_wave_efficiency(self.sms, batch, m, n)
+
+    @property
+    def devices(self) -> int:
+        return self.devices_per_node * self.nodes
+
+    @property
+    def nic_per_device(self) -> float:
+        """Network bytes/s one device can use when every device of its node sends at once (rail aligned)."""
+        return self.inter.effective * self.nics_per_node / self.devices_per_node
+
+    def peak(self, dtype: str) -> float:
+        if dtype not in self.flops:
+            raise ConfigError(f"machine {self.name!r} gives no FLOP/s for dtype {dtype!r} (has: "
+                              f"{', '.join(sorted(self.flops))})")
+        return float(self.flops[dtype])
+
+    # -- collectives (collectives.py) -------------------------------------------------------------------------
+    def placement(self, size: int, stride: int) -> tuple[int, int]:
+        """(members per node, nodes) of a group of ``size`` devices ``stride`` ranks apart (ranks fill nodes)."""
+        return placement(self, size, stride)
+
+    def collective(self, kind: str, nbytes: float, size: int, stride: int = 1) -> tuple[float, str]:
+        """Seconds and algorithm ("ring" / "tree") of a collective on a group placed with ``stride``."""
+        return collective_seconds(self, kind, nbytes, size, stride)
+
+    @classmethod
+    def from_machine_model(cls, model: MachineModel, devices: int) -> "ClusterSpec":
+        """This host as a one-node cluster, from its calibration (the default when no machine file is given)."""
+        alpha, beta = model.collectives["all_reduce"]
+        link = Link(1.0 / beta, alpha / max(1, 2 * (devices - 1)), 1.0)
+        memory = model.memory_per_device or 2.0**30
+        return cls(name="this host", device_name="CPU worker", flops={"fp32": model.flops["matmul"]}, nccl=False,
+                   matmul_efficiency=1.0, memory=memory, memory_bandwidth=model.memory_bandwidth,
+                   devices_per_node=devices, nodes=1, intra=link, nics_per_node=1, inter=link,
+                   description=model.source)
+
+    def group_machine(self, size: int, stride: int, dtype: str) -> MachineModel:
+        """The flat machine model the operator-level search uses for one group (e.g. the tensor-parallel group)."""
+        return GroupMachine(self, size, stride, dtype)
+
+
