@@ -223,6 +223,15 @@ RUNS = [
 ]
 
 
+# memory per GPU where the source publishes it (torchtitan's tables: GiB a GPU), to compare with the plan's
+MEMORY_GIB = {
+    "torchtitan Llama 3.1 8B FSDP, 8 GPUs": 82.4, "torchtitan Llama 3.1 8B FSDP, 128 GPUs": 67.0,
+    "torchtitan Llama 3.1 8B FSDP 4 x CP 2 at 64K, fp8": 84.2, "torchtitan Llama 3.1 70B FSDP 32 x TP 8, fp8": 71.9,
+    "torchtitan Llama 3.1 405B FSDP 8 x TP 8 x PP 8, 1F1B, fp8": 82.5,
+    "torchtitan Llama 3.1 405B FSDP 8 x TP 8 x PP 8, interleaved, fp8": 72.7,
+}
+
+
 def machine(name: str, gpus: int):
     """The preset of the run's node type, with as many nodes as the run used (a cluster file would say so)."""
     spec = load_cluster("h100-ib" if name == H96 else name)
@@ -275,6 +284,9 @@ def main() -> None:
                          "memory_gib": round(c.memory / 2**30, 1), "mfu": round(plan.mfu(), 3)},
                    predicted_per_device=per_device(metric, guess, row), published_per_device=per_device(
                        metric, value, row), plan_seconds=round(time.perf_counter() - start, 2))
+        if name in MEMORY_GIB:
+            out.update(published_memory_gib=MEMORY_GIB[name], memory_error_pct=round(
+                100 * (c.memory / 2**30 - MEMORY_GIB[name]) / MEMORY_GIB[name], 1))
         print(f"[bench] {name}: published {value}, predicted {guess:.1f} ({out['error_pct']:+.1f}%)", file=sys.stderr,
               flush=True)
         rows.append(out)
@@ -284,6 +296,10 @@ def main() -> None:
                "max_abs_error_pct": errors[-1], "within_10_pct": sum(e <= 10 for e in errors),
                "within_25_pct": sum(e <= 25 for e in errors),
                "signed_median_error_pct": sorted(r["error_pct"] for r in planned)[len(planned) // 2]}
+    memory = sorted(abs(r["memory_error_pct"]) for r in planned if "memory_error_pct" in r)
+    summary["memory"] = {"runs": len(memory), "median_abs_error_pct": memory[len(memory) // 2] if memory else None,
+                         "note": "published figures are the allocator's peak (reserved) on a 96 GB part; the plan's "
+                                 "is what its tensors need, its recomputation as searched unless pinned"}
     summary["ordering"] = ordering(planned)
     out = {"rows": rows, "summary": summary}
     text = json.dumps(out, indent=1)

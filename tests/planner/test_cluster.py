@@ -112,6 +112,23 @@ def test_the_cluster_plan_as_one_json_object(capsys):
     assert "--json is the cluster plan's" in capsys.readouterr().err
 
 
+def test_a_published_configuration_pinned_from_the_command_line(capsys):
+    """dgxc-benchmarking's Llama 3.1 70B fp8 (tp 4, pp 4, cp 2, VP5, sequence parallel, micro-batch 1) as a user pins
+    it: every pin kept, and the JSON names what autopar's runtime does not run."""
+    assert cli(["plan", "llama", "--size", "llama3-70b", "-n", "64", "--machine", "h100-ib", "--global-batch", "128",
+                "--tp", "4", "--pp", "4", "--cp", "2", "--vpp", "5", "--sp", "--micro-batch", "1", "--zero", "1",
+                "--recompute-layers", "2", "--dtype", "fp8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    c = out["configuration"]
+    assert (c["dp"], c["cp"], c["tp"], c["pp"], c["vpp"], c["sp"]) == (2, 2, 4, 4, 5, True)
+    assert (c["micro_batch"], c["zero"], c["recompute"], c["recompute_layers"], c["dtype"]) == (1, 1, "block 2", 2,
+                                                                                             "fp8")
+    assert out["not_run_by_autopar"] == ["context parallelism", "sequence parallelism",
+                                         "ZeRO-1 inside pipeline stages"]
+    assert cli(["plan", "llama", "--size", "llama3-70b", "-n", "64", "--machine", "h100-ib", "--cp", "3"]) == 2
+    assert "--cp 3 needs the sequence (8192) divisible by 2 x cp = 6" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_a_user_machine_file_is_used(tmp_path, capsys):
     data = machine_dict()
@@ -450,7 +467,7 @@ def test_sequence_parallelism_keeps_what_the_tensor_group_held_whole_split_on_th
     # NeMo's GPT-3 175B on 128 H100s (tp 4, pp 8, VP12, micro-batch 1): without sequence parallelism it needs full
     # recomputation to fit; with it, none -- and the step is shorter
     pin = {"tp": 4, "pp": 8, "vpp": 12, "micro_batch": 1, "zero": 1}
-    with pytest.raises(ConfigError, match="fits nowhere"):
+    with pytest.raises(ConfigError, match="fits nowhere.*; with --sp it fits \\(dp 4 x tp 4 \\(sp\\) x pp 8 "):
         plan_gpt(PRESETS["175b"], h100, 128, 256, fixed={**pin, "recompute": False})
     tp_only = plan_gpt(PRESETS["175b"], h100, 128, 256, fixed=pin).best
     with_sp = plan_gpt(PRESETS["175b"], h100, 128, 256, fixed={**pin, "sp": True})

@@ -272,15 +272,17 @@ _FLAGS = {"tp": "--tp", "pp": "--pp", "micro_batch": "--micro-batch", "zero": "-
 
 def _what_would_fit(config, spec, devices, global_batch, dtype, memory_limit, max_micro_batch, fixed) -> str:
     """What would make a configuration that fits nowhere fit: the ZeRO level, recomputation or micro-batch pin given
-    up alone, and fused attention for a model that stores its scores -- the changes that fit, each with the plan it
-    then gets; '' where none does."""
+    up alone, fused attention for a model that stores its scores, sequence parallelism for a pinned tensor group --
+    the changes that fit, each with the plan it then gets; '' where none does."""
     # the pins whose relaxation re-plans the layer only at the sizes already captured (tp and pp would search
     # every tensor degree again: tens of seconds for an error line)
     tries = [(f"without {_FLAGS[k]} {recompute_name(v) if k == 'recompute' else v}", config,
-              {**fixed, k: None}) for k, v in fixed.items() if v is not None and k in ("zero", "recompute",
-                                                                                      "micro_batch")]
+              {**fixed, k: None, **({"recompute_layers": None} if k == "recompute" else {})})
+             for k, v in fixed.items() if v is not None and k in ("zero", "recompute", "micro_batch")]
     if config.attention == "materialized":
         tries.append(("with --attention fused", dataclasses.replace(config, attention="fused"), fixed))
+    if not fixed.get("sp") and (fixed.get("tp") or 1) > 1:  # the tensor group's whole activations split by it
+        tries.append(("with --sp", config, {**fixed, "sp": True}))
     fits = []
     for what, cfg, pins in tries:
         try:
