@@ -27,7 +27,7 @@ from pathlib import Path
 from published_gpt import plan_row  # bench/ is the script's own folder
 
 from autopar.errors import ConfigError
-from autopar.planner.cluster import load_cluster
+from autopar.planner.cluster import load_cluster, plan_gpt
 from autopar.planner.gpt import GPTConfig
 
 MLM = ("NVIDIA/Megatron-LM README.md @d98e8a64, 'Weak Scaling Results' table (images/model_table.png, Megatron-Core "
@@ -280,6 +280,7 @@ def main() -> None:
         guess = predicted(plan, metric)
         c = plan.best
         out.update(planned=True, predicted=round(guess, 3), error_pct=round(100 * (guess - value) / value, 1),
+                   predicted_step_s=round(c.step, 4),
                    plan={"mesh": c.mesh(), "micro_batch": c.b, "zero": c.zero, "recompute": c.recompute_name,
                          "memory_gib": round(c.memory / 2**30, 1), "mfu": round(plan.mfu(), 3)},
                    predicted_per_device=per_device(metric, guess, row), published_per_device=per_device(
@@ -301,6 +302,7 @@ def main() -> None:
                          "note": "published figures are the allocator's peak (reserved) on a 96 GB part; the plan's "
                                  "is what its tensors need, its recomputation as searched unless pinned"}
     summary["ordering"] = ordering(planned)
+    summary["free_search"] = free_search(planned)
     out = {"rows": rows, "summary": summary}
     text = json.dumps(out, indent=1)
     print(text)
@@ -328,6 +330,31 @@ def ordering(planned: list[dict]) -> dict:
             listed.append({"faster_published": a["run"] if pa > pb else b["run"],
                            "slower_published": b["run"] if pa > pb else a["run"], "ordered_right": same})
     return {"pairs_more_than_10_pct_apart": pairs, "ordered_right": right, "pairs": listed}
+
+
+def free_search(planned: list[dict]) -> list[dict]:
+    """For each job published in several configurations (one source, model, dtype, GPU count and global batch): the
+    planner's own pick, searched freely (what autopar's runtime runs: no context or sequence parallelism), against
+    the published configurations as the planner predicts them -- tokens/s a GPU."""
+    spec_of = {r[0]: r for r in RUNS}
+    jobs: dict = {}
+    for r in planned:
+        row = spec_of[r["run"]]
+        jobs.setdefault((row[1].split(" @")[0].split(",")[0], row[2], row[7], row[3], row[5]), []).append(r)
+    out = []
+    for (_, shape, dtype, gpus, batch), runs in jobs.items():
+        if len(runs) < 2:
+            continue
+        tokens = batch * config(shape).seq / gpus  # a step's tokens a GPU
+        plan = plan_gpt(config(shape), machine(spec_of[runs[0]["run"]][4], gpus), gpus, batch, dtype)
+        pinned = {r["run"]: round(tokens / r["predicted_step_s"], 1) for r in runs}
+        out.append({"runs": [r["run"] for r in runs], "pinned_predicted_tokens_per_s_per_gpu": pinned,
+                    "best_published": max(runs, key=lambda r: r["published_per_device"])["run"],
+                    "pick": f"{plan.best.mesh()}, micro {plan.best.b}, ZeRO {plan.best.zero}, recompute "
+                            f"{plan.best.recompute_name}",
+                    "pick_predicted_tokens_per_s_per_gpu": round(tokens / plan.best.step, 1),
+                    "pick_at_least_as_fast": tokens / plan.best.step >= max(pinned.values())})
+    return out
 
 
 def table(rows: list[dict]) -> str:
