@@ -518,6 +518,27 @@ def test_context_and_sequence_parallel_pins_that_cannot_run_are_one_line(pins, m
         plan_gpt(cfg, load_cluster("h100-ib"), 64, 16, fixed=pins)
 
 
+@pytest.mark.parametrize("pins, message", [
+    ({"micro_batch": 0}, "--micro-batch must be a positive whole number, got 0"),
+    ({"zero": 4}, "--zero must be 0, 1, 2 or 3, got 4"),
+    ({"tp": True}, "--tp must be a positive whole number, got True"),
+    ({"recompute": "full"}, "--recompute must be full, selective, block or none, got 'full'"),
+])
+def test_pins_given_through_the_api_are_checked_as_the_command_line_checks_them(pins, message):
+    with pytest.raises(ConfigError, match=message):
+        plan_gpt(PRESETS["1.3b"], A100, 8, 64, fixed=pins)
+
+
+def test_fp8_leaves_the_attention_matmuls_in_bf16_and_selective_on_fused_attention_counts_nothing():
+    h100 = load_cluster("h100-ib")
+    cfg = dataclasses.replace(PRESETS["1.3b"], attention="materialized")
+    by_name = lambda plan: {r[0]: r[5] for r in plan.rows()}  # noqa: E731
+    fp8, bf16 = by_name(LayerPlanner(cfg, h100, "fp8").layer(1, 1)), by_name(LayerPlanner(cfg, h100, "bf16").layer(1, 1))
+    assert fp8["attention.scores"] == pytest.approx(bf16["attention.scores"]) and fp8["qkv"] < 0.6 * bf16["qkv"]
+    plan = plan_gpt(PRESETS["1.3b"], h100, 8, 64, fixed={"tp": 1, "pp": 1, "recompute": "selective"})
+    assert plan.tflops_per_device(with_recompute=True) == pytest.approx(plan.tflops_per_device())
+
+
 def test_gpt_only_pins_on_another_model_are_one_line(capsys):
     assert cli(["plan", "mlp", "-n", "2", "--tp", "2", "--sp", "--no-calibrate"]) == 2
     assert "--tp, --sp pin the cluster plan (autopar plan gpt|llama ...)" in capsys.readouterr().err

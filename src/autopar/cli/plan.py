@@ -58,7 +58,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "al. 2022), block (some layers of a device whole, Megatron's --recompute-method block: the "
                         "fewest that fit, or --recompute-layers) or none (off)")
     g.add_argument("--recompute-layers", type=int, default=None,
-                   help="pin block recomputation of this many layers a device")
+                   help="pin block recomputation of this many layers a device (all its virtual chunks together; "
+                        "Megatron's --recompute-num-layers counts a chunk's: multiply it by --vpp)")
     g.add_argument("--attention", default="fused", choices=("fused", "materialized"),
                    help="fused: one kernel, the scores never stored (FlashAttention, SDPA; the default); "
                         "materialized: the s x s scores kept for the backward (Megatron-LM of 2021-2022)")

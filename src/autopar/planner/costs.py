@@ -289,8 +289,9 @@ class NodeCosts:
             # a cluster device: the forward GEMM and the backward's two (input and weight gradients), each at the
             # rate its own output shape reaches on the device's SMs
             b, m, n, k = _gemm_dims(node, plan)
-            forward, backward = machine.gemm_seconds(b, m, n, k), machine.gemm_seconds(b, m, k, n) + \
-                machine.gemm_seconds(b, n, k, m)
+            linear = node.kind == "linear"
+            forward, backward = machine.gemm_seconds(b, m, n, k, linear), machine.gemm_seconds(b, m, k, n, linear) + \
+                machine.gemm_seconds(b, n, k, m, linear)
             compute = max(forward + backward, 3.0 * moved / machine.memory_bandwidth)
             backward = compute * backward / (forward + backward)
         else:  # forward + 2x backward; a fused attention's backward recomputes the scores: 2.5x (FlashAttention-2,

@@ -46,12 +46,14 @@ def collective_seconds(spec, kind: str, nbytes: float, size: int, stride: int = 
     ring = steps * (inter_hops * spec.inter.latency + intra_hops * spec.intra.latency) + factor * nbytes / bus
     if spec.nccl:
         ll128 = NCCL_BASE_LATENCY["LL128"] + ring + factor * nbytes / bus * (128 / 120 - 1)
-        simple = NCCL_BASE_LATENCY["Simple"] + steps * (inter_hops * NCCL_SIMPLE_HOP["inter"] + intra_hops * max(
-            NCCL_SIMPLE_HOP["intra"], spec.intra.latency)) + factor * nbytes / bus
+        simple = NCCL_BASE_LATENCY["Simple"] + steps * (inter_hops * max(NCCL_SIMPLE_HOP["inter"], spec.inter.latency)
+                                                        + intra_hops * max(NCCL_SIMPLE_HOP["intra"], spec.intra.latency)) \
+            + factor * nbytes / bus
         ring = min(ll128, simple)
     if kind != "all_reduce" or k == 1:
         return ring, "ring"
-    tree = 2 * (math.ceil(math.log2(k)) * spec.inter.latency + (m - 1) * spec.intra.latency) + 2 * nbytes / bus
+    tree = 2 * (math.ceil(math.log2(k)) * spec.inter.latency + (m - 1) * spec.intra.latency) + 2 * nbytes / bus \
+        + (NCCL_BASE_LATENCY["LL128"] if spec.nccl else 0.0)  # a tree pays NCCL's base latency as a ring does
     return (tree, "tree") if tree < ring else (ring, "ring")
 
 

@@ -40,11 +40,14 @@ class GroupMachine(MachineModel):
                          backend="nccl", source=f"{spec.name} ({spec.device_name}, {dtype})",
                          memory_bandwidth=spec.memory_bandwidth, memory_per_device=spec.memory)
         self.spec, self.stride = spec, stride
-        self.matmul_rate = rate
+        self.matmul_rate = rate  # a projection's (a Linear's): fp8 under fp8
+        self.held_rate = spec.peak(held) * spec.gemm_ceiling(held)  # any other GEMM's (attention's batched matmuls)
 
-    def gemm_seconds(self, batch: int, m: int, n: int, k: int) -> float:
-        """Seconds of one ``batch`` x (``m`` x ``k``) @ (``k`` x ``n``) GEMM at its shape's rate."""
-        return 2.0 * batch * m * n * k / (self.matmul_rate * self.spec.gemm_efficiency(batch, m, n))
+    def gemm_seconds(self, batch: int, m: int, n: int, k: int, projection: bool = True) -> float:
+        """Seconds of one ``batch`` x (``m`` x ``k``) @ (``k`` x ``n``) GEMM at its shape's rate; ``projection``: a
+        Linear's (fp8 under fp8), else a batched matmul of the attention (bf16 under fp8, as Transformer Engine)."""
+        rate = self.matmul_rate if projection else self.held_rate
+        return 2.0 * batch * m * n * k / (rate * self.spec.gemm_efficiency(batch, m, n))
 
     def collective(self, kind: str, nbytes: float, n: int) -> float:
         return self.spec.collective(kind, nbytes, n, self.stride)[0]

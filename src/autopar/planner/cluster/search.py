@@ -117,8 +117,9 @@ class MeshPlan:
     def tflops_per_device(self, c: Candidate | None = None, with_recompute: bool = False) -> float:
         c = c or self.best
         flops = self.config.model_flops(self.global_batch)
-        if with_recompute and c.recompute == "selective":
-            flops = self.config.model_flops(self.global_batch, recompute="selective")
+        if with_recompute and c.recompute == "selective":  # fused attention keeps no scores: nothing recomputed
+            flops = self.config.model_flops(self.global_batch, recompute="selective") \
+                if self.config.attention == "materialized" else flops
         elif with_recompute:  # a forward more for the layers recomputed whole
             flops += c.recomputed_fraction(self.config.layers) * (self.config.model_flops(
                 self.global_batch, recompute=True) - flops)
@@ -270,13 +271,20 @@ _FLAGS = {"tp": "--tp", "pp": "--pp", "micro_batch": "--micro-batch", "zero": "-
           "vpp": "--vpp"}
 
 
+def _pin_text(key: str, value, fixed: dict) -> str:
+    """A pin as the user gave it: ``--recompute-layers 3`` where the block came from it."""
+    if key == "recompute" and value == "block" and fixed.get("recompute_layers"):
+        return f"{recompute_name(value)} (--recompute-layers {fixed['recompute_layers']})"
+    return recompute_name(value) if key == "recompute" else str(value)
+
+
 def _what_would_fit(config, spec, devices, global_batch, dtype, memory_limit, max_micro_batch, fixed) -> str:
     """What would make a configuration that fits nowhere fit: the ZeRO level, recomputation or micro-batch pin given
     up alone, fused attention for a model that stores its scores, sequence parallelism for a pinned tensor group --
     the changes that fit, each with the plan it then gets; '' where none does."""
-    # the pins whose relaxation re-plans the layer only at the sizes already captured (tp and pp would search
-    # every tensor degree again: tens of seconds for an error line)
-    tries = [(f"without {_FLAGS[k]} {recompute_name(v) if k == 'recompute' else v}", config,
+    # the pins whose relaxation keeps the tensor degrees searched (tp and pp would search every tensor degree
+    # again: tens of seconds for an error line); each remedy plans once, looking no further
+    tries = [(f"without {_FLAGS[k]} {_pin_text(k, v, fixed)}", config,
               {**fixed, k: None, **({"recompute_layers": None} if k == "recompute" else {})})
              for k, v in fixed.items() if v is not None and k in ("zero", "recompute", "micro_batch")]
     if config.attention == "materialized":
@@ -286,7 +294,8 @@ def _what_would_fit(config, spec, devices, global_batch, dtype, memory_limit, ma
     fits = []
     for what, cfg, pins in tries:
         try:
-            plan = plan_gpt(cfg, spec, devices, global_batch, dtype, memory_limit, max_micro_batch, fixed=pins)
+            plan = plan_gpt(cfg, spec, devices, global_batch, dtype, memory_limit, max_micro_batch, fixed=pins,
+                            _remedy=False)
         except ConfigError:
             continue
         b = plan.best
@@ -346,11 +355,12 @@ def _powers_of_two(limit: int) -> list[int]:
 
 def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: int, dtype: str = "bf16",
              memory_limit: float | None = None, max_micro_batch: int = 8, progress=None,
-             fixed: dict | None = None) -> MeshPlan:
+             fixed: dict | None = None, _remedy: bool = True) -> MeshPlan:
     """The fastest (data, tensor, pipeline, ZeRO, recompute) plan of ``config`` on ``devices`` of ``spec``.
 
-    ``fixed`` pins any of ``tp``, ``pp``, ``micro_batch``, ``zero``, ``recompute``, ``vpp`` (e.g. to predict a
-    published configuration); the rest is searched."""
+    ``fixed`` pins any of ``tp``, ``pp``, ``micro_batch``, ``zero``, ``recompute`` (False, True, "selective",
+    "block"), ``recompute_layers``, ``vpp``, ``cp``, ``sp`` (e.g. to predict a published configuration); the rest is
+    searched. ``_remedy``: where nothing fits, say what would (the remedies' own plans do not look further)."""
     fixed = dict(fixed or {})
     unknown = set(fixed) - {"tp", "pp", "micro_batch", "zero", "recompute", "vpp", "cp", "sp", "recompute_layers"}
     if unknown:
@@ -358,6 +368,15 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
     vpp = fixed.get("vpp")
     if vpp is not None and (isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1):
         raise ConfigError(f"--vpp must be a positive number of virtual stages per device, got {vpp!r}")
+    for key, low in (("tp", 1), ("pp", 1), ("micro_batch", 1), ("zero", 0)):
+        value = fixed.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low
+                                  or (key == "zero" and value > 3)):
+            raise ConfigError(f"{_FLAGS[key]} must be " + ("0, 1, 2 or 3" if key == "zero" else "a positive whole "
+                              "number") + f", got {value!r}")
+    recompute = fixed.get("recompute")
+    if not (recompute is None or isinstance(recompute, bool) or recompute in ("selective", "block")):
+        raise ConfigError(f"--recompute must be full, selective, block or none, got {recompute!r}")
     cp, sp = _context_and_sequence(config, fixed)
     layers_pin = fixed.get("recompute_layers")
     if layers_pin is not None:
@@ -429,7 +448,8 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
                           f"node ({spec.devices_per_node}), pp at most the layers ({config.layers}), cp the devices; "
                           f"interleaving (vpp) needs the micro-batches divisible by pp and at least pp x vpp layers")
     if not fitting:
-        remedy = _what_would_fit(config, spec, devices, global_batch, dtype, memory_limit, max_micro_batch, fixed)
+        remedy = _what_would_fit(config, spec, devices, global_batch, dtype, memory_limit, max_micro_batch,
+                                 fixed) if _remedy else ""
         raise ConfigError(
             f"{config.describe()} fits nowhere on {devices} x {spec.device_name}: the smallest plan "
             f"({smallest.mesh()}, micro-batch {smallest.b}, ZeRO {smallest.zero}, recompute "
