@@ -285,10 +285,10 @@ class NodeCosts:
         measured = timer.node(node, [plan.inputs[i].slice_shape for i in range(len(node.shapes))]) if timer else None
         if measured is not None:  # this operator at this rank's shapes, timed on this job's device
             compute, backward = measured[1], measured[1] - measured[0]
-        elif getattr(machine, "gemm_seconds", None) and _gemm_dims(node, plan):
+        elif getattr(machine, "gemm_seconds", None) and (dims := _gemm_dims(node, plan)):
             # a cluster device: the forward GEMM and the backward's two (input and weight gradients), each at the
             # rate its own output shape reaches on the device's SMs
-            b, m, n, k = _gemm_dims(node, plan)
+            b, m, n, k = dims
             linear = node.kind == "linear"
             forward, backward = machine.gemm_seconds(b, m, n, k, linear), machine.gemm_seconds(b, m, k, n, linear) + \
                 machine.gemm_seconds(b, n, k, m, linear)
