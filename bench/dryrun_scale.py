@@ -1,7 +1,9 @@
 """A dry run at scale: a GPT of 32 layers, hidden 4096, vocabulary 32000, sequence 2048 (6.6e9 parameters) on 1024
-simulated ranks, one sequence per rank, with ZeRO-3 and with plain data parallel -- `autopar launch --dry-run` as a
-user runs it (imports included), on this machine. Per case and round: wall seconds, the largest resident memory of
-the simulated rank's process, and the predicted per-rank memory (setting up, and a training step with its parts).
+simulated ranks, one sequence per rank, with ZeRO-3 -- the network built eagerly (whole on every rank, then
+sharded) and under ``autopar.deferred_init`` (each rank makes only its shards) -- and with plain data parallel:
+`autopar launch --dry-run` as a user runs it (imports included), on this machine. Per case and round: wall seconds,
+the largest resident memory of the simulated rank's process, and the predicted per-rank memory (the whole run,
+setting up included, and a training step with its parts).
 
     python bench/dryrun_scale.py [--rounds 2] [--out bench/results/dryrun_scale.json]
 """
@@ -19,15 +21,17 @@ import time
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests", "scripts", "dryrun_gpt.py")
 GPT = ["32", "4096", "32000", "2048", "1"]
-CASES = [("zero3", 1024), ("dp", 1024)]
+CASES = [("zero3", 1024), ("zero3-deferred", 1024), ("dp", 1024)]
 
 
-def _one(mode: str, world: int) -> dict:
+def _one(case: str, world: int) -> dict:
+    mode, _, build = case.partition("-")
     with tempfile.TemporaryDirectory() as logs:
         before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         t0 = time.perf_counter()
         res = subprocess.run([sys.executable, "-m", "autopar.cli.main", "launch", "--dry-run", "-n", str(world),
-                              "--log-dir", logs, SCRIPT, mode, *GPT], capture_output=True, text=True)
+                              "--log-dir", logs, SCRIPT, mode, *GPT, build or "eager"], capture_output=True,
+                             text=True)
         wall = time.perf_counter() - t0
         if res.returncode:
             raise SystemExit(f"{mode}: {res.stderr.strip()}")
@@ -55,6 +59,8 @@ def main() -> None:
                    "max_rss_gib": max(x["max_rss_gib"] for x in v), "step": v[-1]["step"],
                    "peak_bytes": v[-1]["peak_bytes"], "setup": v[-1]["setup"]} for k, v in runs.items()}
     z, d = summary["zero3@1024"]["step"], summary["dp@1024"]["step"]
+    summary["zero3_setup_over_step"] = {k: summary[k]["peak_bytes"] / summary[k]["step"]["peak_bytes"]
+                                        for k in ("zero3@1024", "zero3-deferred@1024")}
     state = ("parameters", "gradients", "optimizer")
     summary["dp_over_zero3_state"] = sum(d[k] for k in state) / sum(z[k] for k in state)
     out = {"gpt": dict(zip(["layers", "hidden", "vocab", "seq", "batch_per_rank"], map(int, GPT))),

@@ -85,6 +85,7 @@ _LAZY = {
     "value_and_grad": "autopar.ops.grad:value_and_grad",
     "grad": "autopar.ops.grad:grad",
     "parallelize": "autopar.parallel.api:parallelize",
+    "deferred_init": "autopar.common.deferred:deferred_init",
     "PipelineParallel": "autopar.parallel.pipeline:PipelineParallel",
     "load_checkpoint": "autopar.checkpoint.api:load_checkpoint",
     "save_checkpoint": "autopar.checkpoint.api:save_checkpoint",

@@ -1,7 +1,8 @@
 """A nanoGPT-style training script as its user writes it, in the mode argv[1] names -- dp, zero1, zero2, zero3,
 semi_megatron (Megatron strategies by ``autopar.shard``), pipeline (2 stages, ``PipelineParallel``), auto -- for the
 dry run's tests: the same script is run simulated (``autopar launch --dry-run``) and for real on gloo ranks.
-argv: MODE [n_layer n_embd vocab block batch] (a tiny GPT by default)."""
+argv: MODE [n_layer n_embd vocab block batch [eager|deferred]] (a tiny GPT by default, built eagerly; deferred:
+``autopar.deferred_init``, each rank materialising only what it keeps)."""
 import sys
 
 import torch
@@ -12,6 +13,7 @@ import autopar
 mode = sys.argv[1]
 sizes = [int(a) for a in sys.argv[2:7]] or [2, 256, 512, 64, 4]
 n_layer, n_embd, vocab, block, batch = sizes
+build = sys.argv[7] if len(sys.argv) > 7 else "eager"
 autopar.communication.init()
 n = autopar.communication.get_group_size()
 name = {"auto": "auto_parallel", "semi_megatron": "semi_auto_parallel"}.get(mode, "data_parallel")
@@ -20,8 +22,8 @@ if mode.startswith("zero"):
     autopar.set_auto_parallel_context(enable_parallel_optimizer=True,
                                       parallel_optimizer_config={"optimizer_level": f"level{mode[-1]}"})
 torch.manual_seed(0)
-model = GPT(GPTConfig(block_size=block, vocab_size=vocab, n_layer=n_layer, n_head=max(1, n_embd // 32),
-                      n_embd=n_embd))
+config = GPTConfig(block_size=block, vocab_size=vocab, n_layer=n_layer, n_head=max(1, n_embd // 32), n_embd=n_embd)
+model = autopar.deferred_init(GPT, config) if build == "deferred" else GPT(config)
 if mode == "semi_megatron":
     for b in model.transformer.h:
         autopar.shard(b.attn.c_attn, ((1, 1, 1), (n, 1)))

@@ -196,7 +196,11 @@ def load_param_into_net(net: torch.nn.Module, parameter_dict: dict, strict_load:
                 raise CheckpointError(f"parameter '{name}': the checkpoint has shape {tuple(value.shape)} but the "
                                       f"network has {tuple(target.shape)}")
             value = value.to(target.dtype)
-            if _is_dtensor(target):
+            if target.is_meta:  # built under deferred_init / no_init_parameters: each rank takes its slice later
+                from autopar.common import deferred
+
+                deferred.assign(target, value)
+            elif _is_dtensor(target):
                 from torch.distributed.tensor import distribute_tensor
 
                 local = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)

@@ -162,6 +162,11 @@ class _SlicedStateDicts:
 def save_integrated(path: str | Path, network: torch.nn.Module, optimizer, meta: CheckpointMeta,
                     write: bool = True) -> None:
     """Gather full tensors (collective: call on every rank) and, where ``write``, save one file atomically."""
+    from autopar.common import deferred
+
+    if deferred.has_meta(network):  # built on the meta device and not laid out yet: what is still meta is whole
+        deferred.record_initialisers(network)
+        deferred.materialize_module(network)
     sd = _state_dict_api()
     model_sd, optim_sd = sd.get_state_dict(network, _optimizers(optimizer),
                                            options=sd.StateDictOptions(full_state_dict=True))
@@ -192,6 +197,11 @@ _SLICED_SAVES = 0  # sliced saves made by this process (every rank makes the sam
 
 def save_sliced(path: str | Path, network: torch.nn.Module, optimizer, meta: CheckpointMeta) -> None:
     """This rank's slices, as a self-contained DCP checkpoint directory (no collective)."""
+    from autopar.common import deferred
+
+    if deferred.has_meta(network):  # built on the meta device and not laid out yet: what is still meta is whole
+        deferred.record_initialisers(network)
+        deferred.materialize_module(network)
     sd = _state_dict_api()
     model_sd, optim_sd = sd.get_state_dict(network, _optimizers(optimizer),
                                            options=sd.StateDictOptions(full_state_dict=False))
@@ -251,6 +261,11 @@ def load_sliced_into(paths: list[Path], network: torch.nn.Module, optimizer=None
 
     ``own_slices_only``: ``paths`` is this rank's own checkpoint and the layout is the one it was saved under
     (resume), so this rank's slices are all it needs."""
+    from autopar.common import deferred
+
+    if deferred.has_meta(network):  # built on the meta device and not laid out yet: what is still meta is whole
+        deferred.record_initialisers(network)
+        deferred.materialize_module(network)
     sd = _state_dict_api()
     model_sd, optim_sd = sd.get_state_dict(network, _optimizers(optimizer),
                                            options=sd.StateDictOptions(full_state_dict=False))

@@ -9,8 +9,8 @@ bounds, as torch's ``trunc_normal_``); ``XavierUniform``/``HeUniform``/``HeNorma
 the class (``"normal"``, ``"zeros"``, ``"ones"``, ``"uniform"``, ``"xavier_uniform"``, ``"he_uniform"``,
 ``"he_normal"``, ``"truncatedNormal"``, ... case and underscores ignored, as MindSpore); a number is ``Constant``.
 
-Inside ``autopar.nn.utils.no_init_parameters()`` (torch's meta device) the tensor is an empty meta tensor that
-remembers how to fill itself (``RECIPE``); the block materialises it later.
+Inside ``autopar.nn.utils.no_init_parameters()`` (torch's meta device) the tensor is an empty meta tensor; how it
+was filled is recorded (:mod:`autopar.common.deferred`) and replayed when it is materialised.
 """
 from __future__ import annotations
 
@@ -21,8 +21,6 @@ import numpy as np
 import torch
 
 from autopar.errors import ConfigError
-
-RECIPE = "_autopar_init"  # attribute of a meta tensor: (Initializer, shape, dtype) to fill it with later
 
 
 def _fans(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -192,10 +190,6 @@ def _as_initializer(init: Any) -> Initializer | torch.Tensor:
     return torch.as_tensor(init)
 
 
-def _on_meta() -> bool:
-    return torch.empty(0).device.type == "meta"
-
-
 def initializer(init: Any, shape: Any = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A tensor of ``shape`` and ``dtype`` filled by ``init`` (see the module docstring). A tensor ``init`` is copied
     (its shape must match ``shape`` when one is given)."""
@@ -209,18 +203,6 @@ def initializer(init: Any, shape: Any = None, dtype: torch.dtype = torch.float32
     dims = _shape(shape)
     dtype = dtype if dtype is not None else torch.float32
     out = torch.empty(dims, dtype=dtype)
-    if out.device.type == "meta":
-        setattr(out, RECIPE, (how, dims, dtype))
-        return out
-    how(out)
-    return out
-
-
-def materialize(recipe: tuple) -> torch.Tensor:
-    """The real tensor a meta tensor's recipe describes (drawn now, on the CPU)."""
-    how, dims, dtype = recipe
-    with torch.device("cpu"):
-        out = torch.empty(dims, dtype=dtype)
     how(out)
     return out
 

@@ -43,13 +43,12 @@ class Parameter(torch.nn.Parameter):
     """``Parameter(default_input, name=None, requires_grad=True, layerwise_parallel=False, parallel_optimizer=True)``.
 
     ``default_input`` may be ``initializer(...)``'s tensor, a numpy array, a number or a list. Made inside
-    ``nn.utils.no_init_parameters()`` it is an empty meta tensor that keeps its initializer until it is materialised.
+    ``nn.utils.no_init_parameters()`` it is an empty meta tensor whose initialisation is recorded until it is materialised.
     ``parallel_optimizer=False`` (keep this parameter out of optimizer sharding) is accepted and warned about: the
     optimizer sharding here shards every parameter of a module alike."""
 
     def __new__(cls, default_input: Any, name: str | None = None, requires_grad: bool = True,
                 layerwise_parallel: bool = False, parallel_optimizer: bool = True, **kwargs: Any):
-        from autopar.common.initializer import RECIPE
         from autopar.errors import warn_once
 
         if kwargs:
@@ -64,9 +63,6 @@ class Parameter(torch.nn.Parameter):
         param = super().__new__(cls, data.detach(), requires_grad)
         param._ms_name = name
         param.layerwise_parallel = bool(layerwise_parallel)
-        recipe = getattr(default_input, RECIPE, None)
-        if recipe is not None:
-            setattr(param, RECIPE, recipe)
         return param
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # attributes are set in __new__

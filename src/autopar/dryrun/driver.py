@@ -79,7 +79,8 @@ def _table(world: int, ranks: dict[int, dict]) -> list[str]:
                 and v["parameters"] > 2 * step.get("parameters", 0):
             lines.append(f"[autopar] rank {rank}: setting up peaks {_human(v['peak_bytes'] - step['peak_bytes'])} "
                          f"above the training step: the network's parameters ({_human(v['parameters'])}) are built "
-                         "whole on every rank before they are sharded")
+                         "whole on every rank before they are sharded (built under autopar.deferred_init(...) -- "
+                         "MindSpore: nn.utils.no_init_parameters() -- each rank makes only the slices it keeps)")
     return lines
 
 

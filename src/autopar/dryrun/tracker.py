@@ -134,6 +134,8 @@ class StorageTracker(TorchDispatchMode):
     def _storage(t: torch.Tensor):
         local = getattr(t, "_local_tensor", None)  # a DTensor: its local shard is what is stored
         t = local if isinstance(local, torch.Tensor) else t
+        if t.device.type == "meta":  # a network built without memory (deferred_init): none on a real device either
+            return None
         try:
             return t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # a tensor without storage of its own (a subclass, sparse)

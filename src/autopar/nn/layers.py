@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from autopar.common.initializer import RECIPE, HeUniform, Uniform, initializer
+from autopar.common.initializer import HeUniform, Uniform, initializer
 from autopar.errors import ConfigError
 from autopar.models.resnet import same_padding, torch_momentum
 from autopar.nn.basic import activation_of
@@ -30,30 +30,11 @@ from autopar.nn.cell import Cell, torch_forward
 
 
 def init_parameter(param: torch.Tensor, init: Any) -> None:
-    """Fill ``param`` (a parameter or buffer) in place as ``initializer(init, its shape, its dtype)`` would; on the
-    meta device (``no_init_parameters``) remember how instead."""
+    """Fill ``param`` (a parameter or buffer) in place as ``initializer(init, its shape, its dtype)`` would (on the
+    meta device, under ``no_init_parameters``, the fill is recorded)."""
     value = initializer(init, tuple(param.shape), param.dtype)
-    if value.device.type == "meta" or param.device.type == "meta":
-        recipe = getattr(value, RECIPE, None)
-        if recipe is None:  # a tensor given as the initial value
-            from autopar.common.initializer import _as_initializer
-
-            recipe = (_Copy(_as_initializer(init)), tuple(param.shape), param.dtype)
-        setattr(param, RECIPE, recipe)
-        return
     with torch.no_grad():
         param.copy_(value)
-
-
-class _Copy:
-    """Recipe of a parameter whose initial value was given as a tensor."""
-
-    def __init__(self, value: torch.Tensor):
-        self.value = value
-
-    def __call__(self, out: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            return out.copy_(self.value)
 
 
 def _fan_in_bound(weight_shape: tuple[int, ...]) -> float:

@@ -21,6 +21,7 @@ call; a network's first call in a parallel mode makes it by itself (:mod:`autopa
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -115,6 +116,7 @@ def attach(network: torch.nn.Module, loss_fn: Any = None, optimizer: torch.optim
             inner.runtime.add_root(network)
             inner.runtime.attach_optimizer(optimizer)
         return inner
+    _prepare_deferred(network, loss_fn, ctx)
     _to_device(network, _device())
     if isinstance(loss_fn, torch.nn.Module):
         loss_fn.to(_device())
@@ -140,6 +142,7 @@ def attach(network: torch.nn.Module, loss_fn: Any = None, optimizer: torch.optim
 def _dispatch(state: ParallelState, network, loss_fn, optimizer, sample, ctx, sample_kwargs, plan=None) -> None:
     mode = state.mode
     if ctx.pipeline_stages > 1:
+        _whole(network)
         if mode is not ParallelMode.STAND_ALONE:
             from autopar.parallel.pipeline.cell import attach_pipeline_cell
 
@@ -148,6 +151,7 @@ def _dispatch(state: ParallelState, network, loss_fn, optimizer, sample, ctx, sa
         _warn_once("pipeline_stages", f"autopar: pipeline_stages={ctx.pipeline_stages} needs a parallel mode "
                    "(semi_auto_parallel, as MindSpore): stand_alone runs the network in one stage")
     if mode is ParallelMode.STAND_ALONE:
+        _whole(network)
         return
     layerwise = layerwise_names(network)
     if layerwise and mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL):
@@ -158,6 +162,7 @@ def _dispatch(state: ParallelState, network, loss_fn, optimizer, sample, ctx, sa
         if sample is None and not sample_kwargs:
             raise ConfigError("AUTO_PARALLEL plans on real shapes: give Model.train a dataset, or call the network "
                               "(or parallelize(network, sample=[inputs...]))")
+        _whole(network)  # the planner measures the network's operators on real values
         state.plan = plan if plan is not None else _plan(network, loss_fn, optimizer, list(sample or ()), sample_kwargs)
         if state.plan.pipeline is not None:
             from autopar.parallel.pipeline.cell import attach_planned_pipeline
@@ -180,7 +185,58 @@ def _dispatch(state: ParallelState, network, loss_fn, optimizer, sample, ctx, sa
         state.zero_level = zero
         state.engines.append(ShardedGrads(network))
     else:
+        _whole(network)
         _attach_data_parallel(state, network, ctx, set(layerwise))
+
+
+def _prepare_deferred(network: torch.nn.Module, loss_fn: Any, ctx) -> None:
+    """A network built on the meta device (``autopar.deferred_init``, ``nn.utils.no_init_parameters``, a plain
+    ``torch.device("meta")``): its buffers and frozen parameters made whole now (the forward reads them as they are);
+    its trainable parameters stay meta for the mode to materialise -- ZeRO's shards and the layouts' slices only
+    what this rank keeps, the other modes whole."""
+    from autopar.common import deferred
+
+    for module in (network, loss_fn):
+        if isinstance(module, torch.nn.Module) and deferred.has_meta(module):
+            deferred.record_initialisers(module)
+            _same_draws_everywhere(module, ctx.parameter_broadcast)
+            deferred.materialize_module(module, device=_device(), frozen_only=True)
+    if isinstance(loss_fn, torch.nn.Module):
+        _whole(loss_fn)
+
+
+def _same_draws_everywhere(network: torch.nn.Module, broadcast: bool) -> None:
+    """Every rank computes the slices it keeps from its own record of the build: the ranks must have drawn alike
+    (the same seed), or the slices would come from different networks. Collective. Where they did not:
+    ``parameter_broadcast=True`` makes every rank draw as rank 0 did (rank 0's network, as broadcasting its
+    parameters would); otherwise rank 0 warns, as data parallel does when replicas differ."""
+    import torch.distributed as dist
+
+    from autopar.common import deferred
+
+    if not _comm.is_initialized() or _comm.get_group_size() < 2:
+        return
+    for rec in deferred.recordings_of(network):
+        payload = rec.rng_payload()
+        digest = torch.tensor([int.from_bytes(hashlib.sha1(payload.numpy().tobytes()).digest()[:7],
+                                              "little"), payload.numel()], dtype=torch.int64)
+        gathered = [torch.empty_like(digest) for _ in range(_comm.get_group_size())]
+        dist.all_gather(gathered, digest)
+        if all(torch.equal(g, gathered[0]) for g in gathered):
+            continue
+        if broadcast and all(g[1] == gathered[0][1] for g in gathered):
+            dist.broadcast(payload, src=0)
+            rec.adopt_rng_payload(payload)
+        elif _comm.get_rank() == 0:
+            warnings.warn("autopar: the ranks built the network from different random states (no common seed): "
+                          "each rank's slices come from a different draw, not from one network. Seed every rank "
+                          "alike (autopar.set_seed) or set parameter_broadcast=True", stacklevel=user_stacklevel())
+
+
+def _whole(network: torch.nn.Module) -> None:
+    from autopar.common import deferred
+
+    deferred.materialize_module(network, device=_device())
 
 
 def lays_out(network, loss_fn, ctx) -> bool:
@@ -354,9 +410,25 @@ def _device() -> torch.device:
 
 
 def _to_device(network: torch.nn.Module, device: torch.device) -> None:
-    """Move what is not on ``device`` yet (a laid-out parameter is already there and cannot be swapped)."""
-    if any(t.device != device for t in [*network.parameters(), *network.buffers()]):
-        network.to(device)
+    """Move what is not on ``device`` yet (a laid-out parameter is already there and cannot be swapped; a meta one
+    is materialised there later)."""
+    tensors = [*network.parameters(), *network.buffers()]
+    if not any(t.is_meta for t in tensors):
+        if any(t.device != device for t in tensors):
+            network.to(device)
+        return
+    from autopar.common import replaced
+
+    for module in network.modules():  # the rest stays where the mode materialises it
+        for table in (module._parameters, module._buffers):
+            for name, t in list(table.items()):
+                if t is None or t.is_meta or t.device == device:
+                    continue
+                moved = t.to(device)
+                if isinstance(t, torch.nn.Parameter):
+                    moved = torch.nn.Parameter(moved, requires_grad=t.requires_grad)
+                    replaced.record(t, moved)
+                table[name] = moved
 
 
 def _zero_level(ctx, mode: ParallelMode) -> str | None:

@@ -20,7 +20,7 @@ mode) and returns a Cell that calls what it wraps; each method sets the context 
 
 The network parallelizes itself at its first call, as any network does here (the wrapper is transparent to that:
 wrapping a training-step *function* works too). Parameters made under ``nn.utils.no_init_parameters()`` are
-materialised when the wrapper is built. The remaining MindSpore methods (operator strategy files, local norms,
+materialised when the network is laid out: each rank only the slices it keeps. The remaining MindSpore methods (operator strategy files, local norms,
 fp32 communication, ``transformer_opt`` ...) have nothing to act on here and raise one line at their first use.
 """
 from __future__ import annotations
@@ -30,7 +30,6 @@ from typing import Any, Callable
 from autopar import context
 from autopar.errors import ConfigError, refuses, warn_once
 from autopar.nn.cell import Cell
-from autopar.nn.utils import materialize_pending
 
 MODES = {"semi_auto": ("semi_auto_parallel", None), "sharding_propagation": ("auto_parallel", "sharding_propagation"),
          "recursive_programming": ("auto_parallel", "recursive_programming")}
@@ -45,7 +44,6 @@ class AutoParallel(Cell):
             raise ConfigError(f"AutoParallel: parallel_mode must be one of {', '.join(MODES)}, got {parallel_mode!r}")
         if not callable(network):
             raise ConfigError(f"AutoParallel: network must be a Cell or a function, got {type(network).__name__}")
-        materialize_pending()
         self.network = network
         self.parallel_mode = parallel_mode
         mode, search = MODES[parallel_mode]

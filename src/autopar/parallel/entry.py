@@ -36,6 +36,9 @@ def install() -> None:
     """Idempotent; called when a parallel mode is set (``context.on_parallel_mode``)."""
     if _handles:
         return
+    from autopar.common import deferred
+
+    deferred.taken_by(_lays_out_first_calls)
     _handles.append(_module.register_module_forward_pre_hook(_pre))
     _handles.append(_module.register_module_forward_hook(_post, always_call=True))
     _handles.append(register_optimizer_step_pre_hook(_before_step))
@@ -46,6 +49,13 @@ def uninstall() -> None:
     while _handles:
         _handles.pop().remove()
     _state.depth = 0
+
+
+def _lays_out_first_calls(module: torch.nn.Module) -> bool:
+    """Will a network called now be parallelized here (so that a meta-built one is materialised by its mode, each
+    rank only its slices), rather than run as it is?"""
+    return bool(_handles) and not _context.is_managed() and _comm.is_initialized() and (
+        _context.parallel_mode() is not _context.ParallelMode.STAND_ALONE)
 
 
 def suspended():
@@ -117,10 +127,10 @@ def _first_call(module: torch.nn.Module, args: tuple):
         return None
     trainable = any(p.requires_grad for p in module.parameters())
     if not trainable and not api.has_strategies(module):
-        return None
+        return _runs_as_it_is(module)
     ctx = _context.auto_parallel_context()
     if not api.lays_out(module, None, ctx) and not torch.is_grad_enabled():
-        return None  # evaluation in the data-parallel modes: replicas compute alone
+        return _runs_as_it_is(module)  # evaluation in the data-parallel modes: replicas compute alone
     kwargs = call_kwargs(module)
     state = api.attach(module, sample=list(args), sample_kwargs=kwargs)
     if state.zero_level:  # sharded inside its own call: FSDP's root pre-forward by hand
@@ -129,6 +139,16 @@ def _first_call(module: torch.nn.Module, args: tuple):
         return enter_first_call(module, args, kwargs)
     if state.runtime is not None:
         return state.runtime.enter_first_call(module, args, kwargs)
+    return None
+
+
+def _runs_as_it_is(module: torch.nn.Module) -> None:
+    """Not parallelized: a network built on the meta device is materialised whole."""
+    from autopar.common import deferred
+
+    if deferred.has_meta(module):
+        deferred.record_initialisers(module)
+        deferred.materialize_module(module, device=_comm.device())
     return None
 
 

@@ -19,7 +19,7 @@ def parameter_fingerprint(module: torch.nn.Module, ignore: set[str] | None = Non
     ignore = ignore or set()
     with torch.no_grad():
         sums = [torch.stack([p.double().sum(), p.double().square().sum()])
-                for n, p in module.named_parameters() if n not in ignore]
+                for n, p in module.named_parameters() if n not in ignore and not p.is_meta]
     return torch.cat(sums).cpu() if sums else torch.zeros(2, dtype=torch.float64)
 
 
@@ -52,5 +52,5 @@ def equalize_replicas(network: torch.nn.Module, broadcast: bool, ignore: set[str
         return
     with torch.no_grad():
         for name, t in [*network.named_parameters(), *network.named_buffers()]:
-            if name not in ignore:
+            if name not in ignore and not t.is_meta:  # a meta one: every rank replays one record
                 dist.broadcast(t.data, src=0)

@@ -8,6 +8,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopar.comm.topology import mesh_shape, world_mesh
+from autopar.common import deferred
 from autopar.common import replaced as _replaced
 from autopar.errors import StrategyError
 from autopar.layout.layout import Layout
@@ -51,7 +52,10 @@ class ParameterPlacement:
                  default_owner: tuple | None = None) -> torch.nn.Parameter:
         """Replace ``param`` in every module that owns it by a DTensor parameter holding this rank's slice."""
         with torch.no_grad():
-            sharded = distribute_tensor(param.detach(), world_mesh(), placements, src_data_rank=0)
+            if param.is_meta:  # built under deferred_init / no_init_parameters: only this rank's slice is kept
+                sharded = deferred_slice(param, world_mesh(), placements)
+            else:
+                sharded = distribute_tensor(param.detach(), world_mesh(), placements, src_data_rank=0)
         new = torch.nn.Parameter(sharded, requires_grad=param.requires_grad)
         for module, attr in self.owners.get(name) or ([default_owner] if default_owner else []):
             module._parameters[attr] = new
@@ -106,13 +110,12 @@ class ParameterPlacement:
         """Parameters a composite module uses in its own ``forward`` (timm's cls token and position embedding, a
         learned scale) become replicated DTensors for good: they meet DTensor activations there (``torch.cat``
         with the batch), and autograd through DTensor gives their gradient's layout (a pending sum over the
-        batch's ranks), which the gradient hooks complete as any laid-out parameter's. Left to the operators that
-        use them: the parameters of a Cell, or of a module with autopar operators (MindSpore's way, where the first
-        operator to use a parameter lays it out)."""
-        from autopar.nn.cell import Cell
-
+        batch's ranks), which the gradient hooks complete as any laid-out parameter's -- a Cell's too, when it
+        holds no operator (``x * self.scale`` in its ``construct``). Left to the operators that use them: the
+        parameters of a module with autopar operators (MindSpore's way, where the first operator to use a
+        parameter lays it out)."""
         for module in root.modules():
-            if (id(module) in self._hooked or is_annotated(module) or isinstance(module, (Primitive, Cell))
+            if (id(module) in self._hooked or is_annotated(module) or isinstance(module, Primitive)
                     or any(isinstance(child, Primitive) for child in module.children())):
                 continue
             for attr, param in list(module._parameters.items()):
@@ -147,3 +150,22 @@ class ParameterPlacement:
         if isinstance(param, DTensor):
             return
         self._lay_out(param, name, layout)
+
+
+def deferred_slice(param: torch.Tensor, mesh, placements: tuple) -> DTensor:
+    """The DTensor holding this rank's slice of a meta parameter's recorded value: every rank computes the whole
+    value (the same on each: the same record) and keeps its slice -- no collective, and the whole is freed before
+    the next parameter is made."""
+    full = deferred.full_value(param)
+    local = deferred.local_slice(full, mesh, placements).clone()
+    del full
+    return DTensor.from_local(local.to(mesh.device_type), mesh, placements, run_check=False,
+                              shape=param.shape, stride=_contiguous_stride(tuple(param.shape)))
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, out = 1, []
+    for d in reversed(shape):
+        out.append(stride)
+        stride *= max(d, 1)
+    return tuple(reversed(out))

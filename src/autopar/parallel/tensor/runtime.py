@@ -157,7 +157,7 @@ class SemiAutoRuntime(ParameterPlacement):
         if self.parameter_broadcast and self.device_num > 1:
             with torch.no_grad():
                 for p in root.parameters():
-                    if not isinstance(p, DTensor) and not getattr(p, "layerwise_parallel", False):
+                    if not isinstance(p, DTensor) and not getattr(p, "layerwise_parallel", False) and not p.is_meta:
                         dist.broadcast(p.data, src=0)
         self.grads.attach(root.parameters())
 
@@ -333,6 +333,10 @@ class SemiAutoRuntime(ParameterPlacement):
         return out
 
     def _after_first_forward(self) -> None:
+        from autopar.common import deferred
+
+        for root in self.roots:  # built on the meta device and used by no operator: whole, as they are
+            deferred.materialize_module(root)
         self._remap_optimizers()
         state = state_of(self.roots[0]) if self.roots else None
         failed = sys.exc_info()[1] is not None  # torch calls this hook from its except clause when forward raised

@@ -175,6 +175,9 @@ def shard_optimizer(network: torch.nn.Module, level: str, gradients_mean: bool, 
         if not isinstance(module, FSDPModule):
             fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(network, mesh=mesh, reshard_after_forward=reshard)
+    lazy = {name: p for name, p in before.items() if p.is_meta}
+    if lazy:
+        _fill_shards(network, lazy, mesh.device_type)
     if not gradients_mean:  # MindSpore's default sums gradients over the ranks; FSDP averages
         for module in network.modules():
             if isinstance(module, FSDPModule):
@@ -198,6 +201,41 @@ def shard_optimizer(network: torch.nn.Module, level: str, gradients_mean: bool, 
         handle.pop().remove()
 
     handle.append(network.register_forward_hook(after_first_forward))
+
+
+def _fill_shards(network: torch.nn.Module, lazy: dict, device_type: str) -> None:
+    """A network built on the meta device (``deferred_init``, ``no_init_parameters``), sharded there: memory for
+    the shards only (FSDP2's ``to_empty``), then each shard filled with its slice of the parameter's recorded value
+    -- one whole parameter at a time, never the model."""
+    from autopar.common import deferred
+
+    _allocate_shards(network, device_type)
+    after = dict(network.named_parameters())
+    with torch.no_grad():
+        for name, old in lazy.items():
+            new = after[name]
+            full = deferred.full_value(old)
+            new.to_local().copy_(deferred.local_slice(full, new.device_mesh, new.placements))
+            del full
+
+
+def _allocate_shards(network: torch.nn.Module, device_type: str) -> None:
+    """FSDP2's ``to_empty`` for the meta shards alone: each gets an empty shard of its own, registered where the
+    parameter was (tied ones too) and adopted by FSDP (``reset_sharded_param``, the path of
+    ``load_state_dict(assign=True)``) -- no tensor swapped in place, which a dry run's fake tensors refuse."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in network.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            info = fsdp_param._module_info
+            old = getattr(info.module, info.param_name)
+            if not old.is_meta:
+                continue
+            new = torch.nn.Parameter(torch.empty_like(old, device=device_type), requires_grad=old.requires_grad)
+            for owner, name in [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]:
+                owner._parameters[name] = new
+            fsdp_param.reset_sharded_param()
 
 
 def _record_unsharded(network: torch.nn.Module) -> None:

@@ -1,0 +1,51 @@
+"""Worker for ``bench/sharded_init.py``: a nanoGPT-like GPT built eagerly (whole on every rank, then sharded) or under
+``autopar.deferred_init`` (each rank makes only its shards), ZeRO-3, SGD, a few steps. Prints one ``BENCH {...}``
+line per rank: peak RSS at three points (after the build, after the first step -- setting up done -- and at the
+end), the network's full parameter bytes, and the seconds to build and to the first step's end.
+
+argv: BUILD LAYERS HIDDEN VOCAB SEQ STEPS"""
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "scripts"))
+from gpt import GPT, GPTConfig  # noqa: E402
+
+import autopar  # noqa: E402
+from autopar.communication import get_group_size, get_rank, init  # noqa: E402
+
+build, layers, hidden, vocab, seq, steps = sys.argv[1], *map(int, sys.argv[2:7])
+init()
+rank, n = get_rank(), get_group_size()
+autopar.set_auto_parallel_context(parallel_mode="data_parallel", gradients_mean=True, enable_parallel_optimizer=True,
+                                  parallel_optimizer_config={"optimizer_level": "level3"})
+
+
+def rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+config = GPTConfig(block_size=seq, vocab_size=vocab, n_layer=layers, n_head=max(1, hidden // 64), n_embd=hidden)
+torch.manual_seed(0)
+t0 = time.perf_counter()
+model = autopar.deferred_init(GPT, config) if build == "deferred" else GPT(config)
+built_s, after_build = time.perf_counter() - t0, rss_mib()
+full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+g = torch.Generator().manual_seed(rank)
+for step in range(steps):
+    x = torch.randint(0, vocab, (1, seq), generator=g)
+    _, loss = model(x, x)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if step == 0:
+        first_step_s, after_first = time.perf_counter() - t0, rss_mib()
+print("BENCH " + json.dumps({"rank": rank, "world": n, "build": build, "full_param_mib": full_bytes / 2**20,
+                             "rss_after_build_mib": after_build, "rss_after_first_step_mib": after_first,
+                             "rss_peak_mib": rss_mib(), "build_s": built_s, "to_first_step_s": first_step_s,
+                             "loss": float(loss)}), flush=True)
