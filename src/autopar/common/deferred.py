@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
+import itertools
 import mmap
 import sys
 import weakref
@@ -99,10 +101,20 @@ class _Op:
 
 
 class _Real:
-    """A real tensor an operation read (``param.copy_(torch.tensor(...))``)."""
+    """A real tensor an operation read (``param.copy_(torch.tensor(...))``, a loaded value): a small one copied, a
+    large one held as it is -- and refused at replay if it was changed in place since."""
 
     def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor.detach()
+        tensor = tensor.detach()
+        self.tensor = tensor.clone() if tensor.numel() * tensor.element_size() < _OWN_MAPPING else tensor
+        self.version = self.tensor._version
+
+    def get(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise ConfigError(f"a tensor of shape {list(self.tensor.shape)} read while the network was built (or "
+                              f"loaded into it) was changed in place since: the network would take its new values "
+                              f"-- give it a copy (tensor.clone())")
+        return self.tensor
 
 
 class Recording:
@@ -118,15 +130,37 @@ class Recording:
     # -- recording ---------------------------------------------------------------------------------------------
     def ref(self, t: torch.Tensor) -> _Ref:
         storage = t.untyped_storage()
-        sid = storage._cdata
-        if _BY_STORAGE.get(sid) is not self:
+        sid = _IDS.get(storage)
+        if sid is None:  # an id of our own: a freed storage's address is soon another's
+            sid = _IDS[storage] = next(_COUNTER)
+        owner = _BY_STORAGE.get(sid)
+        if owner is None:
             self.nbytes[sid] = storage.nbytes()
-            # the recording lives while a tensor it made does (and with it what it holds: loaded values); an id
-            # freed and reused later names another storage (this recording's later operations on it start anew)
-            me = weakref.ref(self)
-            self._watch[sid] = weakref.ref(storage, lambda _, sid=sid: _forget(sid, me()))
-            _BY_STORAGE[sid] = self
+            self._own(sid, storage)
+        elif owner is not self:  # built by an earlier recording (a network passed into this build): one history
+            self._merge(owner)
         return _Ref(sid, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+    def _own(self, sid: int, storage: torch.UntypedStorage) -> None:
+        """The recording lives while a tensor it made does (and with it what it holds: loaded values)."""
+        me = weakref.ref(self)
+        self._watch[sid] = weakref.ref(storage, lambda _, sid=sid: _forget(sid, me()))
+        _BY_STORAGE[sid] = self
+
+    def _merge(self, other: "Recording") -> None:
+        """Take ``other``'s history in front of this one's (it was recorded first; the two share no storage)."""
+        shift = len(other.ops)
+        self.ops[:0] = other.ops
+        self.writers = {sid: [i + shift for i in idx] for sid, idx in self.writers.items()}
+        for sid, idx in other.writers.items():
+            self.writers[sid] = list(idx) + self.writers.get(sid, [])
+        self.nbytes.update(other.nbytes)
+        for sid, watch in other._watch.items():
+            storage = watch()
+            if storage is not None:
+                self._own(sid, storage)
+        self.largest_held = max(self.largest_held, other.largest_held)
+        other.ops, other.writers, other._watch = [], {}, {}
 
     def covers(self, ref: _Ref) -> bool:
         """Does the view ``ref`` cover every byte of its storage (once)?"""
@@ -202,7 +236,7 @@ class Recording:
                     storages[x.sid] = _new_storage(self.nbytes[x.sid])
                 return x.view(storages[x.sid])
             if isinstance(x, _Real):
-                return x.tensor
+                return x.get()
             return x
 
         restore: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
@@ -229,6 +263,16 @@ class Recording:
 
 
 _BY_STORAGE: dict[int, Recording] = {}  # live meta storage id -> the recording that made it
+_IDS = WeakIdKeyDictionary()  # meta storage -> its id here
+_COUNTER = itertools.count(1)
+
+
+def _owner(t: torch.Tensor) -> "Recording | None":
+    """The recording a live meta tensor comes from, if any."""
+    if not is_meta(t):
+        return None
+    sid = _IDS.get(t.untyped_storage())
+    return _BY_STORAGE.get(sid) if sid is not None else None
 
 
 def _forget(sid: int, rec: "Recording | None") -> None:
@@ -242,25 +286,36 @@ def _generator_of(kwargs: dict) -> torch.Generator:
     return gen if isinstance(gen, torch.Generator) else torch.default_generator
 
 
-def _scratch_run(fn: Callable, rec: Recording, args: tuple, kwargs: dict) -> None:
-    """Run ``fn`` once for real on scratch tensors of the recorded geometry: a random draw advances the generator
-    exactly as the eager build's did. Freed at once."""
+def _scratch_run(fn: Callable, rec: Recording, args: tuple, kwargs: dict, written: tuple = ()) -> None:
+    """Run ``fn`` once for real: a random draw advances the generator exactly as the eager build's did. What it
+    writes (``written``, by identity) is a scratch tensor of the recorded geometry, freed at once; a meta tensor it
+    reads has its recorded value (a draw whose count depends on values -- ``multinomial``, rejection sampling --
+    draws as eagerly)."""
     storages: dict[int, torch.UntypedStorage] = {}
 
     def real(x):
         if isinstance(x, torch.Tensor) and x.device.type == "meta":
             r = rec.ref(x)
+            if not any(x is w for w in written):
+                return rec.value(r)
             if r.sid not in storages:
                 storages[r.sid] = _new_storage(rec.nbytes[r.sid])
             out = r.view(storages[r.sid])
-            out.zero_()  # defined values: a data-dependent draw (rejection sampling) must not read garbage
+            out.zero_()  # defined values
             return out
         if isinstance(x, torch.device) and x.type == "meta":
             return _CPU
         return x
 
     with torch.no_grad(), _suspended():
-        fn(*tree_map(real, args), **tree_map(real, kwargs))
+        try:
+            fn(*tree_map(real, args), **tree_map(real, kwargs))
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - said as one line, with the operation's name
+            name = getattr(fn, "__name__", None) or str(fn)
+            raise ConfigError(f"{name} on a tensor of the network being built failed when drawn for real: "
+                              f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
 
 
 class _MetaAllocations(TorchFunctionMode):
@@ -292,13 +347,18 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         flat_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        random = torch.Tag.nondeterministic_seeded in func.tags
         metas_in = [t for t in flat_in if t.device.type == "meta"]
+        schema = func._schema
+        written, read = [], []  # the tensors of the arguments it writes, and of those it only reads
+        values = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args):]]
+        for arg, value in zip(schema.arguments, values):
+            tensors = [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, torch.Tensor)]
+            (written if arg.alias_info is not None and arg.alias_info.is_write else read).extend(tensors)
         rng = None
-        if random and (metas_in or _makes_meta(func, kwargs)):
+        if torch.Tag.nondeterministic_seeded in func.tags and (metas_in or _makes_meta(func, kwargs)):
             gen = _generator_of(kwargs)
             rng = (gen, gen.get_state())
-            _scratch_run(func, self.rec, args, kwargs)
+            _scratch_run(func, self.rec, args, kwargs, tuple(written))
         out = func(*args, **kwargs)
         flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if not any(t.device.type == "meta" for t in flat_in + flat_out):
@@ -306,13 +366,7 @@ class _Recorder(TorchDispatchMode):
         if func.is_view or torch.Tag.inplace_view in func.tags:
             return out  # an alias: later operations name the storage and the geometry themselves
         rec = self.rec
-        in_sids = {t.untyped_storage()._cdata for t in metas_in}
-        schema = func._schema
-        written = []
-        for arg, value in zip(schema.arguments, list(args) + [kwargs.get(a.name) for a in
-                                                               schema.arguments[len(args):]]):
-            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor):
-                written.append(value)
+        reads = {rec.ref(t).sid for t in read if t.device.type == "meta"}
         if written:
             refs = [rec.ref(t) for t in written if t.device.type == "meta"]
             if not refs:
@@ -320,16 +374,17 @@ class _Recorder(TorchDispatchMode):
             name = func._overloadpacket.__name__
             whole = all(rec.covers(r) for r in refs) and (name in _OVERWRITES or func._overloadname == "out")
             targets = {r.sid for r in refs}
-            reads = {rec.ref(t).sid for t in metas_in} - (targets if whole else set())
-            rec.add(_Op(func, rec.placeholders(args), rec.placeholders(kwargs), tuple(targets), tuple(reads),
-                        whole, rng=rng))
+            rec.add(_Op(func, rec.placeholders(args), rec.placeholders(kwargs), tuple(targets),
+                        tuple(reads | (set() if whole else targets)), whole, rng=rng))
             return out
-        new = [t for t in flat_out if t.device.type == "meta" and t.untyped_storage()._cdata not in in_sids]
+        in_storages = [t.untyped_storage() for t in metas_in]
+        new = [t for t in flat_out if t.device.type == "meta"
+               and not any(t.untyped_storage() is st for st in in_storages)]
         if not new:
             return out
         outputs = tuple(rec.ref(t) for t in new)
         rec.add(_Op(func, rec.placeholders(args), rec.placeholders(kwargs), tuple(r.sid for r in outputs),
-                    tuple({rec.ref(t).sid for t in metas_in}), True, outputs=outputs, rng=rng))
+                    tuple(reads), True, outputs=outputs, rng=rng))
         return out
 
 
@@ -346,9 +401,13 @@ def _recorded_init(name: str, original: Callable) -> Callable:
         rec = _active[-1].rec if _active else None
         if rec is None or not isinstance(tensor, torch.Tensor) or tensor.device.type != "meta":
             return original(tensor, *args, **kwargs)
-        gen = _generator_of(kwargs)
+        try:  # the generator, however it was passed
+            given = inspect.signature(original).bind(tensor, *args, **kwargs).arguments.get("generator")
+        except (TypeError, ValueError):
+            given = kwargs.get("generator")
+        gen = given if isinstance(given, torch.Generator) else torch.default_generator
         rng = (gen, gen.get_state())
-        _scratch_run(original, rec, (tensor, *args), kwargs)
+        _scratch_run(original, rec, (tensor, *args), kwargs, (tensor,))
         target = rec.ref(tensor)
         whole = rec.covers(target)
         rec.add(_Op(original, rec.placeholders((tensor, *args)), rec.placeholders(kwargs), (target.sid,),
@@ -480,9 +539,9 @@ def _install_first_call_hook() -> None:
 
 def materialize_pending() -> int:
     """Every recorded meta parameter and buffer not laid out yet made real and whole; returns how many."""
-    done = 0
+    done, made = 0, {}
     for module in list(_pending):
-        done += materialize_module(module, recurse=False)
+        done += materialize_module(module, recurse=False, made=made)  # one shared map: tied ones stay tied
     _pending.clear()
     _remove_hook()
     return done
@@ -511,19 +570,19 @@ def recordings_of(module: torch.nn.Module) -> list[Recording]:
     """The recordings a network's meta tensors come from (one, unless parts were built apart)."""
     found: dict[int, Recording] = {}
     for t in [*module.parameters(), *module.buffers()]:
-        rec = _BY_STORAGE.get(t.untyped_storage()._cdata) if is_meta(t) else None
+        rec = _owner(t)
         if rec is not None:
             found[id(rec)] = rec
     return list(found.values())
 
 
 def is_recorded(t: torch.Tensor) -> bool:
-    return is_meta(t) and t.untyped_storage()._cdata in _BY_STORAGE
+    return _owner(t) is not None
 
 
 def full_value(t: torch.Tensor) -> torch.Tensor:
     """The whole value a recorded meta tensor stands for (a new CPU tensor of its dtype and shape)."""
-    rec = _BY_STORAGE.get(t.untyped_storage()._cdata) if is_meta(t) else None
+    rec = _owner(t)
     if rec is None:
         raise ConfigError("a tensor on the meta device has no recorded initial value: build the network under "
                           "autopar.deferred_init(...) or nn.utils.no_init_parameters()")
@@ -549,7 +608,7 @@ _loaded = WeakIdKeyDictionary()  # meta tensor -> the value loaded into it
 def assign(t: torch.Tensor, value: torch.Tensor) -> None:
     """A value loaded into a meta tensor (``load_param_into_net`` before the network is laid out): recorded as its
     last write, so that it is what each rank materialises -- its slice only, where the mode slices it."""
-    rec = _BY_STORAGE.get(t.untyped_storage()._cdata) or Recording()
+    rec = _owner(t) or Recording()
     ref = rec.ref(t)
     value = value.detach()
     rec.add(_Op(torch.Tensor.copy_, (ref, _Real(value)), {}, (ref.sid,), () if rec.covers(ref) else (ref.sid,),
@@ -562,9 +621,18 @@ def record_initialisers(module: torch.nn.Module, name: str = "network") -> None:
     initialisers run now, recorded -- the root's ``init_weights()`` if it has one (torchtitan, Hugging Face), else
     every module's ``reset_parameters()`` (``reset_running_stats()`` for a norm's buffers). A tensor no
     initialiser writes is an error naming its module."""
-    unrecorded = {id(t) for t in [*module.parameters(), *module.buffers()] if is_meta(t) and not is_recorded(t)}
+    tensors = dict([*module.named_parameters(), *module.named_buffers()])
+    unrecorded = {id(t) for t in tensors.values() if is_meta(t) and not is_recorded(t)}
     if not unrecorded:
         return
+    built = any(is_recorded(t) and t not in _loaded for t in tensors.values()) or any(
+        sub in _pending for sub in module.modules())
+    if built:  # a recorded build changed afterwards: its initialisers would draw again, from another random state
+        stray = next(k for k, t in tensors.items() if id(t) in unrecorded)
+        raise ConfigError(f"'{stray}' is on the meta device without a record, in a network autopar.deferred_init "
+                          f"(or no_init_parameters) recorded: a .to(dtype) or a parameter added after the build is "
+                          f"not recorded -- do it inside the build (autopar.deferred_init(lambda: "
+                          f"Net().to(torch.bfloat16)))")
     with recording() as r:
         init_weights = getattr(module, "init_weights", None)
         if callable(init_weights):
@@ -583,7 +651,7 @@ def record_initialisers(module: torch.nn.Module, name: str = "network") -> None:
             assign(t, _loaded[t])
     for sub_name, sub in module.named_modules():
         for attr, t in [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]:
-            if id(t) in unrecorded and not r.rec.writers.get(t.untyped_storage()._cdata):
+            if id(t) in unrecorded and not r.rec.writers.get(_IDS.get(t.untyped_storage())):
                 where = f"'{sub_name}' ({type(sub).__name__})" if sub_name else f"the {name} ({type(sub).__name__})"
                 raise ConfigError(
                     f"module {where} was built on the meta device and nothing gives '{attr}' its initial values: "
@@ -593,14 +661,14 @@ def record_initialisers(module: torch.nn.Module, name: str = "network") -> None:
 
 
 def materialize_module(module: torch.nn.Module, buffers_only: bool = False, recurse: bool = True,
-                       device: torch.device | None = None, frozen_only: bool = False) -> int:
+                       device: torch.device | None = None, frozen_only: bool = False, made: dict | None = None) -> int:
     """Every recorded meta parameter (and buffer) of ``module`` made real and whole, in place (the same Python
     objects, so optimizers and names made before keep working; where something holds a weak reference to one, a
     new parameter takes its place in every module and optimizers are moved onto it before their next step, as for
     any parameter a parallel mode replaces). ``frozen_only``: buffers and parameters that do not train.
     Returns how many."""
     done = 0
-    made: dict[int, torch.Tensor] = {}
+    made = {} if made is None else made  # id of a meta tensor -> what holds its value now
     for sub in (module.modules() if recurse else [module]):
         tables = [sub._buffers] if buffers_only else [sub._parameters, sub._buffers]
         for table in tables:

@@ -419,16 +419,20 @@ def _to_device(network: torch.nn.Module, device: torch.device) -> None:
         return
     from autopar.common import replaced
 
+    moved: dict[int, torch.Tensor] = {}  # one move per tensor: tied ones stay tied
     for module in network.modules():  # the rest stays where the mode materialises it
         for table in (module._parameters, module._buffers):
             for name, t in list(table.items()):
                 if t is None or t.is_meta or t.device == device:
                     continue
-                moved = t.to(device)
-                if isinstance(t, torch.nn.Parameter):
-                    moved = torch.nn.Parameter(moved, requires_grad=t.requires_grad)
-                    replaced.record(t, moved)
-                table[name] = moved
+                if id(t) not in moved:
+                    new = t.to(device)
+                    if isinstance(t, torch.nn.Parameter):  # its class and attributes (a MindSpore Parameter's name)
+                        new = torch.Tensor._make_subclass(type(t), new.detach(), t.requires_grad)
+                        new.__dict__.update(t.__dict__)
+                        replaced.record(t, new)
+                    moved[id(t)] = new
+                table[name] = moved[id(t)]
 
 
 def _zero_level(ctx, mode: ParallelMode) -> str | None:
