@@ -164,9 +164,7 @@ def save_integrated(path: str | Path, network: torch.nn.Module, optimizer, meta:
     """Gather full tensors (collective: call on every rank) and, where ``write``, save one file atomically."""
     from autopar.common import deferred
 
-    if deferred.has_meta(network):  # built on the meta device and not laid out yet: what is still meta is whole
-        deferred.record_initialisers(network)
-        deferred.materialize_module(network)
+    deferred.make_whole(network)  # built on the meta device and not laid out yet: what is still meta is whole
     sd = _state_dict_api()
     model_sd, optim_sd = sd.get_state_dict(network, _optimizers(optimizer),
                                            options=sd.StateDictOptions(full_state_dict=True))
@@ -199,9 +197,7 @@ def save_sliced(path: str | Path, network: torch.nn.Module, optimizer, meta: Che
     """This rank's slices, as a self-contained DCP checkpoint directory (no collective)."""
     from autopar.common import deferred
 
-    if deferred.has_meta(network):  # built on the meta device and not laid out yet: what is still meta is whole
-        deferred.record_initialisers(network)
-        deferred.materialize_module(network)
+    deferred.make_whole(network)  # built on the meta device and not laid out yet: what is still meta is whole
     sd = _state_dict_api()
     model_sd, optim_sd = sd.get_state_dict(network, _optimizers(optimizer),
                                            options=sd.StateDictOptions(full_state_dict=False))
@@ -263,9 +259,7 @@ def load_sliced_into(paths: list[Path], network: torch.nn.Module, optimizer=None
     (resume), so this rank's slices are all it needs."""
     from autopar.common import deferred
 
-    if deferred.has_meta(network):  # built on the meta device and not laid out yet: what is still meta is whole
-        deferred.record_initialisers(network)
-        deferred.materialize_module(network)
+    deferred.make_whole(network)  # built on the meta device and not laid out yet: what is still meta is whole
     sd = _state_dict_api()
     model_sd, optim_sd = sd.get_state_dict(network, _optimizers(optimizer),
                                            options=sd.StateDictOptions(full_state_dict=False))

@@ -598,6 +598,12 @@ def local_slice(full: torch.Tensor, mesh: Any, placements: Any) -> torch.Tensor:
     return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
+def slice_of(t: torch.Tensor, mesh: Any, placements: Any) -> torch.Tensor:
+    """This rank's piece of a recorded meta tensor laid out as ``placements`` on ``mesh``: its whole value made,
+    sliced, and let go (a copy of the slice is all that stays)."""
+    return local_slice(full_value(t), mesh, placements).clone()
+
+
 def has_meta(module: torch.nn.Module, recurse: bool = True) -> bool:
     return any(is_meta(t) for t in [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)])
 
@@ -684,26 +690,25 @@ def materialize_module(module: torch.nn.Module, buffers_only: bool = False, recu
     return done
 
 
-def materialize(t: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
-    """A recorded meta tensor made real and whole (see :func:`materialize_module`); returns the tensor that holds
-    it now."""
-    value = full_value(t)
-    return _swap(t, value if device is None else value.to(device))
+def make_whole(module: torch.nn.Module, device: torch.device | None = None) -> int:
+    """What of ``module`` is still on the meta device made real and whole, on ``device`` (the CPU): a network not
+    laid out by a mode that slices (data parallel, a save or load before the first call, a call no mode takes).
+    A plain meta build's initialisers are recorded first. Returns how many tensors."""
+    if not has_meta(module):
+        return 0
+    record_initialisers(module)
+    return materialize_module(module, device=device)
 
 
 def _swap(old: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """``old`` (a meta tensor or parameter) holding ``value``: the same Python object and attributes where torch
     can swap them, else a new one recorded as its replacement."""
-    if isinstance(old, torch.nn.Parameter):
-        new = torch.Tensor._make_subclass(type(old), value.detach(), old.requires_grad)
-        new.__dict__.update(old.__dict__)
-    else:
-        new = value
+    from autopar.common import replaced
+
+    new = replaced.successor(old, value)
     try:
         torch.utils.swap_tensors(old, new)
         return old
     except RuntimeError:  # something holds a weak reference to it (the registry of replaced parameters)
-        from autopar.common import replaced
-
         replaced.record(old, new)
         return new

@@ -21,6 +21,16 @@ _generation = 0  # bumped on every replacement: an optimizer remapped at this ge
 _seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> the generation it was remapped at
 
 
+def successor(old: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``old``'s kind holding ``data``: for a parameter, its class (a MindSpore ``Parameter``), its
+    ``requires_grad`` and its attributes (``name``, ``layerwise_parallel``)."""
+    if not isinstance(old, torch.nn.Parameter):
+        return data
+    new = torch.Tensor._make_subclass(type(old), data.detach(), old.requires_grad)
+    new.__dict__.update(old.__dict__)
+    return new
+
+
 def record(original: torch.Tensor, replacement: torch.Tensor) -> None:
     global _generation
     _replacement[original] = replacement

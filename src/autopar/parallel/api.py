@@ -236,7 +236,7 @@ def _same_draws_everywhere(network: torch.nn.Module, broadcast: bool) -> None:
 def _whole(network: torch.nn.Module) -> None:
     from autopar.common import deferred
 
-    deferred.materialize_module(network, device=_device())
+    deferred.make_whole(network, device=_device())
 
 
 def lays_out(network, loss_fn, ctx) -> bool:
@@ -426,12 +426,9 @@ def _to_device(network: torch.nn.Module, device: torch.device) -> None:
                 if t is None or t.is_meta or t.device == device:
                     continue
                 if id(t) not in moved:
-                    new = t.to(device)
-                    if isinstance(t, torch.nn.Parameter):  # its class and attributes (a MindSpore Parameter's name)
-                        new = torch.Tensor._make_subclass(type(t), new.detach(), t.requires_grad)
-                        new.__dict__.update(t.__dict__)
-                        replaced.record(t, new)
-                    moved[id(t)] = new
+                    moved[id(t)] = replaced.successor(t, t.to(device))  # its class and attributes
+                    if isinstance(t, torch.nn.Parameter):
+                        replaced.record(t, moved[id(t)])
                 table[name] = moved[id(t)]
 
 

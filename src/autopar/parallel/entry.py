@@ -146,9 +146,7 @@ def _runs_as_it_is(module: torch.nn.Module) -> None:
     """Not parallelized: a network built on the meta device is materialised whole."""
     from autopar.common import deferred
 
-    if deferred.has_meta(module):
-        deferred.record_initialisers(module)
-        deferred.materialize_module(module, device=_comm.device())
+    deferred.make_whole(module, device=_comm.device())
     return None
 
 

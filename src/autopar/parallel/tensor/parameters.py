@@ -156,16 +156,6 @@ def deferred_slice(param: torch.Tensor, mesh, placements: tuple) -> DTensor:
     """The DTensor holding this rank's slice of a meta parameter's recorded value: every rank computes the whole
     value (the same on each: the same record) and keeps its slice -- no collective, and the whole is freed before
     the next parameter is made."""
-    full = deferred.full_value(param)
-    local = deferred.local_slice(full, mesh, placements).clone()
-    del full
+    local = deferred.slice_of(param, mesh, placements)
     return DTensor.from_local(local.to(mesh.device_type), mesh, placements, run_check=False,
-                              shape=param.shape, stride=_contiguous_stride(tuple(param.shape)))
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, out = 1, []
-    for d in reversed(shape):
-        out.append(stride)
-        stride *= max(d, 1)
-    return tuple(reversed(out))
+                              shape=param.shape, stride=param.stride())

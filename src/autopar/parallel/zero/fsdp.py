@@ -214,9 +214,7 @@ def _fill_shards(network: torch.nn.Module, lazy: dict, device_type: str) -> None
     with torch.no_grad():
         for name, old in lazy.items():
             new = after[name]
-            full = deferred.full_value(old)
-            new.to_local().copy_(deferred.local_slice(full, new.device_mesh, new.placements))
-            del full
+            new.to_local().copy_(deferred.slice_of(old, new.device_mesh, new.placements))
 
 
 def _allocate_shards(network: torch.nn.Module, device_type: str) -> None:
