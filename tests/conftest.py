@@ -11,6 +11,7 @@ from procutil import Procs
 def pytest_configure(config):
     config.addinivalue_line("markers", "procs: starts real processes (launched jobs); the fast tier deselects it")
     config.addinivalue_line("markers", "slow: one process, but long (a 175B-parameter plan); the fast tier deselects it")
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one; bench/gpu_check.sh runs them)")
 
 
 # Module-scoped fixtures that launch jobs themselves (a function-scoped ``procs`` cannot serve a whole module).

@@ -1,7 +1,8 @@
 """Worker: every training loop a user writes trains exactly, in every parallel mode, with no call to autopar in it.
 
 argv: OUT_PREFIX MODES_JSON. For each mode (data, semi_megatron, semi_redistribute, auto, hybrid) x loop (torch,
-train_one_step, value_and_grad, model) x optimizer (sgd, momentum, adamw_cosine, sgd_clip): 5 steps on global
+train_one_step, value_and_grad, model) x optimizer (sgd, momentum, adamw_cosine, sgd_clip; in the torch loop also loss scaling by torch's GradScaler:
+sgd_scaled unscales and clips, adamw_scaled is fused AdamW): 5 steps on global
 batches split over the ranks (hybrid: the same batch on every rank, its layerwise weights sliced), compared with
 one process training the same network on the global batches: the largest parameter difference. The loss rotates
 through a function, a lambda, a torch Module and an autopar Cell; optimizers are made before the first forward
@@ -105,7 +106,9 @@ LOSSES = [("function", lambda: ce), ("lambda", lambda: (lambda lg, y: F.cross_en
 
 def optimizer(kind: str, params, mindspore_door: bool):
     params = list(params)
-    if kind in ("sgd", "sgd_clip"):
+    if kind == "adamw_scaled":  # fused: GradScaler checks for inf without unscaling, the step unscales
+        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, eps=1e-6, fused=True), None
+    if kind in ("sgd", "sgd_clip", "sgd_scaled"):
         return (nn.SGD(params, 0.1) if mindspore_door else torch.optim.SGD(params, lr=0.1)), None
     if kind == "momentum":
         return nn.Momentum(params, 0.1, 0.9), None
@@ -129,7 +132,7 @@ def reference(opt_kind: str, loop: str) -> dict:
         loss = F.cross_entropy(net(X[step]), Y[step])
         opt.zero_grad()
         loss.backward()
-        if opt_kind == "sgd_clip" and loop == "torch":
+        if opt_kind in ("sgd_clip", "sgd_scaled") and loop == "torch":
             torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
         opt.step()
         if sched:
@@ -165,6 +168,7 @@ def run_case(mode: str, loop: str, opt_kind: str, loss_fn, late_optimizer: bool)
         data = [local(step, mode) for step in range(STEPS)]
         Model(net, loss_fn, opt).train(1, data, callbacks=[StepScheduler(sched)] if sched else None)
         return full_params(net)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     for step in range(STEPS):
         x, y = local(step, mode)
         if loop == "torch":
@@ -172,6 +176,14 @@ def run_case(mode: str, loop: str, opt_kind: str, loss_fn, late_optimizer: bool)
             if opt is None:  # made after the first forward
                 opt, sched = optimizer(opt_kind, net.parameters(), door)
             opt.zero_grad(set_to_none=step % 2 == 0)
+            if opt_kind.endswith("_scaled"):  # loss scaling by a power of two: the same numbers as without it
+                scaler.scale(loss).backward()
+                if opt_kind == "sgd_scaled":  # the AMP recipe: unscale, clip, step
+                    scaler.unscale_(opt)
+                    torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+                scaler.step(opt)
+                scaler.update()
+                continue
             loss.backward()
             if opt_kind == "sgd_clip":
                 torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
@@ -277,14 +289,16 @@ def errors() -> dict:
 
 results = {"errors": errors()}
 LOOPS = ["torch", "train_one_step", "value_and_grad", "model"]
-OPTS = ["sgd", "momentum", "adamw_cosine", "sgd_clip"]
+OPTS = ["sgd", "momentum", "adamw_cosine", "sgd_clip", "sgd_scaled", "adamw_scaled"]
 k = 0
 for mode in modes:
     for loop in LOOPS:
         for opt_kind in OPTS:
-            if opt_kind == "sgd_clip" and (loop != "torch" or mode == "hybrid"):
+            if opt_kind in ("sgd_clip", "sgd_scaled") and (loop != "torch" or mode == "hybrid"):
                 # clipping is a line of the user's own loop, the other loops have no place for it; in HYBRID the
                 # layerwise slices are plain tensors whose norm torch takes per rank (docs/any-loop.md: HYBRID_PARALLEL)
+                continue
+            if opt_kind == "adamw_scaled" and loop != "torch":  # torch's GradScaler: a line of the user's loop
                 continue
             loss_name, loss_factory = LOSSES[k % len(LOSSES)]
             key = f"{mode}/{loop}/{opt_kind}/{loss_name}"

@@ -2,7 +2,8 @@
 
 One launch per world size runs the whole matrix (tests/scripts/any_loop.py): modes {DATA, SEMI_AUTO Megatron MLP,
 SEMI_AUTO with a redistribution between operators, AUTO, HYBRID} x loops {plain torch, TrainOneStepCell,
-value_and_grad, Model.train} x optimizers {SGD, Momentum, AdamW with a cosine schedule, SGD with clip_grad_norm_},
+value_and_grad, Model.train} x optimizers {SGD, Momentum, AdamW with a cosine schedule, SGD with clip_grad_norm_;
+in the plain loop also torch's GradScaler: unscale_ + clipping + SGD, and fused AdamW},
 the loss as a function, a lambda, a Module and a Cell. Parameters after 5 steps must equal one process on the global
 batch; per mode also no_grad evaluation, the state_dict round trip and a bit-identical resume from a checkpoint.
 """
@@ -29,7 +30,7 @@ def test_every_loop_trains_exactly_in_every_mode(procs, tmp_path, n):
         assert "layerwise_parallel parameters ['fc2.bias'] need parallel_mode=hybrid_parallel" in \
             errors["layerwise_in_semi_auto"], errors
         cases = {k: v for k, v in results.items() if not k.endswith("/extras")}
-        assert len(cases) == len(MODES) * 13 - 1, sorted(cases)  # hybrid has no clipping case
+        assert len(cases) == len(MODES) * 15 - 2, sorted(cases)  # hybrid has no clipping cases
         bad = {k: v for k, v in cases.items() if "error" in v or v["param"] > TOL}
         assert not bad, json.dumps(bad, indent=1)
         for mode in MODES:

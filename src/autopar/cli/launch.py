@@ -56,6 +56,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     dry.add_argument("--dry-run-machine", default=None, metavar="NAME|FILE",
                      help="the cluster AUTO_PARALLEL plans for in a dry run: a preset (h100-ib, a100-ib) or a cluster "
                           "JSON file (default: this host)")
+    dry.add_argument("--dry-run-device", default="cpu", choices=("cpu", "cuda"),
+                     help="cuda: every simulated rank has a GPU of its own (the --dry-run-machine's device, else an "
+                          "H100 of h100-ib, which AUTO then plans for): the script's CUDA path runs -- set_device, "
+                          ".cuda(), NCCL, autocast -- and the table is each GPU's memory (default cpu)")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     p.set_defaults(func=run)
@@ -111,9 +115,11 @@ def run(args: argparse.Namespace) -> int:
                               "--hostfile/--rank-table")
         return dry_run(args.nproc * max(1, args.nnodes), args.script, list(args.script_args), args.log_dir,
                        _ranks(args.dry_run_ranks), args.dry_run_steps, machine=args.dry_run_machine,
-                       local_size=args.nproc)
-    if args.dry_run_ranks is not None or args.dry_run_steps != 2 or args.dry_run_machine is not None:
-        torchrun.warn("--dry-run-ranks/--dry-run-steps/--dry-run-machine act only with --dry-run: ignored")
+                       local_size=args.nproc, device=args.dry_run_device)
+    if args.dry_run_ranks is not None or args.dry_run_steps != 2 or args.dry_run_machine is not None \
+            or args.dry_run_device != "cpu":
+        torchrun.warn("--dry-run-ranks/--dry-run-steps/--dry-run-machine/--dry-run-device act only with --dry-run: "
+                      "ignored")
 
     return launch(LaunchConfig(
         nproc=args.nproc, script=args.script, script_args=list(args.script_args), log_dir=args.log_dir,

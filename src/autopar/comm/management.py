@@ -221,18 +221,33 @@ def init(backend_name: str | None = None) -> None:
     _context.check_world(member.world_size, member.rank)
 
 
+def _dry_run_on_gpus() -> bool:
+    """In a dry run's fake world: does the script run its GPU path (``--dry-run-device cuda``, and not
+    ``device_target="CPU"``)? A GPU script dry-run on the CPU says in one line how to simulate its GPUs."""
+    target = _context.run_context().device_target
+    if os.environ.get("AUTOPAR_DRYRUN_DEVICE") == "cuda":
+        return target != "CPU"
+    if target == "GPU":
+        raise CommError("device_target='GPU' in a dry run on the CPU: simulate the GPUs with autopar launch "
+                        "--dry-run --dry-run-device cuda")
+    return False
+
+
 def _adopt_torch_world() -> None:
     """``init()`` after ``torch.distributed.init_process_group``: take that world as it is (rank, size, backend;
     the local rank from torchrun's ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     backend = str(dist.get_backend()).lower()
-    cuda = "nccl" in backend
+    cuda = "nccl" in backend or (backend == "fake" and _dry_run_on_gpus())
     _state.initialized = True
     _state.contract = "torch"
     _state.rank, _state.world_size = rank, world
     _state.local_rank = int(os.environ.get("LOCAL_RANK", rank))
     _state.local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     _state.backend = "nccl" if cuda else "gloo"
+    if cuda and backend == "fake" and not os.environ.get("AUTOPAR_DRYRUN_SCRIPT_INIT"):
+        index = _context.run_context().device_id  # the dry run's world stands for the one init() would form
+        torch.cuda.set_device(_state.local_rank % torch.cuda.device_count() if index is None else index)
     _state.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     _state.groups = {}
     GlobalComm.INITED = True

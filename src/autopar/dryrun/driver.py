@@ -27,11 +27,12 @@ def _human(nbytes: float) -> str:
     return f"{int(nbytes)} B"
 
 
-def _simulate(rank: int, world: int, script: str, args: list[str], log_dir: Path, steps: int) -> dict:
+def _simulate(rank: int, world: int, script: str, args: list[str], log_dir: Path, steps: int,
+              device: str = "cpu") -> dict:
     out, log = log_dir / f".dryrun_rank{rank}.json", log_dir / f"dryrun_rank{rank}.log"
     out.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "autopar.dryrun.runner", "--rank", str(rank), "--world", str(world),
-           "--steps", str(steps), "--out", str(out), script, *args]
+           "--steps", str(steps), "--device", device, "--out", str(out), script, *args]
     print(f"[autopar] dry run: rank {rank} of {world} ({steps} optimizer step{'s' if steps > 1 else ''}; its output "
           f"in {log})", flush=True)
     with open(log, "wb") as fh:
@@ -64,7 +65,9 @@ def _others(first: dict, world: int, asked: list[int] | None) -> list[int]:
 def _table(world: int, ranks: dict[int, dict]) -> list[str]:
     head = f"{'rank':<19} {'peak':>11} {'parameters':>11} {'gradients':>11} {'optimizer':>11} {'activations':>11} " \
            f"{'other':>11}   (other: communication buffers, gathered weights, data)"
-    lines = [f"[autopar] dry run of {world} ranks: memory per rank", head]
+    gpu = next((v["device"] for v in ranks.values() if v.get("device")), None)
+    what = f"GPU memory per rank (each rank on a simulated {gpu['name']})" if gpu else "memory per rank"
+    lines = [f"[autopar] dry run of {world} ranks: {what}", head]
     for rank, v in sorted(ranks.items()):
         for label, part in ((" whole run", v), (" training step", v.get("steady") or {})):
             if not part.get("peak_bytes"):
@@ -81,22 +84,32 @@ def _table(world: int, ranks: dict[int, dict]) -> list[str]:
                          f"above the training step: the network's parameters ({_human(v['parameters'])}) are built "
                          "whole on every rank before they are sharded (built under autopar.deferred_init(...) -- "
                          "MindSpore: nn.utils.no_init_parameters() -- each rank makes only the slices it keeps)")
+        if gpu and v["peak_bytes"] > gpu["memory_bytes"]:
+            lines.append(f"[autopar] rank {rank}: runs out of memory: it peaks at {_human(v['peak_bytes'])} on a GPU "
+                         f"of {_human(gpu['memory_bytes'])} ({gpu['name']}; torch's allocator needs some of it too)")
     return lines
 
 
 def dry_run(world: int, script: str, args: list[str], log_dir: str, ranks: list[int] | None = None,
-            steps: int = 2, memory: bool = True, machine: str | None = None, local_size: int | None = None) -> int:
+            steps: int = 2, memory: bool = True, machine: str | None = None, local_size: int | None = None,
+            device: str = "cpu") -> int:
     """Simulate ``script`` as ranks of a ``world``-rank job; 0 when every simulated rank got through its steps
-    (``memory``: print each one's peak and its parts -- ``dryrun.json`` has them either way)."""
+    (``memory``: print each one's peak and its parts -- ``dryrun.json`` has them either way). ``device`` "cuda":
+    each rank has a simulated GPU of its own (``machine``'s device, else an H100) and its memory is what is
+    counted."""
     if world < 1:
         raise ConfigError(f"--dry-run needs -n >= 1, got {world}")
     if steps < 1:
         raise ConfigError(f"--dry-run-steps must be >= 1, got {steps}")
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"--dry-run-device takes cpu or cuda, got {device!r}")
     bad = [r for r in ranks or [] if not 0 <= r < world]
     if bad:
         raise ConfigError(f"simulated rank {bad[0]} is not in 0..{world - 1} (--dry-run-ranks, --sim_rank_id)")
     if not os.path.isfile(script):
         raise ConfigError(f"script {script!r} not found")
+    if device == "cuda" and machine is None:
+        machine = "h100-ib"  # the simulated GPUs' cluster: AUTO plans for the devices the script runs on
     if machine is not None:
         from autopar.planner.cluster import load_cluster
 
@@ -107,15 +120,15 @@ def dry_run(world: int, script: str, args: list[str], log_dir: str, ranks: list[
     started = time.monotonic()
     logs = Path(log_dir)
     logs.mkdir(parents=True, exist_ok=True)
-    first = _simulate(ranks[0] if ranks else 0, world, script, args, logs, steps)
+    first = _simulate(ranks[0] if ranks else 0, world, script, args, logs, steps, device)
     results = {first["rank"]: first}
     if not first.get("error"):
         for rank in _others(first, world, ranks):
-            results[rank] = _simulate(rank, world, script, args, logs, steps)
+            results[rank] = _simulate(rank, world, script, args, logs, steps, device)
             if results[rank].get("error"):
                 break
     predicted = next((v["predicted_step_s"] for v in results.values() if v.get("predicted_step_s")), None)
-    report = {"world": world,
+    report = {"world": world, "device": device,
               "ranks": {str(r): {k: v for k, v in res.items() if k != "rank"} for r, res in sorted(results.items())},
               "predicted_step_s": predicted, "seconds": round(time.monotonic() - started, 3)}
     (logs / "dryrun.json").write_text(json.dumps(report, indent=1))

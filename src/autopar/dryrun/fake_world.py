@@ -86,6 +86,12 @@ class PlainAnswers(TorchDispatchMode):
         return out
 
 
+def _joined(*args, **kwargs) -> None:
+    """The script's own ``init_process_group``: it joins the fake world, and autopar's ``init()`` then takes the
+    device the script chose, as it does after torchrun's (``AUTOPAR_DRYRUN_SCRIPT_INIT``)."""
+    os.environ["AUTOPAR_DRYRUN_SCRIPT_INIT"] = "1"
+
+
 def _all_gather_object(object_list, obj, group=None):
     object_list[:] = [obj] * len(object_list)
 
@@ -99,21 +105,23 @@ def _keep(*args, **kwargs):  # broadcast_object_list / scatter_object_list: ever
     return None
 
 
-def form(rank: int, world: int) -> None:
+def form(rank: int, world: int, device: str = "cpu") -> None:
     """Make torch's default process group a fake one of ``world`` ranks with this process as ``rank``, and the
     environment say so (torchrun's variables, for scripts that read them); a script's own
-    ``init_process_group`` then joins it instead of forming a second one."""
+    ``init_process_group`` then joins it instead of forming a second one. ``device`` "cuda": the group stands for
+    NCCL (``AUTOPAR_DRYRUN_DEVICE``, which autopar's ``init()`` reads when it adopts the world)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % _local_size(world)),
-                      LOCAL_WORLD_SIZE=str(_local_size(world)), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % local_size(world)),
+                      LOCAL_WORLD_SIZE=str(local_size(world)), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
+                      AUTOPAR_DRYRUN_DEVICE=device)
     for name in ("MS_ROLE", "MS_WORKER_NUM", "MS_SCHED_HOST", "MS_SCHED_PORT", "RANK_TABLE_FILE",
                  "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
         os.environ.pop(name, None)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     # the fake world stays for the whole run: a script's own init joins it, its destroy keeps it (a real
     # init_process_group after a destroy would wait for N real ranks at MASTER_ADDR)
-    dist.init_process_group = lambda *args, **kwargs: None
+    dist.init_process_group = _joined
     dist.destroy_process_group = lambda *args, **kwargs: None
     dist.all_gather_object = _all_gather_object
     dist.gather_object = _gather_object
@@ -177,7 +185,7 @@ def _real_meshes() -> None:
         dist.init_device_mesh = device_mesh.init_device_mesh
 
 
-def _local_size(world: int) -> int:
+def local_size(world: int) -> int:
     return int(os.environ.get("AUTOPAR_DRYRUN_LOCAL_SIZE", min(world, 8)))
 
 

@@ -18,6 +18,8 @@ import time
 import traceback
 import warnings
 
+from autopar.errors import ConfigError
+
 
 class _Enough(BaseException):
     """Raised from the optimizer's step hook once the simulated steps are done: unwinds the script (past its
@@ -61,6 +63,8 @@ def _warnings(caught) -> list[str]:
     """What the script and autopar warned about (torch's own notices left out), once each."""
     said: list[str] = []
     for w in caught:
+        if issubclass(w.category, ResourceWarning):  # a file the script had open when the dry run stopped it
+            continue
         text = str(w.message)
         if not text.startswith("autopar") and (f"{os.sep}torch{os.sep}" in w.filename or "FakeTensor" in text):
             continue
@@ -70,9 +74,10 @@ def _warnings(caught) -> list[str]:
     return said[:20]
 
 
-def run(world: int | None, rank: int, steps: int, script: str, script_args: list[str]) -> dict:
+def run(world: int | None, rank: int, steps: int, script: str, script_args: list[str], device: str = "cpu") -> dict:
     """Run the script as ``rank`` of a fake world of ``world`` ranks (``world`` None: for real, in the world the
-    launcher formed -- the measurement a dry run is checked against)."""
+    launcher formed -- the measurement a dry run is checked against); ``device`` "cuda": each simulated rank has a
+    GPU of its own (:mod:`.fake_cuda`), whose memory is what is counted."""
     import torch
     from torch.optim import optimizer as optim_hooks
 
@@ -80,9 +85,15 @@ def run(world: int | None, rank: int, steps: int, script: str, script_args: list
     from autopar.dryrun import fake_world
     from autopar.dryrun.tracker import StorageTracker
 
+    tracker = StorageTracker("cuda" if device == "cuda" else None)
+    gpu = None
     if world is not None:
-        fake_world.form(rank, world)
-    tracker = StorageTracker()
+        if device == "cuda":
+            from autopar.dryrun import fake_cuda
+
+            gpu = fake_cuda.install(rank % fake_world.local_size(world), fake_world.local_size(world), tracker,
+                                    os.environ.get("AUTOPAR_DRYRUN_MACHINE"))
+        fake_world.form(rank, world, device)
 
     def enough(opt, args, kwargs):
         if tracker.steps >= steps and not in_side_work():
@@ -123,6 +134,8 @@ def run(world: int | None, rank: int, steps: int, script: str, script_args: list
         said.append(f"{len(answers.invented)} values the script read from fake tensors (line {lines}: loss.item() and "
                     "the like) were answered as 1 or True: where it sizes or steers itself by them, it ran with those")
     verdict.update(tracker.report(), seconds=round(time.monotonic() - started, 3), warnings=said, **_job_facts())
+    if gpu is not None:
+        verdict["device"] = {"name": gpu.name, "memory_bytes": gpu.total_memory}
     return verdict
 
 
@@ -140,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--measure", action="store_true",
                    help="run for real in the launcher's world, measuring the same way (OUT gets .RANK appended)")
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: each simulated rank has a GPU of its own (the fake world only)")
     p.add_argument("--out", required=True)
     p.add_argument("script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
@@ -151,7 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["AUTOPAR_DRYRUN"] = "1"
     os.environ["AUTOPAR_AUTO_TRIALS"] = "0"  # AUTO's measured round would time fake tensors: the prediction decides
     os.environ["AUTOPAR_MEASURE_OPS"] = "0"
-    verdict = run(a.world, a.rank, a.steps, a.script, a.script_args)
+    try:
+        verdict = run(a.world, a.rank, a.steps, a.script, a.script_args, a.device)
+    except ConfigError as exc:  # the simulated device could not be set up: the verdict says why, in one line
+        verdict = {"rank": a.rank, "error": str(exc)}
     _write(a.out, verdict)
     sys.stdout.flush()
     sys.stderr.flush()

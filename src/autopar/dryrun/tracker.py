@@ -37,8 +37,9 @@ def _in_backward() -> bool:
 class StorageTracker(TorchDispatchMode):
     """Enter before the script runs; ``peak`` is the largest total seen and ``peak_parts`` its parts."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_type: str | None = None) -> None:
         super().__init__()
+        self.device_type = device_type  # count only this device's tensors ("cuda": a simulated GPU's memory)
         self._live: dict[int, list] = {}  # storage key -> [nbytes, part, weakref]
         self.totals = dict.fromkeys((*PARTS, "data"), 0)  # "data" is reported as "other"
         self.current = 0
@@ -46,6 +47,7 @@ class StorageTracker(TorchDispatchMode):
         self.peak_parts = dict(self.totals)
         self.steady_peak = 0  # the peak after the first optimizer step: a training step with its optimizer state
         self.steady_parts = dict(self.totals)
+        self.user_peak = 0  # torch.cuda.max_memory_allocated() of a simulated GPU: the script resets it at will
         self.steps = 0
         self._forward_depth = 0
         self._in_step = False
@@ -130,10 +132,15 @@ class StorageTracker(TorchDispatchMode):
         return "data"  # made outside any forward and step: data, or parameters (re-labelled when a module runs)
 
     # storages -----------------------------------------------------------------------------------------------
-    @staticmethod
-    def _storage(t: torch.Tensor):
+    @property
+    def current_device_bytes(self) -> int:
+        return self.current
+
+    def _storage(self, t: torch.Tensor):
         local = getattr(t, "_local_tensor", None)  # a DTensor: its local shard is what is stored
         t = local if isinstance(local, torch.Tensor) else t
+        if self.device_type is not None and t.device.type != self.device_type:  # host memory beside a GPU's
+            return None
         if t.device.type == "meta":  # a network built without memory (deferred_init): none on a real device either
             return None
         try:
@@ -192,6 +199,7 @@ class StorageTracker(TorchDispatchMode):
     def _grew(self, part: str, nbytes: int) -> None:
         self.totals[part] += nbytes
         self.current += nbytes
+        self.user_peak = max(self.user_peak, self.current)
         if self.current > self.peak:
             self.peak = self.current
             self.peak_parts = dict(self.totals)

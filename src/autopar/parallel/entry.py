@@ -5,7 +5,8 @@ MindSpore compiles a network for the parallel context when it is first called; t
 torch's global module hooks watch for the first *outermost* call -- a module called while no other module is
 running -- of a network after ``init()``, and parallelize it in place (:func:`autopar.parallel.api.attach`).
 A global optimizer step pre-hook moves any optimizer onto the parameters that train now (one made before the first
-forward holds the originals) and gives it the fused kernel where that is a speed default (:mod:`autopar.perf`).
+forward holds the originals) and gives it the fused kernel where that is a speed default (:mod:`autopar.perf`);
+``GradScaler``, which reads the gradients before the step, moves it first too.
 
 Left alone: networks already parallelized (their state says how they run), calls autopar makes itself while
 :func:`suspended` (the planner's trace, a pipeline's stages), operators called outside a network, training wrappers
@@ -42,6 +43,7 @@ def install() -> None:
     _handles.append(_module.register_module_forward_pre_hook(_pre))
     _handles.append(_module.register_module_forward_hook(_post, always_call=True))
     _handles.append(register_optimizer_step_pre_hook(_before_step))
+    _handles.append(_ScalerUnscales())
 
 
 def uninstall() -> None:
@@ -49,6 +51,35 @@ def uninstall() -> None:
     while _handles:
         _handles.pop().remove()
     _state.depth = 0
+
+
+class _ScalerUnscales:
+    """Loss scaling reads the optimizer's gradients before its step (``GradScaler.unscale_`` -- called by its
+    ``step`` or by the user before clipping -- or its found-inf check for a fused optimizer): the optimizer is moved onto the parameters that train first, as the
+    step pre-hook moves it -- else a ZeRO or layout run's first step found no gradient to unscale (its found-inf
+    list empty: fused AdamW failed, others stepped on gradients still multiplied by the scale). Undone by
+    ``remove``, like a hook handle."""
+
+    # where torch's GradScaler reads them: unscale_ and, for an optimizer that unscales inside its fused step,
+    # _check_inf_per_device both go through _unscale_grads_
+    _READS = "_unscale_grads_"
+
+    def __init__(self) -> None:
+        from torch.amp import grad_scaler
+
+        self._reads = getattr(grad_scaler.GradScaler, self._READS)
+        reads = self._reads
+
+        def unscale_grads(scaler, optimizer, *args, **kwargs):
+            remap_optimizer(optimizer)
+            return reads(scaler, optimizer, *args, **kwargs)
+
+        setattr(grad_scaler.GradScaler, self._READS, unscale_grads)
+
+    def remove(self) -> None:
+        from torch.amp import grad_scaler
+
+        setattr(grad_scaler.GradScaler, self._READS, self._reads)
 
 
 def _lays_out_first_calls(module: torch.nn.Module) -> bool:
