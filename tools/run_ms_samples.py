@@ -48,15 +48,18 @@ ENTRY = {"CPU ResNet-50 tutorial (with its resnet.py)": ["resnet50_distributed_t
          "distributed inference": ["distributed_training.py", "distributed_inference.py"]}
 
 
-def rewrite(text: str) -> str:
+def rewrite(text: str, gpu: bool = False) -> str:
+    """``gpu``: the device stays a GPU (Ascend becomes one, HCCL becomes NCCL) -- for the simulated GPUs of
+    ``--dry-run-device cuda``."""
     out = []
     for line in text.splitlines():
         stripped = line.lstrip()
         if re.match(r"(import|from)\s+mindspore\b", stripped):
             line = re.sub(r"^(\s*)import mindspore\s*$", r"\1import autopar as mindspore", line)
             line = re.sub(r"\bmindspore\b", "autopar", line) if "import autopar as mindspore" not in line else line
-        line = re.sub(r"device_target\s*=\s*[\"'](Ascend|GPU)[\"']", 'device_target="CPU"', line)
-        line = re.sub(r"\binit\(\s*(backend_name\s*=\s*)?[\"'](nccl|hccl)[\"']\s*\)", "init()", line)
+        line = re.sub(r"device_target\s*=\s*[\"'](Ascend|GPU)[\"']", f'device_target="{"GPU" if gpu else "CPU"}"', line)
+        line = re.sub(r"\binit\(\s*(backend_name\s*=\s*)?[\"'](nccl|hccl)[\"']\s*\)", 'init("nccl")' if gpu else "init()",
+                      line)
         line = re.sub(r"\brange\(10\)", "range(1)", line)
         line = re.sub(r"\.train\((epoch=)?10\s*,", r".train(\g<1>1,", line)
         line = re.sub(r"\bepoch_size=10\b", "epoch_size=1", line)
@@ -99,14 +102,14 @@ def last(pattern: str, text: str) -> str:
     return lines[-1][:200] if lines else ""
 
 
-def run_sample(root: Path, label: str, files: list[str], timeout: float) -> dict:
+def run_sample(root: Path, label: str, files: list[str], timeout: float, gpu: bool = False) -> dict:
     work = Path(tempfile.mkdtemp(prefix="ms_sample_"))
     try:
         for rel in files:
             src = root / "sample_code" / rel
             if not src.is_file():
                 return {"sample": label, "result": "absent", "detail": f"{rel} not found under {root}"}
-            (work / src.name).write_text(rewrite(src.read_text()))
+            (work / src.name).write_text(rewrite(src.read_text(), gpu))
         data = make_data(work, label)
         n = NPROC.get(label, 2)
         env = {**os.environ, "DATA_PATH": str(data), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
@@ -114,12 +117,16 @@ def run_sample(root: Path, label: str, files: list[str], timeout: float) -> dict
                                               os.environ.get("PYTHONPATH", "")])}
         result = {"sample": label, "files": files, "ranks": n, "steps": []}
         entries = ENTRY.get(label, [Path(files[0]).name])
+        if gpu:  # a dry run writes no checkpoint: the inference half has nothing to load
+            entries = entries[:1]
         start = time.time()
         for entry in entries:
             script = driver(work, work / entry)
             logs = work / f"logs_{Path(entry).stem}"
             cmd = [sys.executable, "-m", "autopar.cli.main", "launch", "-n", str(n), "--log-dir", str(logs)]
-            if label in RANK_TABLE:
+            if gpu:  # rank 0 (and each pipeline stage's first rank) on simulated GPUs, through two steps
+                cmd[4:4] = ["--dry-run", "--dry-run-device", "cuda"]
+            elif label in RANK_TABLE:
                 cmd = [sys.executable, "-m", "autopar.cli.main", "launch", "--rank-table",
                        str(rank_table(work / "rank_table_8pcs.json", n)), "--server-id", "127.0.0.1",
                        "--log-dir", str(logs)]
@@ -137,7 +144,7 @@ def run_sample(root: Path, label: str, files: list[str], timeout: float) -> dict
             except subprocess.TimeoutExpired as exc:
                 rc, out = "timeout", (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) \
                     else (exc.stdout or "")
-            log0 = logs / "worker_0.log"
+            log0 = logs / ("dryrun_rank0.log" if gpu else "worker_0.log")
             text = out + (log0.read_text(errors="replace") if log0.is_file() else "")
             result["steps"].append({"script": entry, "rc": rc,
                                     "loss": last(r"loss is|loss:", text),
@@ -168,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("root", help="the directory tools/ms_names.py --extract wrote")
     ap.add_argument("--only", action="append", help="run only this sample (its label); repeatable")
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--gpu", action="store_true",
+                    help="keep each sample's GPU (Ascend: GPU, HCCL: NCCL) and dry-run it on simulated GPUs "
+                         "(autopar launch --dry-run --dry-run-device cuda): its GPU path, two steps, rank 0")
     ap.add_argument("--json")
     ap.add_argument("--markdown")
     args = ap.parse_args(argv)
@@ -175,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, files in CORE.items():
         if args.only and label not in args.only:
             continue
-        res = run_sample(Path(args.root), label, files, args.timeout)
+        res = run_sample(Path(args.root), label, files, args.timeout, args.gpu)
         print(json.dumps(res), flush=True)
         results.append(res)
     if args.json:

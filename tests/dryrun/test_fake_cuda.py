@@ -104,6 +104,64 @@ def test_the_mindspore_gpu_tutorial_script_dry_runs_on_simulated_gpus(procs, tmp
         "launch --dry-run --dry-run-device cuda" in res.stderr and "Traceback" not in res.stderr, res.stderr
 
 
+MS_LOOP = """import os
+import autopar as ms
+import autopar.dataset as ds
+from autopar import nn
+from autopar.communication import init, get_rank, get_group_size
+
+ms.set_context(mode=ms.GRAPH_MODE)  # no device named: a GPU host's
+ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
+init()
+assert int(os.getenv("RANK_ID")) == get_rank() and int(os.getenv("DEVICE_ID")) == get_rank() % 2
+
+
+class Network(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.flatten = nn.Flatten()
+        self.dense = nn.SequentialCell(nn.Dense(28 * 28, 64), nn.ReLU(), nn.Dense(64, 10))
+
+    def construct(self, x):
+        return self.dense(self.flatten(x))
+
+
+net = Network()
+data = ds.MnistDataset(os.getenv("DATA_PATH"), num_shards=get_group_size(), shard_id=get_rank())
+data = data.map([ds.vision.Rescale(1.0 / 255.0, 0), ds.vision.HWC2CHW()], "image")
+data = data.map(ds.transforms.TypeCast(ms.int32), "label").batch(16)
+optimizer = nn.SGD(net.trainable_params(), 1e-2)
+loss_fn = nn.CrossEntropyLoss()
+
+
+def forward_fn(x, y):
+    logits = net(x)
+    return loss_fn(logits, y), logits
+
+
+grad_fn = ms.value_and_grad(forward_fn, None, net.trainable_params(), has_aux=True)
+grad_reducer = nn.DistributedGradReducer(optimizer.parameters)
+for image, label in data:
+    assert image.device.type == "cuda", image.device  # a dataset feeds the device, as MindSpore's does
+    (loss, _), grads = grad_fn(image, label)
+    optimizer(grad_reducer(grads))
+"""
+
+
+def test_a_mindspore_loop_gets_its_batches_on_the_gpu(procs, tmp_path):
+    """MindSpore's data-parallel sample's loop (a dataset, ``value_and_grad``, ``DistributedGradReducer``): its batches
+    arrive on the rank's GPU, as a MindSpore dataset feeds the device -- the samples never move a batch, and on a GPU
+    job autopar's CPU batches met the network on the GPU (5 of MindSpore's 15 samples stopped there)."""
+    from autopar.dataset.mnist import write_synthetic_mnist
+
+    data = write_synthetic_mnist(tmp_path / "MNIST_Data" / "train", train=64, test=16)
+    script = tmp_path / "ms_loop.py"
+    script.write_text(MS_LOOP)
+    _, report = _dry(procs, tmp_path, 2, script, env={"DATA_PATH": str(data)})
+    v = report["ranks"]["0"]
+    assert v["error"] is None and v["steps"] == 2 and v["steady"]["parameters"] > 200e3, v
+
+
 WRONG_DEVICE = """import os
 import torch
 import torch.distributed as dist
@@ -140,7 +198,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autopar.dryrun import fake_cuda
 from autopar.dryrun.tracker import StorageTracker
 
-fake_cuda.install(0, 1, StorageTracker("cuda"))
+fake_cuda.install(1, StorageTracker("cuda"))
 F = torch.nn.functional
 
 
@@ -181,7 +239,8 @@ def test_attention_runs_the_kernel_torch_picks_on_the_gpu(tmp_path):
 
 def test_the_gpu_check_runs_end_to_end_with_its_gpu_steps_skipped(procs, tmp_path):
     """``bench/gpu_check.sh``, the one command for a lent GPU: here its GPU steps say they were skipped, the fake-CUDA
-    dry run runs, and one JSON records it all."""
+    dry run runs, the benchmark workloads the GPU would run are rehearsed once on simulated GPUs, and one JSON
+    records it all."""
     out = tmp_path / "gpu_check.json"
     res = procs.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--out", str(out)],
                     env=procs.env(PYTHON=sys.executable, **ENV), timeout=300)
@@ -189,8 +248,13 @@ def test_the_gpu_check_runs_end_to_end_with_its_gpu_steps_skipped(procs, tmp_pat
     report = json.loads(out.read_text())
     gpu = torch.cuda.is_available()
     assert report["device"] is None or gpu
-    assert set(report["steps"]) == {"gpu_tests", "readme_job", "resnet50", "gpt", "dryrun"}
+    assert set(report["steps"]) == {"gpu_tests", "readme_job", "resnet50", "gpt", "dryrun", *(() if gpu else
+                                                                                             ("rehearsal",))}
     for name in ("gpu_tests", "readme_job", "resnet50", "gpt"):
         assert gpu or report["steps"][name] == {"skipped": "no CUDA device here"}, report["steps"][name]
     dry = report["steps"]["dryrun"]
     assert dry["ok"] and dry["predicted_peak_mib"]["0"] > 0, dry
+    if not gpu:  # the benchmark workloads the GPU will run, run once on simulated GPUs
+        for label, step in report["steps"]["rehearsal"].items():
+            assert step["ok"] and step["workload_ran"] and step["predicted_peak_mib"]["autopar_peak_mib"] > 0, \
+                (label, step)

@@ -194,9 +194,14 @@ class Recording:
 
     # -- the random states, across ranks ------------------------------------------------------------------------
     def rng_payload(self) -> torch.Tensor:
-        """Every random operation's generator state before it, as one byte tensor (ranks compare and share it)."""
+        """Every random operation's generator state before it, as one byte tensor (ranks compare and share it) --
+        a real one inside a dry run's fake mode too (its bytes are hashed)."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
         states = [op.rng[1] for op in self.ops if op.rng is not None]
-        return torch.cat([s.view(torch.uint8).reshape(-1) for s in states]) if states else torch.zeros(0, dtype=torch.uint8)
+        with unset_fake_temporarily():
+            return torch.cat([s.view(torch.uint8).reshape(-1) for s in states]) if states else \
+                torch.zeros(0, dtype=torch.uint8)
 
     def adopt_rng_payload(self, payload: torch.Tensor) -> None:
         """Draw as the rank whose ``rng_payload`` this is (the same build, another seed)."""

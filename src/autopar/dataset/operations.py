@@ -131,7 +131,17 @@ def _numpy_to_torch_dtype(dtype: np.dtype):
         return dtype
 
 
-def _to_output(value, output_numpy: bool, copy: bool):
+def job_device() -> torch.device | None:
+    """The GPU of this rank when the job runs on GPUs (NCCL), else None: a dataset feeds the device there, as
+    MindSpore's does -- its scripts never move a batch (``logits = net(data)`` with the network on the GPU)."""
+    from autopar.comm import management
+
+    if management.is_initialized() and management.device().type != "cpu":
+        return management.device()
+    return None
+
+
+def _to_output(value, output_numpy: bool, copy: bool, device: torch.device | None = None):
     if isinstance(value, list):  # ragged column of one row can't happen; a batch can't be ragged
         value = np.asarray(value)
     if not isinstance(value, np.ndarray):
@@ -140,7 +150,8 @@ def _to_output(value, output_numpy: bool, copy: bool):
         return value.copy() if copy else value
     if copy or not value.flags.c_contiguous or not value.flags.writeable:
         value = value.copy()
-    return torch.from_numpy(value)
+    tensor = torch.from_numpy(value)
+    return tensor if device is None else tensor.to(device)
 
 
 # ------------------------------------------------------------------------------------------------------- Dataset

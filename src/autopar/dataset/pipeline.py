@@ -36,6 +36,7 @@ from autopar.dataset.operations import (
     _Shuffle,
     _Take,
     _to_output,
+    job_device,
 )
 from autopar.dataset.prefetch import Prefetcher
 from autopar.dataset.sampler import ShardSampler
@@ -289,14 +290,15 @@ class Dataset:
         producer = self._units(epoch, first_unit, config.get_seed())  # seed fixed for the whole epoch
         depth = config.get_prefetch_size() if prefetch is None else prefetch
         units = Prefetcher(producer, depth) if depth > 0 else producer
+        device = job_device()
         try:
             for cols in units:
                 vals = [cols[c] for c in names]
                 if self._batch is not None:
-                    yield [_to_output(v, output_numpy, False) for v in vals]
+                    yield [_to_output(v, output_numpy, False, device) for v in vals]
                     continue
                 for i in range(skip, len(vals[0])):
-                    yield [_to_output(v[i], output_numpy, do_copy) for v in vals]
+                    yield [_to_output(v[i], output_numpy, do_copy, device) for v in vals]
                 skip = 0
         finally:
             units.close()

@@ -68,9 +68,8 @@ def device_properties(machine: str | None) -> DeviceProperties:
 class _World:
     """This simulated process's GPUs: how many, which is current, the seeds, the memory count."""
 
-    def __init__(self, local_rank: int, local_size: int, props: DeviceProperties, tracker) -> None:
-        self.current = 0
-        self.local_rank = local_rank
+    def __init__(self, local_size: int, props: DeviceProperties, tracker) -> None:
+        self.current = 0  # as on a GPU host: device 0 until the script sets another
         self.count = local_size
         self.props = props
         self.tracker = tracker
@@ -180,8 +179,6 @@ def _swap_keeps_fakes() -> None:
 
 
 def _as_cuda(device=None) -> torch.device:
-    if isinstance(device, torch.device) and device.type == "cuda" and device.index is not None:
-        return device
     return torch.device("cuda", _WORLD.index(device))
 
 
@@ -339,14 +336,14 @@ def _backward_runs() -> None:
                           f"({str(exc).splitlines()[0]}); dry-run on the CPU instead") from None
 
 
-def install(local_rank: int, local_size: int, tracker, machine: str | None = None) -> DeviceProperties:
+def install(local_size: int, tracker, machine: str | None = None) -> DeviceProperties:
     """Make this process a host of ``local_size`` simulated GPUs; ``tracker`` counts their memory."""
     global _WORLD
     if not torch.backends.cuda.is_built():
         raise ConfigError(f"--dry-run-device cuda needs a torch built with CUDA (this one is {torch.__version__}): "
                           "its kernels' shapes and autocast rules are what the dry run runs")
     props = device_properties(machine)
-    _WORLD = _World(local_rank, local_size, props, tracker)
+    _WORLD = _World(local_size, props, tracker)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     # the fake mode's own GPU-less set-up (a no-op CUDA device guard, tensors lifted on the host), which it skips

@@ -107,14 +107,17 @@ def _keep(*args, **kwargs):  # broadcast_object_list / scatter_object_list: ever
 
 def form(rank: int, world: int, device: str = "cpu") -> None:
     """Make torch's default process group a fake one of ``world`` ranks with this process as ``rank``, and the
-    environment say so (torchrun's variables, for scripts that read them); a script's own
+    environment say so (torchrun's variables and MindSpore's RANK_ID/RANK_SIZE/DEVICE_ID, for scripts that read
+    them); a script's own
     ``init_process_group`` then joins it instead of forming a second one. ``device`` "cuda": the group stands for
     NCCL (``AUTOPAR_DRYRUN_DEVICE``, which autopar's ``init()`` reads when it adopts the world)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % local_size(world)),
                       LOCAL_WORLD_SIZE=str(local_size(world)), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
-                      AUTOPAR_DRYRUN_DEVICE=device)
+                      AUTOPAR_DRYRUN_DEVICE=device,
+                      # what MindSpore's launchers give a rank too (rank tables, msrun): scripts read them
+                      RANK_ID=str(rank), RANK_SIZE=str(world), DEVICE_ID=str(rank % local_size(world)))
     for name in ("MS_ROLE", "MS_WORKER_NUM", "MS_SCHED_HOST", "MS_SCHED_PORT", "RANK_TABLE_FILE",
                  "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
         os.environ.pop(name, None)

@@ -91,8 +91,7 @@ def run(world: int | None, rank: int, steps: int, script: str, script_args: list
         if device == "cuda":
             from autopar.dryrun import fake_cuda
 
-            gpu = fake_cuda.install(rank % fake_world.local_size(world), fake_world.local_size(world), tracker,
-                                    os.environ.get("AUTOPAR_DRYRUN_MACHINE"))
+            gpu = fake_cuda.install(fake_world.local_size(world), tracker, os.environ.get("AUTOPAR_DRYRUN_MACHINE"))
         fake_world.form(rank, world, device)
 
     def enough(opt, args, kwargs):
