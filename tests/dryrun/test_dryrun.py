@@ -20,10 +20,10 @@ ENV = {"AUTOPAR_SHARED_MEMORY": "0", "AUTOPAR_AUTO_TRIALS": "0", "AUTOPAR_MEASUR
 SIZES = {("semi_megatron", 4): ("2", "32", "512", "64", "4")}
 
 
-def _dry(procs, tmp_path, n, *script_args, ok=True):
+def _dry(procs, tmp_path, n, *script_args, ok=True, script=str(SCRIPTS / "dryrun_gpt.py")):
     logs = tmp_path / f"dry{n}_{'_'.join(script_args)}"
-    res = procs.run(autopar_cmd("launch", "--dry-run", "-n", str(n), "--log-dir", str(logs),
-                                str(SCRIPTS / "dryrun_gpt.py"), *script_args), env=procs.env(**ENV), timeout=300)
+    res = procs.run(autopar_cmd("launch", "--dry-run", "-n", str(n), "--log-dir", str(logs), script, *script_args),
+                    env=procs.env(**ENV), timeout=300)
     if ok:
         assert res.returncode == 0, res.stdout + res.stderr
     return res, (json.loads((logs / "dryrun.json").read_text()) if (logs / "dryrun.json").exists() else None)
@@ -119,6 +119,26 @@ def test_the_mindspore_tutorial_script_dry_runs_as_it_runs(procs, tmp_path):
     for part in ("parameters", "optimizer"):
         assert dry["steady"][part] == real["steady"][part]
     assert 0.9 <= dry["steady"]["peak_bytes"] / real["steady"]["peak_bytes"] <= 1.1, (dry, real)
+
+
+def test_a_torchrun_script_dry_runs_as_it_runs(procs, tmp_path):
+    """The PyTorch door without autopar in the script: a torchrun-style GPT in torch's DDP (the dry run's stand-in:
+    its gradient buckets and all-reduces, since DDP's C++ side reads values) and in FSDP2 built on the meta device
+    (``fully_shard``, ``to_empty``, ``reset_parameters``), dry-run and measured for real on 2 gloo ranks."""
+    for how in ("ddp", "fsdp"):
+        script = str(SCRIPTS / "torchrun_gpu.py")
+        res = procs.run(autopar_cmd("launch", "-n", "2", "--log-dir", str(tmp_path / f"real_{how}"),
+                                    runner_module.__file__, "--measure", "--out", str(tmp_path / how), script, how),
+                        env=procs.env(**ENV), timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+        real = json.loads((tmp_path / f"{how}.0").read_text())
+        _, report = _dry(procs, tmp_path, 2, how, script=script)
+        dry = report["ranks"]["0"]
+        assert dry["error"] is None and real["error"] is None, (how, dry["error"], real["error"])
+        for part in ("parameters", "optimizer"):
+            assert dry["steady"][part] == real["steady"][part], (how, part, dry["steady"], real["steady"])
+        ratio = dry["steady"]["peak_bytes"] / real["steady"]["peak_bytes"]
+        assert 0.9 <= ratio <= 1.1, (how, dry["steady"], real["steady"])
 
 
 READS_A_VALUE = """import torch

@@ -2,7 +2,7 @@
 each simulated rank with a GPU of its own -- ``set_device``, ``.cuda()``, NCCL, ``torch.autocast("cuda")`` with
 bf16 and with fp16 + ``GradScaler``, fused AdamW, SDPA's fused kernels -- in every mode, through both doors: a
 plain PyTorch GPT loop and a Hugging Face Llama (tests/scripts/cuda_gpt.py), and the MindSpore tutorial's ResNet-50
-script with ``device_target="GPU"``. Each case ends with its GPU memory per rank. The mistakes a GPU run meets are
+script with ``device_target="GPU"``, and torchrun-style scripts without autopar (DDP, FSDP2). Each case ends with its GPU memory per rank. The mistakes a GPU run meets are
 one line here: a batch left on the host, a rank on a device its host does not have, a GPU script dry-run on CPU."""
 import json
 import subprocess
@@ -58,6 +58,20 @@ def test_the_plain_pytorch_gpt_loop_runs_its_gpu_path_in_every_mode(procs, tmp_p
     assert steps[("zero1", "fp16")]["optimizer"] == pytest.approx(2 * whole / n, rel=0.05)
     if n == 2:
         assert steps[("semi_megatron", "fp16")]["parameters"] < 0.7 * whole
+
+
+def test_a_torchrun_script_runs_its_gpu_path(procs, tmp_path):
+    """No autopar in the script: nanoGPT's way (DDP with ``device_ids=[local_rank]``, bf16 autocast, fused AdamW,
+    clipping), compiled too, and torchtitan's (FSDP2 on the meta device, a bf16 ``MixedPrecisionPolicy``,
+    ``to_empty(device="cuda")``) -- FSDP2's default mesh is the GPUs' (torch asks its accelerator)."""
+    steps = {}
+    for args in (("ddp",), ("ddp", "compile"), ("fsdp",)):
+        _, report = _dry(procs, tmp_path, 2, SCRIPTS / "torchrun_gpu.py", *args)
+        v = report["ranks"]["0"]
+        assert v["error"] is None and v["steps"] == 2, (args, v)
+        steps[args] = v["steady"]
+    assert steps[("fsdp",)]["parameters"] == pytest.approx(steps[("ddp",)]["parameters"] / 2, rel=0.05), steps
+    assert steps[("ddp",)]["other"] >= steps[("ddp",)]["parameters"]  # DDP's gradient buckets
 
 
 def test_a_hugging_face_llama_runs_its_gpu_path(procs, tmp_path):

@@ -14,8 +14,6 @@ is booked. What this takes, since torch without a GPU refuses a CUDA call it wou
   afterwards); with no GPU that question raises ("hasPrimaryContext expects a valid device index"), torch's own
   FakeTensor work-around allocating a real tensor on the GPU first (pytorch#92627). The hooks object's table of
   virtual functions is copied with that one entry answering "no context": nothing to sync, which is true.
-- ``Module.to``/``.cuda`` of a fake parameter swaps tensors, which torch refuses while the fake mode holds a weak
-  reference to the new one: the parameter takes the new tensor's data and device instead (what the swap makes).
 
 A torch whose hooks do not take the patch makes the dry run stop with one line, found by a backward tried at once.
 """
@@ -161,23 +159,6 @@ def _no_primary_context() -> None:
     atexit.register(lambda: setattr(vptr, "value", original))
 
 
-def _swap_keeps_fakes() -> None:
-    import torch.utils
-
-    swap = torch.utils.swap_tensors
-
-    def swap_tensors(t1, t2):
-        try:
-            return swap(t1, t2)
-        except RuntimeError as exc:
-            if "weakref" not in str(exc) or not hasattr(t2, "fake_device"):
-                raise
-            t1.data = t2
-            t1.fake_device = t2.fake_device
-
-    torch.utils.swap_tensors = swap_tensors
-
-
 def _as_cuda(device=None) -> torch.device:
     return torch.device("cuda", _WORLD.index(device))
 
@@ -276,6 +257,8 @@ def _cuda_module(props: DeviceProperties) -> None:
     for name in ("range_push", "range_pop", "mark"):
         setattr(cuda.nvtx, name, _own(nothing))
     cuda.nvtx.range = _own(lambda *a, **k: contextlib.nullcontext())
+    # torch's own default device (FSDP2's default mesh, a DeviceMesh's device) asks the accelerator
+    torch._C._get_accelerator = _own(lambda: torch.device("cuda"))
     accel = torch.accelerator
     for name, value in {"is_available": lambda: True, "device_count": lambda: _WORLD.count,
                         "current_accelerator": lambda check_available=False: torch.device("cuda"),
@@ -350,7 +333,6 @@ def install(local_size: int, tracker, machine: str | None = None) -> DevicePrope
     # when torch.cuda says it has GPUs -- as it now will
     FakeTensorMode.avoid_device_init = property(lambda self: True)
     _no_primary_context()
-    _swap_keeps_fakes()
     _tensor_methods()
     _cuda_module(props)
     _fused_attention()

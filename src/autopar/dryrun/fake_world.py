@@ -131,8 +131,32 @@ def form(rank: int, world: int, device: str = "cpu") -> None:
     dist.broadcast_object_list = _keep
     dist.scatter_object_list = _keep
     _real_meshes()
+    from autopar.dryrun import fake_ddp
+
+    fake_ddp.install()
+    _swap_keeps_fakes()
     _no_files_written()
     _scaler_steps()
+
+
+def _swap_keeps_fakes() -> None:
+    """``model.to(device)`` / ``.cuda()`` of a fake parameter swaps it for the moved one, which torch refuses while
+    the fake mode holds a weak reference to the new tensor ("Couldn't swap Embedding.weight"): the parameter takes
+    the new tensor's data and device instead -- what the swap would have made of it."""
+    import torch.utils
+
+    swap = torch.utils.swap_tensors
+
+    def swap_tensors(t1, t2):
+        try:
+            return swap(t1, t2)
+        except RuntimeError as exc:
+            if "weakref" not in str(exc) or not hasattr(t2, "fake_device"):
+                raise
+            t1.data = t2
+            t1.fake_device = t2.fake_device
+
+    torch.utils.swap_tensors = swap_tensors
 
 
 def _no_files_written() -> None:
@@ -167,7 +191,7 @@ def _scaler_steps() -> None:
 
 def _real_meshes() -> None:
     """A device mesh is a small tensor of ranks that torch reads values from (which coordinate is mine): it is made
-    real, outside the fake mode, wherever the script or autopar builds one (patched before either imports it)."""
+    real, outside the fake mode, wherever the script, autopar or torch builds one."""
     import torch.distributed.device_mesh as device_mesh
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -182,10 +206,15 @@ def _real_meshes() -> None:
         call._dryrun = True
         return call
 
+    import sys
+
     device_mesh.DeviceMesh.__init__ = real(device_mesh.DeviceMesh.__init__)
-    device_mesh.init_device_mesh = real(device_mesh.init_device_mesh)
-    if hasattr(dist, "init_device_mesh"):
-        dist.init_device_mesh = device_mesh.init_device_mesh
+    original = device_mesh.init_device_mesh
+    device_mesh.init_device_mesh = real(original)
+    # torch's own modules imported before this (FSDP2's default mesh, through autopar's import) hold the name too
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torch.distributed") and getattr(module, "init_device_mesh", None) is original:
+            module.init_device_mesh = device_mesh.init_device_mesh
 
 
 def local_size(world: int) -> int:
