@@ -29,6 +29,13 @@ _KEEPS = {aten.any.default, aten.any.dim, aten.all.default, aten.all.dim, aten.v
           aten.clone.default, aten._to_copy.default, aten.sum.default, aten.max.default, aten.min.default}
 
 
+# torch's files a value read passes through on its way from the script: the op call, the modes' dispatch, a
+# tensor's formatting and printing
+_DISPATCH_FILES = ("_ops.py", os.path.join("utils", "_python_dispatch.py"), os.path.join("utils", "_stats.py"),
+                   "_subclasses" + os.sep, "_tensor.py", "_tensor_str.py", "_compile.py",
+                   os.path.join("_dynamo", "eval_frame.py"))
+
+
 class PlainAnswers(TorchDispatchMode):
     """Answer what depends on tensor values (see the module's docstring) instead of failing; a real tensor (made
     before the fake mode, or read from a file) answers with its real value. ``invented`` lists the lines of
@@ -42,15 +49,18 @@ class PlainAnswers(TorchDispatchMode):
 
     def _note(self) -> None:
         """Record the script's line that read a made-up value -- unless torch's or autopar's own code read it (a
-        replica check in the network's first call: the script's line calling the network did not read anything)."""
+        replica check in the network's first call, Adam's step count, FSDP's bookkeeping: the script's line
+        calling them did not read anything). Past the dispatch machinery (the modes, torch's op call, a tensor's
+        printing), the first frame says who read."""
         import sys
 
         frame = sys._getframe(2)
-        passing = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)  # torch, the modes
-        autopar_dir = os.path.dirname(os.path.dirname(__file__)) + os.sep  # the package this module is in
-        while frame is not None and frame.f_code.co_filename.startswith(passing):
+        torch_dir = os.path.dirname(torch.__file__) + os.sep
+        machinery = (os.path.dirname(__file__) + os.sep, *(torch_dir + f for f in _DISPATCH_FILES))
+        while frame is not None and frame.f_code.co_filename.startswith(machinery):
             frame = frame.f_back
-        if frame is not None and frame.f_code.co_filename.startswith(autopar_dir):
+        if frame is None or frame.f_code.co_filename.startswith(torch_dir) or \
+                frame.f_code.co_filename.startswith(os.path.dirname(os.path.dirname(__file__)) + os.sep):
             return
         while frame is not None:
             if frame.f_code.co_filename == self.script:

@@ -130,8 +130,10 @@ def run(world: int | None, rank: int, steps: int, script: str, script_args: list
     said = _warnings(caught)
     if answers.invented:
         lines = ", ".join(str(n) for n in sorted(set(answers.invented))[:5])
-        said.append(f"{len(answers.invented)} values the script read from fake tensors (line {lines}: loss.item() and "
-                    "the like) were answered as 1 or True: where it sizes or steers itself by them, it ran with those")
+        count = len(answers.invented)
+        said.append(f"{count} value{'s' if count > 1 else ''} the script read from fake tensors (line {lines}: "
+                    "loss.item() and the like) were answered as 1 or True: where it sizes or steers itself by them, it "
+                    "ran with those")
     verdict.update(tracker.report(), seconds=round(time.monotonic() - started, 3), warnings=said, **_job_facts())
     if gpu is not None:
         verdict["device"] = {"name": gpu.name, "memory_bytes": gpu.total_memory}
