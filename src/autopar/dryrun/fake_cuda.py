@@ -141,8 +141,12 @@ _KEEP: list = []  # what C++ points at (the copied table, the callback) lives as
 
 def _no_primary_context() -> None:
     """Point the CUDA hooks' ``hasPrimaryContext`` at an answer of "no" (see the module's docstring)."""
-    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-    get_hooks = lib._ZN2at6detail12getCUDAHooksEv  # at::detail::getCUDAHooks()
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        get_hooks = lib._ZN2at6detail12getCUDAHooksEv  # at::detail::getCUDAHooks()
+    except (OSError, AttributeError) as exc:
+        raise ConfigError(f"--dry-run-device cuda: this torch ({torch.__version__}) does not expose its CUDA hooks "
+                          f"({exc}); dry-run on the CPU instead") from None
     get_hooks.restype = ctypes.c_void_p
     hooks = get_hooks()
     vptr = ctypes.c_void_p.from_address(hooks)

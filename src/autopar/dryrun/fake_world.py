@@ -118,9 +118,9 @@ def _keep(*args, **kwargs):  # broadcast_object_list / scatter_object_list: ever
 def form(rank: int, world: int, device: str = "cpu") -> None:
     """Make torch's default process group a fake one of ``world`` ranks with this process as ``rank``, and the
     environment say so (torchrun's variables and MindSpore's RANK_ID/RANK_SIZE/DEVICE_ID, for scripts that read
-    them); a script's own
-    ``init_process_group`` then joins it instead of forming a second one. ``device`` "cuda": the group stands for
-    NCCL (``AUTOPAR_DRYRUN_DEVICE``, which autopar's ``init()`` reads when it adopts the world)."""
+    them); a script's own ``init_process_group`` then joins it instead of forming a second one. ``device`` "cuda":
+    the group stands for NCCL (``AUTOPAR_DRYRUN_DEVICE``, which autopar's ``init()`` reads when it adopts the
+    world)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % local_size(world)),

@@ -55,10 +55,10 @@ def uninstall() -> None:
 
 class _ScalerUnscales:
     """Loss scaling reads the optimizer's gradients before its step (``GradScaler.unscale_`` -- called by its
-    ``step`` or by the user before clipping -- or its found-inf check for a fused optimizer): the optimizer is moved onto the parameters that train first, as the
-    step pre-hook moves it -- else a ZeRO or layout run's first step found no gradient to unscale (its found-inf
-    list empty: fused AdamW failed, others stepped on gradients still multiplied by the scale). Undone by
-    ``remove``, like a hook handle."""
+    ``step`` or by the user before clipping -- or its found-inf check for a fused optimizer): the optimizer is moved
+    onto the parameters that train first, as the step pre-hook moves it -- else a ZeRO or layout run's first step
+    found no gradient to unscale, and stopped ("No inf checks were recorded for this optimizer"; fused AdamW: "'int'
+    object has no attribute 'device'"). Undone by ``remove``, like a hook handle."""
 
     # where torch's GradScaler reads them: unscale_ and, for an optimizer that unscales inside its fused step,
     # _check_inf_per_device both go through _unscale_grads_
