@@ -1,7 +1,8 @@
 """One GPU, autopar against the hand-written torch loop it replaces, interleaved rounds (bench/gpu_check.py).
 
-argv: resnet SIZE PRECISION EAGER|COMPILED ROUNDS STEPS | gpt MODE PRECISION ROUNDS STEPS. Prints one JSON line:
-images/s (resnet) or tokens/s (gpt) per round for ``autopar`` and ``torch``, and each one's peak
+argv: resnet SIZE[,SIZE] PRECISION[,PRECISION] eager|compiled ROUNDS STEPS | gpt MODE PRECISION ROUNDS STEPS. Prints
+one JSON line per configuration: images/s (resnet) or tokens/s (gpt) per round for ``autopar`` and ``torch``, and
+each one's peak
 ``torch.cuda.max_memory_allocated``. resnet: the tutorial's ResNet-50 on CIFAR-10-shaped batches (32x32 or resized
 to 224x224), autopar's ``Model.train`` (GRAPH_MODE when compiled) vs a torch loop (``torch.compile`` when compiled).
 gpt: tests/scripts/gpt.py's GPT (12 layers, 768 wide, block 1024) under autopar's MODE (data, zero3, auto) vs a
@@ -129,13 +130,20 @@ class _nothing:
         return None
 
 
-if __name__ == "__main__":
-    autopar.communication.init("nccl")
-    kind, args = sys.argv[1], sys.argv[2:]
-    if kind == "resnet":
-        result = resnet(int(args[0]), args[1], args[2] == "compiled", int(args[3]), int(args[4]))
-    else:
-        result = gpt(args[0], args[1], int(args[2]), int(args[3]))
+def _report(config: str, result: dict) -> None:
+    result["config"] = config
     result["ratio"] = round(sorted(result["autopar"])[len(result["autopar"]) // 2]
                             / sorted(result["torch"])[len(result["torch"]) // 2], 3)
     print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    autopar.communication.init("nccl")
+    kind, args = sys.argv[1], sys.argv[2:]
+    if kind == "resnet":  # every size x precision in one process (one start-up, one CUDA context)
+        for size in args[0].split(","):
+            for precision in args[1].split(","):
+                _report(f"{size}px/{precision}/{args[2]}",
+                        resnet(int(size), precision, args[2] == "compiled", int(args[3]), int(args[4])))
+    else:
+        _report(f"{args[0]}/{args[1]}", gpt(args[0], args[1], int(args[2]), int(args[3])))

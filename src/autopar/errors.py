@@ -114,6 +114,26 @@ def user_stacklevel() -> int:
 
 
 _observers: list = []  # called as observer(exc_type, exc) before an uncaught exception is printed
+_explainers: list = []  # explainer(exc) -> the one line an exception of torch's means for the user, or None
+
+
+def explained_by(explainer) -> None:
+    """Have ``explainer(exc)`` turn an exception torch raises deep inside (a DTensor's sharding propagation) into
+    the one line that says what the user's network did and what to do; it must have no side effects (the dry run
+    asks it too)."""
+    if explainer not in _explainers:
+        _explainers.append(explainer)
+
+
+def explain(exc: BaseException) -> str | None:
+    """The first explainer's line for ``exc`` (``_autopar_line`` when it has one), or None."""
+    line = getattr(exc, "_autopar_line", None)
+    for explainer in _explainers:
+        if line is not None:
+            break
+        with contextlib.suppress(Exception):  # an explanation must never hide the error itself
+            line = explainer(exc)
+    return line
 _prefix: list = [lambda: ""]
 
 
@@ -139,7 +159,7 @@ def install_excepthook() -> None:
         # after it, so that an autopar error is not printed as "[rank0]: autopar: error: ...")
 
     def hook(exc_type, exc, tb):
-        line = getattr(exc, "_autopar_line", None)
+        line = explain(exc)
         if not getattr(exc, "_autopar_observed", False):  # an inner hook of ours (under torch's) does not observe again
             for observer in list(_observers):
                 try:

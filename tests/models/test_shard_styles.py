@@ -73,3 +73,22 @@ def test_what_cannot_be_sharded_is_one_line(call, message):
     with pytest.raises(StrategyError) as info:
         call()
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_conv1d_given_linear_order_tuples_is_taken_in_their_meaning():
+    """GPT-2's Conv1D stores its weight (in, out); the Megatron tuples written for nn.Linear's (out, in) -- the same
+    split a Llama's projections take -- mean the same split on it, said once; a tuple that fits neither order is one
+    line naming Conv1D's column and row tuples."""
+    transformers = pytest.importorskip("transformers")
+    for given, taken, what in ((((1, 1, 1), (2, 1)), ((1, 1, 1), (1, 2), (2,)), "columns"),
+                               (((1, 1, 2), (1, 2)), ((1, 1, 2), (2, 1), (1,)), "rows")):
+        conv = transformers.pytorch_utils.Conv1D(6, 4)
+        with pytest.warns(UserWarning, match=rf"reads as nn.Linear's \(out, in\) order and is taken as .* \({what}\)"):
+            autopar.shard(conv, given)
+        assert conv._autopar_op.strategy == taken
+    conv = transformers.pytorch_utils.Conv1D(6, 4)
+    autopar.shard(conv, ((1, 1, 1), (1, 2)))  # Conv1D's own order: as it is, no warning
+    assert conv._autopar_op.strategy == ((1, 1, 1), (1, 2), (2,))
+    with pytest.raises(StrategyError, match=r"Conv1D stores its weight \(in, out\), so columns are \(\(1, 1, 1\), "
+                                            r"\(1, 2\)\) and rows \(\(1, 1, 2\), \(2, 1\)\)"):
+        autopar.shard(transformers.pytorch_utils.Conv1D(6, 4), ((1, 1, 2), (1, 1)))

@@ -15,7 +15,8 @@ DTensor alone went wrong: Llama's ``lm_head`` on its input features -- partial-s
 float32 -- and its first ``q_proj`` alone by columns -- heads split in the query only, which attention moves onto the
 batch; BERT's first ``query`` alone by columns -- its padding mask must follow onto the batch), pipe (``autopar.PipelineParallel`` in 2
 stages split before the second block, the loss as ``loss_fn`` on the logits; against one process whose micro-steps'
-gradients add up, as a pipeline step per micro-step gives). Per case: the largest parameter difference and ``state_dict()`` loaded into a fresh one-process
+gradients add up, as a pipeline step per micro-step gives), wrapped_pipe (the same, the causal LM inside a
+user's six-line wrapper returning ``.logits``). Per case: the largest parameter difference and ``state_dict()`` loaded into a fresh one-process
 model, and which parameters are stored split. Writes JSON to OUT_PREFIX.<rank>.
 """
 import json
@@ -132,12 +133,25 @@ def outside_loss(model_name: str, model, step: int, micro: int) -> torch.Tensor:
     return lm_loss(model(input_ids=ids).logits, ids)
 
 
-def pipelined(model_name: str, model):
+class LogitsOf(torch.nn.Module):
+    """The six lines a user writes to pipeline a causal LM: a wrapper that returns its ``.logits``."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids).logits
+
+
+def pipelined(model_name: str, model, wrapped: bool = False):
     """``autopar.PipelineParallel`` split before the second block; the loss as ``loss_fn`` on the logits (the
-    last stage's output: a ModelOutput's tensors), the inputs positional, the label last."""
+    last stage's output: a ModelOutput's tensors), the inputs positional, the label last. ``wrapped``: the model
+    inside :class:`LogitsOf` (its layers hand an expanded mask and RoPE's cos/sin across the split)."""
     autopar.set_auto_parallel_context(parallel_mode="data_parallel", gradients_mean=True)
     loss_fn = lm_loss if model_name in ("llama", "gpt2") else F.cross_entropy
-    runner = autopar.PipelineParallel(model, loss_fn, micro_batches=2, split_points=[SPLITS[model_name]])
+    net, split = (LogitsOf(model), f"model.{SPLITS[model_name]}") if wrapped else (model, SPLITS[model_name])
+    runner = autopar.PipelineParallel(net, loss_fn, micro_batches=2, split_points=[split])
     parts, part = runner.replicas, runner.replica
 
     def micro_step(step, micro):
@@ -222,8 +236,8 @@ def run(model_name: str, mode: str, ref: dict) -> dict:
     if mode == "auto_explicit":  # the PyTorch door's explicit call, planned on keyword inputs
         args, kwargs = inputs_of(model_name, 0, 0, n, rank)
         autopar.parallelize(model, sample=kwargs or list(args))
-    if mode == "pipe":
-        train(model_name, model, micro_step=pipelined(model_name, model))
+    if mode in ("pipe", "wrapped_pipe"):
+        train(model_name, model, micro_step=pipelined(model_name, model, wrapped=mode == "wrapped_pipe"))
         ref = reference(model_name, summed=True)
     else:
         train(model_name, model, n, rank)

@@ -32,7 +32,9 @@ def _where(exc: BaseException, script: str) -> str:
 
 
 def _error_line(exc: BaseException, script: str) -> str:
-    text = getattr(exc, "_autopar_line", None) or str(exc).strip()
+    from autopar.errors import explain
+
+    text = explain(exc) or str(exc).strip()
     line = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
     return line + _where(exc, script)
 

@@ -9,7 +9,8 @@ with the module's parameters. Outside a parallel runtime the operator computes e
   features (row: partial sums). The bias follows the output features.
 - ``nn.Conv2d``: ``((n, c, 1, 1), (o, c, 1, 1))``: batch, input channels (partial sums), output channels.
 - transformers' ``Conv1D`` (GPT-2; weight (in, out), as MindSpore's ``MatMul``): ``((1, 1, 1), (1, 2))`` splits the
-  output features, ``((1, 1, 2), (2, 1))`` the input features.
+  output features, ``((1, 1, 2), (2, 1))`` the input features; the ``nn.Linear`` tuples, which fit only in Linear's
+  (out, in) order, are taken in that meaning (said once).
 - ``nn.Embedding``: ``((1, 1), (2, 1))`` splits the vocabulary (each rank looks up the ids in its rows, the others
   give zeros: partial sums), ``((1, 1), (1, 2))`` the embedding dimension.
 
@@ -215,6 +216,8 @@ def shard(module: Any, in_strategy: Any, out_strategy: Any = None) -> Any:
         if not isinstance(in_strategy, (tuple, list)) or len(in_strategy) < 2:
             raise StrategyError(f"{type(module).__name__}: the strategy needs an entry for the input and the weight, "
                                 f"got {in_strategy!r}")
+        if conv1d:
+            in_strategy = _conv1d_order(in_strategy)
         has_bias = getattr(module, "bias", None) is not None
         out_dim = 1 if conv1d else 0  # the bias follows the output features
         base.shard(_with_bias_entry(in_strategy, tuple(in_strategy[1])[out_dim], has_bias), out_strategy)
@@ -223,6 +226,30 @@ def shard(module: Any, in_strategy: Any, out_strategy: Any = None) -> Any:
         module.__class__ = _sharded_class(type(module))
     module._autopar_style = style
     return module
+
+
+def _conv1d_order(strategy: Any) -> tuple:
+    """transformers' ``Conv1D`` stores its weight (in, out) -- MindSpore's ``MatMul`` order -- where ``nn.Linear``
+    stores (out, in). A tuple whose weight entry only fits the input read in Linear's order (the same GPT-2 split
+    written as for a Llama) is taken in that meaning, and said once; one that fits neither order is one line naming
+    Conv1D's column and row tuples."""
+    x, weight = tuple(strategy[0]), tuple(strategy[1])
+    if len(weight) != 2 or not x or x[-1] == weight[0]:
+        return tuple(strategy)
+    n = max(max(x), max(weight))
+    rows, cols = f"(({', '.join(['1'] * (len(x) - 1) + [str(n)])}), ({n}, 1))", \
+        f"(({', '.join(['1'] * len(x))}), (1, {n}))"
+    if x[-1] != weight[1]:
+        raise StrategyError(f"transformers' Conv1D: strategy {tuple(strategy)} splits the contracted features "
+                            f"differently in the input ({x[-1]}) and the weight ({weight[0]}): Conv1D stores its weight "
+                            f"(in, out), so columns are {cols} and rows {rows}")
+    taken = (x, weight[::-1], *strategy[2:])
+    from autopar.errors import warn_once
+
+    warn_once(f"conv1d-order-{strategy}", f"transformers' Conv1D stores its weight (in, out): strategy "
+              f"{tuple(strategy)} reads as nn.Linear's (out, in) order and is taken as {taken} "
+              f"({'columns' if x[-1] == 1 else 'rows'}); write it so to say it in Conv1D's order")
+    return taken
 
 
 def _shard_by_names(model: Any, plan: dict) -> Any:

@@ -376,8 +376,8 @@ def _static_shapes(pipe, example: tuple) -> dict[int, dict]:
 
     def as_args(value, grads: bool):  # what flows between pieces carries a gradient where it is floating point
         values = tuple(value) if isinstance(value, (tuple, list)) else (value,)
-        return tuple(v.detach().requires_grad_(grads and v.is_floating_point()) if isinstance(v, torch.Tensor)
-                     else v for v in values)
+        return tuple(v.detach().contiguous().requires_grad_(grads and v.is_floating_point())  # as Piece sends it
+                     if isinstance(v, torch.Tensor) else v for v in values)
 
     return {k: {"input_args": as_args(example, False) if k == 0 else as_args(outs[k - 1], trains),
                 "output_args": as_args(outs[k], trains)} for k in range(len(calls))}

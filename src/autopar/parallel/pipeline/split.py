@@ -19,6 +19,7 @@ import operator
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 from autopar.errors import ConfigError
 
@@ -132,7 +133,10 @@ class Piece(torch.nn.Module):
         else:
             root = self.feed[self.micro] if self.reads_inputs() else ()
         args = [received[i] if kind == "recv" else root[i] for kind, i in self.sources]
-        return self.graph_module(*args)
+        # what crosses to the next stage is sent as laid out, and gloo and NCCL send contiguous memory: a Hugging
+        # Face model hands its layers an expanded mask and RoPE's cos/sin (strides of 0), which torch's stage would
+        # receive into buffers of those strides ("input tensor has to be contiguous")
+        return tree_map(lambda t: t.contiguous() if isinstance(t, torch.Tensor) else t, self.graph_module(*args))
 
 
 def piece_calls(pipe) -> list:

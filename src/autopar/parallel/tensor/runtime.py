@@ -36,6 +36,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
+from autopar import errors as _errors
 from autopar.comm.topology import world_mesh, world_size
 from autopar.common import replaced as _replaced
 from autopar.layout.layout import Layout
@@ -48,6 +49,7 @@ from autopar.parallel.state import state_of
 from autopar.parallel.tensor import local_matmul
 from autopar.parallel.tensor import placements as P
 from autopar.parallel.tensor.attention import register_attention_rules
+from autopar.parallel.tensor.explain import fused_projection_split
 from autopar.parallel.tensor.handlers import register_cast_handler
 from autopar.parallel.tensor.inputs import dataset_input
 from autopar.parallel.tensor.operators import run_operator
@@ -56,6 +58,7 @@ from autopar.parallel.tensor.regather import Regather
 from autopar.parallel.tensor.strategy_io import LoadedStrategy, write_strategy_file
 
 _local = threading.local()
+_errors.explained_by(fused_projection_split)
 
 
 def active_runtime() -> "SemiAutoRuntime | None":
