@@ -11,6 +11,7 @@ import sys
 
 import torch
 from gpt import GPT, GPTConfig
+from gpt_modes import GPT_COLUMNS, GPT_ROWS, megatron, set_mode
 
 import autopar
 
@@ -23,11 +24,7 @@ torch.cuda.set_device(local_rank)
 device = torch.device("cuda", local_rank)
 autopar.communication.init("nccl")
 n = autopar.communication.get_group_size()
-name = {"auto": "auto_parallel", "semi_megatron": "semi_auto_parallel"}.get(mode, "data_parallel")
-autopar.set_auto_parallel_context(parallel_mode=name, gradients_mean=True)
-if mode.startswith("zero"):
-    autopar.set_auto_parallel_context(enable_parallel_optimizer=True,
-                                      parallel_optimizer_config={"optimizer_level": f"level{mode[-1]}"})
+set_mode(mode)
 torch.manual_seed(0)
 torch.cuda.manual_seed(0)
 torch.backends.cuda.matmul.allow_tf32 = True
@@ -41,13 +38,9 @@ if llama:
     columns, rows = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), ("o_proj", "down_proj")
 else:
     model = GPT(GPTConfig(block_size=block, vocab_size=vocab, n_layer=2, n_head=8, n_embd=256)).cuda()
-    columns, rows = ("attn.c_attn", "mlp.c_fc"), ("attn.c_proj", "mlp.c_proj")
+    columns, rows = GPT_COLUMNS, GPT_ROWS
 if mode == "semi_megatron":
-    for name, module in model.named_modules():
-        if name.endswith(columns):
-            autopar.shard(module, ((1, 1, 1), (n, 1)))
-        elif name.endswith(rows):
-            autopar.shard(module, ((1, 1, n), (1, n)))
+    megatron(model, n, columns, rows)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), fused=True)
 runner = None
 if mode == "pipeline":

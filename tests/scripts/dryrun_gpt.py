@@ -7,6 +7,7 @@ import sys
 
 import torch
 from gpt import GPT, GPTConfig
+from gpt_modes import megatron, set_mode
 
 import autopar
 
@@ -16,20 +17,12 @@ n_layer, n_embd, vocab, block, batch = sizes
 build = sys.argv[7] if len(sys.argv) > 7 else "eager"
 autopar.communication.init()
 n = autopar.communication.get_group_size()
-name = {"auto": "auto_parallel", "semi_megatron": "semi_auto_parallel"}.get(mode, "data_parallel")
-autopar.set_auto_parallel_context(parallel_mode=name, gradients_mean=True)
-if mode.startswith("zero"):
-    autopar.set_auto_parallel_context(enable_parallel_optimizer=True,
-                                      parallel_optimizer_config={"optimizer_level": f"level{mode[-1]}"})
+set_mode(mode)
 torch.manual_seed(0)
 config = GPTConfig(block_size=block, vocab_size=vocab, n_layer=n_layer, n_head=max(1, n_embd // 32), n_embd=n_embd)
 model = autopar.deferred_init(GPT, config) if build == "deferred" else GPT(config)
 if mode == "semi_megatron":
-    for b in model.transformer.h:
-        autopar.shard(b.attn.c_attn, ((1, 1, 1), (n, 1)))
-        autopar.shard(b.mlp.c_fc, ((1, 1, 1), (n, 1)))
-        autopar.shard(b.attn.c_proj, ((1, 1, n), (1, n)))
-        autopar.shard(b.mlp.c_proj, ((1, 1, n), (1, n)))
+    megatron(model, n)
 opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95))
 runner = None
 if mode == "pipeline":
