@@ -68,6 +68,8 @@ def _warnings(caught) -> list[str]:
         if issubclass(w.category, ResourceWarning):  # a file the script had open when the dry run stopped it
             continue
         text = str(w.message)
+        if text.startswith("Using `torch.compile(module)` when there are global hooks"):  # the dry run's own hooks
+            continue
         if not text.startswith("autopar") and (f"{os.sep}torch{os.sep}" in w.filename or "FakeTensor" in text):
             continue
         line = str(w.message).strip().splitlines()[0] if str(w.message).strip() else w.category.__name__
@@ -134,8 +136,8 @@ def run(world: int | None, rank: int, steps: int, script: str, script_args: list
         lines = ", ".join(str(n) for n in sorted(set(answers.invented))[:5])
         count = len(answers.invented)
         said.append(f"{count} value{'s' if count > 1 else ''} the script read from fake tensors (line {lines}: "
-                    "loss.item() and the like) were answered as 1 or True: where it sizes or steers itself by them, it "
-                    "ran with those")
+                    f"loss.item() and the like) {'were' if count > 1 else 'was'} answered as 1 or True: where it sizes "
+                    "or steers itself by them, it ran with those")
     verdict.update(tracker.report(), seconds=round(time.monotonic() - started, 3), warnings=said, **_job_facts())
     if gpu is not None:
         verdict["device"] = {"name": gpu.name, "memory_bytes": gpu.total_memory}
