@@ -161,7 +161,7 @@ for image, label in data:
 def test_a_mindspore_loop_gets_its_batches_on_the_gpu(procs, tmp_path):
     """MindSpore's data-parallel sample's loop (a dataset, ``value_and_grad``, ``DistributedGradReducer``): its batches
     arrive on the rank's GPU, as a MindSpore dataset feeds the device -- the samples never move a batch, and on a GPU
-    job autopar's CPU batches met the network on the GPU (5 of MindSpore's 15 samples stopped there)."""
+    job autopar's CPU batches met the network on the GPU (7 of MindSpore's 15 samples stopped there)."""
     from autopar.dataset.mnist import write_synthetic_mnist
 
     data = write_synthetic_mnist(tmp_path / "MNIST_Data" / "train", train=64, test=16)
