@@ -236,10 +236,10 @@ def _conv1d_order(strategy: Any) -> tuple:
     x, weight = tuple(strategy[0]), tuple(strategy[1])
     if len(weight) != 2 or not x or x[-1] == weight[0]:
         return tuple(strategy)
-    n = max(max(x), max(weight))
-    rows, cols = f"(({', '.join(['1'] * (len(x) - 1) + [str(n)])}), ({n}, 1))", \
-        f"(({', '.join(['1'] * len(x))}), (1, {n}))"
     if x[-1] != weight[1]:
+        n = max(max(x), max(weight))
+        rows, cols = f"(({', '.join(['1'] * (len(x) - 1) + [str(n)])}), ({n}, 1))", \
+            f"(({', '.join(['1'] * len(x))}), (1, {n}))"
         raise StrategyError(f"transformers' Conv1D: strategy {tuple(strategy)} splits the contracted features "
                             f"differently in the input ({x[-1]}) and the weight ({weight[0]}): Conv1D stores its weight "
                             f"(in, out), so columns are {cols} and rows {rows}")
