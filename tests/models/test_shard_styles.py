@@ -61,13 +61,59 @@ def test_styles_and_plans_by_names_give_the_tuples():
     assert has_strategies(net)
 
 
+def _torch_style(name, **kwargs):
+    import torch.distributed.tensor.parallel as tp
+    from torch.distributed.tensor import Replicate
+
+    kwargs = {k: (Replicate(),) if v is None else v for k, v in kwargs.items()}
+    return getattr(tp, name)(**kwargs)
+
+
+def test_sequence_parallel_plans_mark_the_norms_and_prepare_the_blocks():
+    """torchtitan's plan for sequence parallelism: the norms split on the sequence (``SequenceParallel()``, the
+    string ``"sequence"``, MindSpore's one-entry tuple), the row-parallel output declared ``Shard(1)``, the blocks'
+    inputs prepared -- in one process each module computes as before (the runtime splits only under layouts)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.up, self.down = torch.nn.LayerNorm(4), torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)
+            self.drop = torch.nn.Dropout(0.0)
+
+        def forward(self, x):
+            return x + self.drop(self.down(self.up(self.norm(x))))
+
+    torch.manual_seed(0)
+    block, x = Block().double(), torch.randn(2, 6, 4, dtype=torch.float64)
+    want = block(x)
+    autopar.shard(block, {"norm": SequenceParallel(), "drop": "sequence", "up": ColwiseParallel(),
+                          "down": RowwiseParallel(output_layouts=Shard(1))})
+    autopar.shard(block, PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)))
+    assert block.norm._autopar_split == ("sequence", 1) and block.drop._autopar_split == ("sequence", 1)
+    assert block.down._autopar_output_layout == Shard(1) and block.up._autopar_output_layout is None
+    assert block._autopar_prepare is not None and torch.equal(block(x), want)
+    norm = autopar.shard(torch.nn.LayerNorm(4), ((2, 2, 1),))  # MindSpore's spelling: (dp, mp, 1)
+    assert norm._autopar_split == ("strategy", (2, 2, 1)) and has_strategies(norm)
+    assert not has_strategies(norm, splits=False)
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: autopar.shard(torch.nn.Sequential(torch.nn.Linear(2, 2)), {"*.q_proj": "colwise"}),
      "pattern '*.q_proj' matches no module of the Sequential"),
-    (lambda: autopar.shard(torch.nn.Linear(2, 2), "diagonal"), "style 'diagonal' is not one of colwise, rowwise, vocab"),
+    (lambda: autopar.shard(torch.nn.Linear(2, 2), "diagonal"), "style 'diagonal' is not one of colwise, rowwise, sequence, vocab"),
     (lambda: autopar.shard(torch.nn.Linear(2, 2), "vocab"), "'vocab' splits an nn.Embedding's vocabulary"),
     (lambda: autopar.shard(torch.nn.Embedding(4, 2, max_norm=1.0), "vocab"), "max_norm or sparse=True"),
     (lambda: autopar.shard(torch.nn.LayerNorm(2), "colwise"), "cannot shard a LayerNorm"),
+    (lambda: autopar.shard(torch.nn.Linear(2, 2), "sequence"),
+     "a sequence split is for norms and dropout between tensor-parallel layers, not a Linear (give it colwise"),
+    (lambda: autopar.shard(torch.nn.Sequential(torch.nn.LayerNorm(2)), "sequence"),
+     "Sequential has children: split its norms and dropouts by name"),
+    (lambda: autopar.shard(torch.nn.LayerNorm(2), ((1, 2, 1),), ((1, 2, 1),)), "a sequence split takes no out_strategy"),
+    (lambda: autopar.shard(torch.nn.Linear(2, 2), _torch_style("PrepareModuleOutput", output_layouts=None,
+                                                               desired_output_layouts=None)),
+     "PrepareModuleOutput is not available"),
 ])
 def test_what_cannot_be_sharded_is_one_line(call, message):
     with pytest.raises(StrategyError) as info:

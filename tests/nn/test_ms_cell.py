@@ -8,7 +8,7 @@ import torch
 import autopar
 from autopar import nn, ops
 from autopar.common.initializer import initializer
-from autopar.errors import UnsupportedError
+from autopar.errors import StrategyError, UnsupportedError
 from autopar.nn.utils import materialize_pending, no_init_parameters
 
 
@@ -74,8 +74,12 @@ def test_set_comm_fusion_is_stored_and_said_once():
 
 
 def test_names_that_cannot_be_honoured_fail_at_first_use_with_one_line():
-    with pytest.raises(UnsupportedError, match=r"^Cell.shard is not available in autopar: shard the operators"):
+    with pytest.raises(UnsupportedError, match=r"^Cell.shard is available in autopar for a cell without children"):
+        nn.SequentialCell(nn.Dense(2, 2)).shard(((1, 1),))
+    with pytest.raises(StrategyError, match=r"a sequence split is for norms and dropout .* not a Dense \(give it "):
         nn.Dense(2, 2).shard(((1, 1),))
+    norm = nn.LayerNorm((4,))
+    assert norm.shard(((1, 2, 1),)) is norm and norm._autopar_split == ("strategy", (1, 2, 1))
     with pytest.raises(UnsupportedError) as err:
         nn.MicroBatchInterleaved(None)
     assert "nn.MicroBatchInterleaved is not available in autopar" in str(err.value)

@@ -131,9 +131,22 @@ class Cell(torch.nn.Module):
                   "bucket size)")
         return self
 
-    @refuses("Cell.shard", "shard the operators inside (ops.MatMul().shard(...)) or Dense/Conv2d with "
-             "autopar.shard(module, strategy), under set_auto_parallel_context(parallel_mode='semi_auto_parallel')")
-    def shard(self, *args, **kwargs): ...
+    def shard(self, in_strategy: Any = None, out_strategy: Any = None, parameter_plan: Any = None,
+              device: str = "Ascend", level: int = 0) -> "Cell":
+        """``cell.shard(((dp, mp, 1),))`` on a cell without children (a LayerNorm, a Dropout): it runs on its input
+        split so -- sequence parallelism, MindFormers' ``use_seq_parallel`` layout (:func:`autopar.ops.shard.split_leaf`).
+        Other cells: shard the operators inside (one line says how)."""
+        from autopar.errors import UnsupportedError
+        from autopar.ops.shard import split_leaf
+
+        if (any(True for _ in self.children()) or out_strategy is not None or parameter_plan is not None
+                or not isinstance(in_strategy, (tuple, list)) or len(in_strategy) != 1):
+            raise UnsupportedError(
+                "Cell.shard is available in autopar for a cell without children given one input strategy (a norm or "
+                "dropout split on the sequence: cell.shard(((dp, mp, 1),))): shard the operators inside "
+                "(ops.MatMul().shard(...)) or Dense/Conv2d with autopar.shard(module, strategy), under "
+                "set_auto_parallel_context(parallel_mode='semi_auto_parallel')")
+        return split_leaf(self, in_strategy)
 
     @refuses("Cell.set_param_ps", "parameter-server training is not part of autopar; use data parallel "
              "(set_auto_parallel_context(parallel_mode='data_parallel'))")

@@ -19,6 +19,16 @@ embedding's vocabulary split -- what ``RowwiseParallel`` does to an ``nn.Embeddi
 ``RowwiseParallel()`` objects; over every rank, for inputs of any rank. And a whole model by module names, as
 torchtitan plans are written: ``autopar.shard(model, {"*.q_proj": "colwise", "*.o_proj": "rowwise"})``
 (``fnmatch`` patterns over ``named_modules()``; one that matches no module is an error).
+
+Sequence parallelism (Korthikanti et al. 2022), as torchtitan plans it: ``"sequence"`` or ``SequenceParallel()`` on
+a norm or dropout (any module without children) splits its input's sequence dimension over every rank -- the norms,
+dropouts and residual adds between tensor-parallel layers then hold 1/n of the activations, and the all-reduce after
+a row-parallel layer becomes a reduce-scatter (the all-gather comes before the next column-parallel one).
+``RowwiseParallel(output_layouts=Shard(1))`` reduce-scatters its output at once, ``ColwiseParallel(output_layouts=
+Replicate())`` gathers it, and ``PrepareModuleInput(desired_input_layouts=...)`` on a block redistributes its inputs
+once (a Llama's q, k and v then share one all-gather). The MindSpore spelling: a one-entry strategy on such a
+module, ``shard(norm, ((dp, mp, 1),))`` or ``cell.shard(((dp, mp, 1),))``. The runtime is
+:mod:`autopar.parallel.tensor.sequence`.
 """
 from __future__ import annotations
 
@@ -121,10 +131,26 @@ class _Sharded:
             if self._autopar_op.strategy != strategy:
                 self._autopar_op.strategy = strategy
         if isinstance(self, torch.nn.Embedding):
-            return self._autopar_op(x, self.weight)
-        if self.bias is not None:
-            return self._autopar_op(x, self.weight, self.bias)
-        return self._autopar_op(x, self.weight)
+            out = self._autopar_op(x, self.weight)
+        elif self.bias is not None:
+            out = self._autopar_op(x, self.weight, self.bias)
+        else:
+            out = self._autopar_op(x, self.weight)
+        return _laid_out_as(out, getattr(self, "_autopar_output_layout", None))
+
+
+def _laid_out_as(out: Any, layout: Any) -> Any:
+    """A style's declared output layout (``RowwiseParallel(output_layouts=Shard(1))``: reduce-scattered onto the
+    sequence now, not lazily; ``ColwiseParallel(output_layouts=Replicate())``: gathered) -- over every rank, as the
+    styles are. Outside a layout runtime the output is a plain tensor, already whole."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if layout is None or not isinstance(out, DTensor):
+        return out
+    if isinstance(layout, Shard):
+        layout = Shard(layout.dim % out.dim())
+    target = tuple(layout if isinstance(layout, (Shard, Replicate)) else Replicate() for _ in out.placements)
+    return out if tuple(out.placements) == target else out.redistribute(out.device_mesh, target)
 
 
 _SHARDED_CLASSES: dict[type, type] = {}
@@ -143,12 +169,13 @@ def _with_bias_entry(strategy: Any, bias_split: int, has_bias: bool) -> tuple:
     return strategy
 
 
-_STYLES = {"colwise", "rowwise", "vocab"}
-_TORCH_STYLES = {"ColwiseParallel": "colwise", "RowwiseParallel": "rowwise"}
+_STYLES = {"colwise", "rowwise", "vocab", "sequence"}
+_TORCH_STYLES = {"ColwiseParallel": "colwise", "RowwiseParallel": "rowwise", "SequenceParallel": "sequence"}
 
 
 def _style_of(value: Any) -> str | None:
-    """``"colwise"`` / ``"rowwise"`` / ``"vocab"``, or torch's ``ColwiseParallel()`` / ``RowwiseParallel()``."""
+    """``"colwise"`` / ``"rowwise"`` / ``"vocab"`` / ``"sequence"``, or torch's ``ColwiseParallel()`` /
+    ``RowwiseParallel()`` / ``SequenceParallel()``."""
     if isinstance(value, str):
         if value not in _STYLES:
             raise StrategyError(f"autopar.shard: style {value!r} is not one of {', '.join(sorted(_STYLES))}")
@@ -156,9 +183,24 @@ def _style_of(value: Any) -> str | None:
     name = type(value).__name__
     if name in _TORCH_STYLES:
         return _TORCH_STYLES[name]
-    if name in ("SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput"):
-        raise StrategyError(f"autopar.shard: {name} is not available; the layouts between operators are "
-                            "redistributed as needed: give colwise / rowwise for the layers")
+    if name == "PrepareModuleOutput":
+        raise StrategyError("autopar.shard: PrepareModuleOutput is not available; the layouts between operators are "
+                            "redistributed as needed (give the next module's layout, or PrepareModuleInput)")
+    return None
+
+
+def _declared_output(value: Any, style: str) -> Any:
+    """The output layout a torch style object declares where it differs from what the split gives lazily (a
+    row-parallel partial sum is resolved by its consumer; a column split stays split): ``RowwiseParallel``'s
+    ``Shard(d)``, ``ColwiseParallel``'s ``Replicate()``. None for the strings and the defaults."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    layouts = getattr(value, "output_layouts", None)
+    layout = layouts[0] if isinstance(layouts, tuple) and layouts else None
+    if style == "rowwise" and isinstance(layout, Shard):
+        return layout
+    if style == "colwise" and isinstance(layout, Replicate):
+        return layout
     return None
 
 
@@ -190,6 +232,14 @@ def shard(module: Any, in_strategy: Any, out_strategy: Any = None) -> Any:
         return module.shard(in_strategy, out_strategy)
     if isinstance(in_strategy, dict):
         return _shard_by_names(module, in_strategy)
+    if type(in_strategy).__name__ == "PrepareModuleInput":
+        return _prepare_input(module, in_strategy)
+    style = _style_of(in_strategy)
+    if style == "sequence" or (style is None and _splits_a_leaf(module, in_strategy)):
+        if out_strategy is not None:
+            raise StrategyError(f"{type(module).__name__}: a sequence split takes no out_strategy (the output keeps "
+                                "the input's layout)")
+        return split_leaf(module, getattr(in_strategy, "sequence_sharding", None) if style else in_strategy)
     conv1d = _is_conv1d(module)
     if isinstance(module, _Sharded):
         base = module._autopar_op
@@ -206,8 +256,8 @@ def shard(module: Any, in_strategy: Any, out_strategy: Any = None) -> Any:
         base = EmbeddingOp(module.padding_idx)
     else:
         raise StrategyError(f"autopar.shard cannot shard a {type(module).__name__}: supported are nn.Linear, "
-                            f"nn.Conv2d, nn.Embedding, transformers' Conv1D and the autopar.ops operators")
-    style = _style_of(in_strategy)
+                            f"nn.Conv2d, nn.Embedding, transformers' Conv1D and the autopar.ops operators; a norm or dropout "
+                              f"splits on the sequence (\"sequence\", or ((dp, mp, 1),))")
     if style is not None:
         if out_strategy is not None:
             raise StrategyError(f"{type(module).__name__}: a style ({style}) takes no out_strategy")
@@ -225,6 +275,62 @@ def shard(module: Any, in_strategy: Any, out_strategy: Any = None) -> Any:
         module._autopar_op = base
         module.__class__ = _sharded_class(type(module))
     module._autopar_style = style
+    module._autopar_output_layout = _declared_output(in_strategy, style) if style else None
+    return module
+
+
+_SPLIT_ELSEWHERE = (torch.nn.Linear, torch.nn.Conv2d, torch.nn.Embedding)
+
+
+def _splits_a_leaf(module: Any, strategy: Any) -> bool:
+    """A one-entry strategy (the input's) on a module without children that is not one of the layers split by
+    weights: MindSpore's ``norm.shard(((dp, mp, 1),))``, a sequence split."""
+    return (isinstance(module, torch.nn.Module) and not isinstance(module, (*_SPLIT_ELSEWHERE, _Sharded))
+            and not _is_conv1d(module) and isinstance(strategy, (tuple, list)) and len(strategy) == 1
+            and isinstance(strategy[0], (tuple, list)))
+
+
+def split_leaf(module: Any, split: Any) -> Any:
+    """Mark a norm / dropout / any module without children to run on its input split as ``split`` says: a strategy
+    tuple for its first input (``((dp, mp, 1),)``), or torch's ``sequence_sharding`` (``(Shard(1),)``: that dimension
+    over every rank), or None (dimension 1 over every rank). Its parameters stay whole; the runtime
+    (:mod:`autopar.parallel.tensor.sequence`) splits the input and completes their gradients."""
+    if not isinstance(module, torch.nn.Module) or isinstance(module, (*_SPLIT_ELSEWHERE, _Sharded)) \
+            or _is_conv1d(module):
+        raise StrategyError(f"autopar.shard: a sequence split is for norms and dropout between tensor-parallel layers, "
+                            f"not a {type(module).__name__} (give it colwise / rowwise)")
+    if any(True for _ in module.children()):
+        raise StrategyError(f"autopar.shard: a sequence split runs one module without children on its slice of the "
+                            f"sequence; {type(module).__name__} has children: split its norms and dropouts by name")
+    if split is None or (isinstance(split, tuple) and split and type(split[0]).__name__ == "Shard"):
+        module._autopar_split = ("sequence", split[0].dim if split else 1)
+    else:
+        entry = tuple(split[0])
+        if not all(isinstance(k, int) and k >= 1 for k in entry):
+            raise StrategyError(f"autopar.shard: {type(module).__name__}: strategy {tuple(split)} needs positive "
+                                "integers, one per dimension of the input")
+        module._autopar_split = ("strategy", entry)
+    return module
+
+
+def _prepare_input(module: Any, prepare: Any) -> Any:
+    """torch's ``PrepareModuleInput`` on a block: its inputs redistributed to ``desired_input_layouts`` (and
+    ``desired_input_kwarg_layouts``) at each call, over every rank -- once for every layer inside (a Llama's q, k
+    and v projections share one all-gather of the sequence-split input instead of three)."""
+    if not isinstance(module, torch.nn.Module):
+        raise StrategyError(f"autopar.shard: PrepareModuleInput needs a torch module, got {type(module).__name__}")
+    desired = tuple(prepare.desired_input_layouts or ())
+    desired_kw = dict(prepare.desired_input_kwarg_layouts or {})
+
+    def pre(mod, args, kwargs):
+        args = tuple(_laid_out_as(a, d) if d is not None else a for a, d in zip(args, desired)) + args[len(desired):]
+        kwargs = {k: _laid_out_as(v, desired_kw.get(k)) for k, v in kwargs.items()}
+        return args, kwargs
+
+    handle = getattr(module, "_autopar_prepare", None)
+    if handle is not None:
+        handle.remove()
+    module._autopar_prepare = module.register_forward_pre_hook(pre, with_kwargs=True)
     return module
 
 
@@ -269,8 +375,8 @@ def _shard_by_names(model: Any, plan: dict) -> Any:
     return model
 
 
-def has_strategies(*modules: torch.nn.Module | None) -> bool:
-    """Does any operator or module carry a shard strategy?"""
+def has_strategies(*modules: torch.nn.Module | None, splits: bool = True) -> bool:
+    """Does any operator or module carry a shard strategy (a sequence split counted unless ``splits=False``)?"""
     for root in modules:
         if not isinstance(root, torch.nn.Module):  # None, or a loss given as a function
             continue
@@ -278,5 +384,7 @@ def has_strategies(*modules: torch.nn.Module | None) -> bool:
             if getattr(m, "_autopar_op", None) is not None:
                 return True
             if isinstance(m, ShardablePrimitive) and m.strategy is not None:
+                return True
+            if splits and getattr(m, "_autopar_split", None) is not None:
                 return True
     return False

@@ -46,7 +46,7 @@ from autopar.ops.comm import _CommPrimitive
 from autopar.ops.primitive import Primitive
 from autopar.parallel.grads.layouts import LayoutGrads
 from autopar.parallel.state import state_of
-from autopar.parallel.tensor import local_matmul
+from autopar.parallel.tensor import local_matmul, sequence
 from autopar.parallel.tensor import placements as P
 from autopar.parallel.tensor.attention import register_attention_rules
 from autopar.parallel.tensor.explain import fused_projection_split
@@ -104,6 +104,7 @@ class SemiAutoRuntime(ParameterPlacement):
         self._leaf_params: dict[int, list[tuple[str, DTensor]]] = {}  # id(leaf module) -> its stored params
         self._regathers: dict[int, Regather] = {}  # id(leaf module) -> its level-3 hooks while it runs
         self._leaf_batched: dict[int, list[bool]] = {}  # id(leaf module) -> did its running call get batch data?
+        self._leaf_split: dict[int, list[tuple]] = {}  # id(sequence-split leaf) -> its running calls' layouts
         self.gradients_mean = gradients_mean
         self.full_batch = full_batch
         self.dataset_strategy = dataset_strategy if isinstance(dataset_strategy, (tuple, list)) else None
@@ -154,6 +155,7 @@ class SemiAutoRuntime(ParameterPlacement):
                 owners = self.owners.setdefault(name, [])
                 if (module, attr) not in owners:
                     owners.append((module, attr))
+        sequence.check_tensor_parallel(self, root)
         self._store_leaf_parameters(root)
         root.register_forward_pre_hook(self._root_pre, with_kwargs=True)
         root.register_forward_hook(self._root_post, always_call=True)
@@ -250,28 +252,40 @@ class SemiAutoRuntime(ParameterPlacement):
     def _leaf_pre(self, module, args):
         if active_runtime() is not self or is_annotated(module):
             return None
+        if sequence.is_split(module):  # sequence parallelism: on its slice of the sequence
+            local, layout, grad = sequence.enter(self, module, args)
+            self._leaf_split.setdefault(id(module), []).append(layout)
+            self._lend_parameters(module, grad)
+            return local
         # what the module computes follows its inputs: from the network's inputs (DTensors), this rank's share of
         # the batch; from tensors made inside the network (``arange`` positions, masks), the same on every rank
-        batched = any(isinstance(t, DTensor) for t in tree_flatten((args,))[0])
+        # (a batch that does not divide over the ranks -- ``full_batch`` with fewer rows than ranks -- is computed
+        # whole on every rank: its outputs are whole, its parameters' gradients too)
+        n = self.device_num
+        batched = any(isinstance(t, DTensor) and (t.dim() == 0 or t.shape[0] % n == 0 and t.shape[0] >= n)
+                      for t in tree_flatten((args,))[0])
         local = tree_map(lambda t: P.to_data_parallel_local(t) if isinstance(t, DTensor) else t, args)
         local_batch = next((a.shape[0] for a, t in zip(tree_flatten((local,))[0], tree_flatten((args,))[0])
                             if isinstance(t, DTensor) and t.dim() >= 1), None)
         self._leaf_batched.setdefault(id(module), []).append((batched, local_batch))
+        # Its parameters' gradients here are this rank's part of the sum when the module computed on this rank's
+        # batch, the whole gradient already when it computed on what every rank holds alike
+        self._lend_parameters(module, tuple(Partial() if batched else Replicate() for _ in P.replicate_placements()))
+        return local
+
+    def _lend_parameters(self, module, grad: tuple) -> None:
+        """The module's whole parameters for this call only (under ZeRO an all-gather, the gradient reduce-scattered
+        back); ``grad``: the placements their local gradient has."""
         stored_params = self._leaf_params.get(id(module), ())
         regather = Regather() if stored_params and self.zero_level == "level3" else None
         whole = P.replicate_placements()
         for attr, stored in stored_params:
-            # the whole parameter for this call only (under ZeRO an all-gather, its gradient reduce-scattered back).
-            # Its gradient here is this rank's part of the sum when the module computed on this rank's batch, the
-            # whole gradient already when it computed on what every rank holds alike
-            grad = tuple(Partial() if batched else Replicate() for _ in whole)
             module._parameters[attr] = stored.redistribute(stored.device_mesh, whole).to_local(grad_placements=grad)
             if regather is not None:
                 regather.add(module._parameters[attr], stored, whole)
         if regather is not None:
             regather.__enter__()  # left in _leaf_post (always called, also when the forward raises)
             self._regathers[id(module)] = regather
-        return local
 
     def _leaf_post(self, module, args, output):
         if active_runtime() is not self or is_annotated(module):
@@ -281,6 +295,9 @@ class SemiAutoRuntime(ParameterPlacement):
         regather = self._regathers.pop(id(module), None)
         if regather is not None:
             regather.__exit__(None, None, None)
+        split = self._leaf_split.get(id(module))
+        if split:
+            return sequence.leave(self, module, output, split.pop())
         batched = self._leaf_batched.get(id(module))
         batched, local_batch = batched.pop() if batched else (True, None)
         n = self.device_num
