@@ -1,0 +1,131 @@
+"""Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"):
+the norms, dropouts and residual adds between tensor-parallel layers run on a slice of the sequence.
+
+A module marked by :func:`autopar.ops.shard.split_leaf` (``"sequence"`` / ``SequenceParallel()`` / a one-entry
+strategy such as ``((dp, mp, 1),)``) runs, under a layout runtime, on its input laid out as its strategy says: the
+sequence split over the tensor-parallel ranks (and the batch over the data-parallel ones). What that does to the
+communication follows from the layouts alone, as in Megatron-LM:
+
+- the row-parallel layer before it leaves a partial sum; bringing that onto the split sequence is a
+  reduce-scatter (where tensor parallelism alone all-reduces);
+- the column-parallel layer after it needs the whole sequence: an all-gather;
+- the residual adds in between meet two sequence-split tensors and stay split.
+
+So every rank holds 1/t of those activations. The module's parameters stay whole on every rank; each rank's gradient
+is its slice's part of the sum, completed over the ranks that split the input (replicated over the others).
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.utils._pytree import tree_flatten, tree_map
+
+from autopar.comm.topology import world_mesh
+from autopar.errors import StrategyError
+from autopar.layout import spec as S
+from autopar.layout.layout import Layout
+from autopar.layout.strategy import derive_plan
+from autopar.parallel.tensor import placements as P
+
+
+def is_split(module: torch.nn.Module) -> bool:
+    return getattr(module, "_autopar_split", None) is not None
+
+
+def strategy_of(module: torch.nn.Module, ndim: int, device_num: int) -> tuple[int, ...]:
+    """The module's split of an input of ``ndim`` dimensions: its strategy, or ``SequenceParallel``'s sequence
+    dimension over every rank."""
+    kind, value = module._autopar_split
+    if kind == "strategy":
+        return tuple(value)
+    dim = value % ndim if ndim else 0
+    return tuple(device_num if d == dim else 1 for d in range(ndim))
+
+
+def _words(name: str, module: torch.nn.Module, strategy: tuple, shape: tuple, device_num: int) -> str:
+    """Why ``strategy`` does not fit the module's input, as the user wrote it."""
+    what = f"module '{name}' ({type(module).__name__}) split {strategy} over {device_num} ranks"
+    if len(strategy) != len(shape):
+        return (f"{what}: the strategy has {len(strategy)} values but the module's input has {len(shape)} dimensions "
+                f"(shape {shape})")
+    if len(strategy) and strategy[-1] > 1:
+        return (f"{what}: its last dimension (the features it normalises) stays whole -- split the sequence, "
+                f"(dp, mp, 1)")
+    for d, (k, size) in enumerate(zip(strategy, shape)):
+        if k > 1 and size % k:
+            part = "sequence" if d == 1 else f"dimension {d}"
+            return (f"{what}: its {part} ({size}) cannot be split into {k} parts (make it a multiple of {k}, or "
+                    "leave the module whole)")
+    return ""
+
+
+def input_layout(rt, module: torch.nn.Module, x: torch.Tensor) -> Layout:
+    shape = tuple(x.shape)
+    strategy = strategy_of(module, len(shape), rt.device_num)
+    name = rt.names.get(id(module), type(module).__name__)
+    said = _words(name, module, strategy, shape, rt.device_num)
+    if said:
+        raise StrategyError(said)
+    labels = S.LETTERS[:len(shape)]
+    spec = S.OpSpec((labels,), labels, unsplittable=frozenset(labels[-1:]))
+    try:
+        return derive_plan(name, spec, (strategy,), (shape,), rt.device_num).inputs[0]
+    except StrategyError as exc:
+        raise StrategyError(f"module '{name}' ({type(module).__name__}) split {strategy}: "
+                            f"{str(exc).split(': ', 1)[-1]}") from None
+
+
+def enter(rt, module: torch.nn.Module, args: tuple) -> tuple[tuple, tuple, tuple]:
+    """The module's arguments as this rank's slices; returns (local args, (placements, input rank), gradient
+    placements of its whole parameters)."""
+    flat = [t for t in tree_flatten((args,))[0] if isinstance(t, torch.Tensor)]
+    if not flat:
+        return args, (), P.replicate_placements()
+    x = flat[0]
+    placements = input_layout(rt, module, x).placements()
+    mesh = world_mesh()
+
+    def local(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        if tuple(t.shape) == tuple(x.shape):
+            dt = t if isinstance(t, DTensor) else P.to_dtensor_replicated(t)
+            if tuple(dt.placements) != placements:
+                dt = dt.redistribute(mesh, placements)
+            return dt.to_local()
+        return t.full_tensor() if isinstance(t, DTensor) else t  # a mask or table beside it: whole
+
+    grad = tuple(Partial() if isinstance(p, Shard) else Replicate() for p in placements)
+    return tree_map(local, args), (placements, x.dim()), grad
+
+
+def leave(rt, module: torch.nn.Module, output, layout: tuple):
+    """The module's outputs back as DTensors laid out as its input was."""
+    if not layout:
+        return output
+    placements, ndim = layout
+
+    def wrap(t):
+        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+            if t.dim() != ndim:
+                name = rt.names.get(id(module), type(module).__name__)
+                raise StrategyError(f"module '{name}' ({type(module).__name__}) split on the sequence returned a "
+                                    f"{t.dim()}-dimensional tensor: a split module must keep its input's shape "
+                                    "(a norm, a dropout); leave this one whole")
+            return P.wrap_local(t, placements)
+        return t
+
+    return tree_map(wrap, output)
+
+
+def check_tensor_parallel(rt, root: torch.nn.Module) -> None:
+    """Sequence parallelism splits what lies *between* tensor-parallel layers; without any, it is only a slower data
+    parallelism over the sequence: one line."""
+    from autopar.ops.shard import has_strategies
+
+    split = next((name for name, m in root.named_modules() if is_split(m)), None)
+    if split is not None and not has_strategies(root, splits=False):
+        raise StrategyError(f"module '{split or type(root).__name__}' is split on the sequence but no layer of the "
+                            "network is split by tensor parallelism: sequence parallelism splits the norms between "
+                            "column- and row-parallel layers -- shard those too (colwise / rowwise), or train data "
+                            "parallel")
