@@ -1,13 +1,15 @@
 """A nanoGPT-style training script as its user writes it, in the mode argv[1] names -- dp, zero1, zero2, zero3,
-semi_megatron (Megatron strategies by ``autopar.shard``), pipeline (2 stages, ``PipelineParallel``), auto -- for the
-dry run's tests: the same script is run simulated (``autopar launch --dry-run``) and for real on gloo ranks.
-argv: MODE [n_layer n_embd vocab block batch [eager|deferred]] (a tiny GPT by default, built eagerly; deferred:
-``autopar.deferred_init``, each rank materialising only what it keeps)."""
+semi_megatron (Megatron strategies by ``autopar.shard``), semi_megatron_sp (and sequence parallelism), pipeline (2
+stages, ``PipelineParallel``), auto -- for the dry run's tests: the same script is run simulated (``autopar launch
+--dry-run``) and for real on gloo ranks.
+argv: MODE [n_layer n_embd vocab block batch [eager|deferred [full_batch]]] (a tiny GPT by default, built eagerly;
+deferred: ``autopar.deferred_init``, each rank materialising only what it keeps; full_batch: every rank feeds the same
+``batch`` rows, Megatron's tensor-parallel contract)."""
 import sys
 
 import torch
 from gpt import GPT, GPTConfig
-from gpt_modes import megatron, set_mode
+from gpt_modes import megatron, sequence_parallel, set_mode
 
 import autopar
 
@@ -18,11 +20,15 @@ build = sys.argv[7] if len(sys.argv) > 7 else "eager"
 autopar.communication.init()
 n = autopar.communication.get_group_size()
 set_mode(mode)
+if sys.argv[8:9] == ["full_batch"]:
+    autopar.set_auto_parallel_context(full_batch=True)
 torch.manual_seed(0)
 config = GPTConfig(block_size=block, vocab_size=vocab, n_layer=n_layer, n_head=max(1, n_embd // 32), n_embd=n_embd)
 model = autopar.deferred_init(GPT, config) if build == "deferred" else GPT(config)
-if mode == "semi_megatron":
+if mode.startswith("semi_megatron"):
     megatron(model, n)
+if mode == "semi_megatron_sp":
+    sequence_parallel(model, n)
 opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95))
 runner = None
 if mode == "pipeline":

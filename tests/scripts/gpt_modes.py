@@ -1,12 +1,14 @@
 """The parallel modes the GPT test scripts name (dryrun_gpt.py, cuda_gpt.py): dp, zero1, zero2, zero3,
-semi_megatron (Megatron strategies by ``autopar.shard``), pipeline, auto."""
+semi_megatron (Megatron strategies by ``autopar.shard``), semi_megatron_sp (and the norms and dropouts split on the
+sequence), pipeline, auto."""
 import autopar
 
 GPT_COLUMNS, GPT_ROWS = ("attn.c_attn", "mlp.c_fc"), ("attn.c_proj", "mlp.c_proj")
 
 
 def set_mode(mode: str) -> None:
-    name = {"auto": "auto_parallel", "semi_megatron": "semi_auto_parallel"}.get(mode, "data_parallel")
+    name = {"auto": "auto_parallel", "semi_megatron": "semi_auto_parallel",
+            "semi_megatron_sp": "semi_auto_parallel"}.get(mode, "data_parallel")
     autopar.set_auto_parallel_context(parallel_mode=name, gradients_mean=True)
     if mode.startswith("zero"):
         autopar.set_auto_parallel_context(enable_parallel_optimizer=True,
@@ -20,3 +22,13 @@ def megatron(model, n: int, columns=GPT_COLUMNS, rows=GPT_ROWS) -> None:
             autopar.shard(module, ((1, 1, 1), (n, 1)))
         elif name.endswith(rows):
             autopar.shard(module, ((1, 1, n), (1, n)))
+
+
+GPT_SPLITS = ("ln_1", "ln_2", "ln_f", "drop", "resid_dropout", "mlp.dropout")
+
+
+def sequence_parallel(model, n: int) -> None:
+    """Megatron's sequence parallelism beside :func:`megatron`: the norms and dropouts split on the sequence."""
+    for name, module in model.named_modules():
+        if name.endswith(GPT_SPLITS):
+            autopar.shard(module, ((1, n, 1),))

@@ -1,0 +1,54 @@
+"""What sequence parallelism saves, by the dry run's tracker: a nanoGPT-style GPT (4 layers, hidden 512, vocabulary
+8192, sequence 1024) under Megatron's tensor parallelism on 2 and 4 simulated ranks, Megatron's data contract (every
+rank the same sequence: ``full_batch``, batch 1), with and without the norms and dropouts split on the sequence
+(tests/scripts/dryrun_gpt.py, modes semi_megatron / semi_megatron_sp). Per case: rank 0's training-step peak and its
+parts. Deterministic (the tracker counts bytes), so one round.
+
+    python bench/sequence_parallel.py [--out bench/results/sequence_parallel.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests", "scripts", "dryrun_gpt.py")
+GPT = ["4", "512", "8192", "1024", "1", "eager", "full_batch"]
+MiB = 2**20
+
+
+def step_peak(mode: str, world: int) -> dict:
+    with tempfile.TemporaryDirectory() as logs:
+        res = subprocess.run([sys.executable, "-m", "autopar.cli.main", "launch", "--dry-run", "-n", str(world),
+                              "--log-dir", logs, SCRIPT, mode, *GPT], capture_output=True, text=True)
+        if res.returncode:
+            raise SystemExit(f"{mode} on {world}: {res.stderr.strip()[-2000:]}")
+        return json.load(open(os.path.join(logs, "dryrun.json")))["ranks"]["0"]["steady"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    rows = {}
+    for world in (2, 4):
+        for mode in ("semi_megatron", "semi_megatron_sp"):
+            step = step_peak(mode, world)
+            rows[f"{mode}@{world}"] = {k: step[k] for k in ("peak_bytes", "parameters", "gradients", "optimizer",
+                                                             "activations", "other")}
+            print(f"{mode:17s} tp {world}: step peak {step['peak_bytes'] / MiB:7.2f} MiB, activations "
+                  f"{step['activations'] / MiB:7.2f} MiB, other {step['other'] / MiB:6.2f} MiB", flush=True)
+    for world in (2, 4):
+        tp, sp = rows[f"semi_megatron@{world}"], rows[f"semi_megatron_sp@{world}"]
+        print(f"tp {world}: sequence parallelism keeps {sp['activations'] / tp['activations']:.3f} of the "
+              f"activations, {sp['peak_bytes'] / tp['peak_bytes']:.3f} of the step's peak")
+    if args.out:
+        json.dump({"gpt": dict(zip(("n_layer", "n_embd", "vocab", "block", "batch"), map(int, GPT[:5]))),
+                   "cases": rows}, open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
