@@ -1,8 +1,12 @@
-"""What sequence parallelism saves, by the dry run's tracker: a nanoGPT-style GPT (4 layers, hidden 512, vocabulary
-8192, sequence 1024) under Megatron's tensor parallelism on 2 and 4 simulated ranks, Megatron's data contract (every
-rank the same sequence: ``full_batch``, batch 1), with and without the norms and dropouts split on the sequence
-(tests/scripts/dryrun_gpt.py, modes semi_megatron / semi_megatron_sp). Per case: rank 0's training-step peak and its
-parts. Deterministic (the tracker counts bytes), so one round.
+"""What sequence and context parallelism save, by the dry run's tracker: a nanoGPT-style GPT (4 layers, hidden 512,
+vocabulary 8192, sequence 1024, batch 1; tests/scripts/dryrun_gpt.py).
+
+- Sequence parallelism: Megatron's tensor parallelism on 2 and 4 simulated ranks under Megatron's data contract
+  (every rank the same sequence: ``full_batch``), with and without the norms and dropouts split on the sequence
+  (modes semi_megatron / semi_megatron_sp).
+- Context parallelism: the sequence split over 2 and 4 ranks (mode cp) against the same job on one rank.
+
+Per case: rank 0's training-step peak and its parts. Deterministic (the tracker counts bytes), so one round.
 
     python bench/sequence_parallel.py [--out bench/results/sequence_parallel.json]
 """
@@ -21,9 +25,10 @@ MiB = 2**20
 
 
 def step_peak(mode: str, world: int) -> dict:
+    gpt = GPT if mode.startswith("semi") else GPT[:-1]  # full_batch: Megatron's tensor-parallel contract
     with tempfile.TemporaryDirectory() as logs:
         res = subprocess.run([sys.executable, "-m", "autopar.cli.main", "launch", "--dry-run", "-n", str(world),
-                              "--log-dir", logs, SCRIPT, mode, *GPT], capture_output=True, text=True)
+                              "--log-dir", logs, SCRIPT, mode, *gpt], capture_output=True, text=True)
         if res.returncode:
             raise SystemExit(f"{mode} on {world}: {res.stderr.strip()[-2000:]}")
         return json.load(open(os.path.join(logs, "dryrun.json")))["ranks"]["0"]["steady"]
@@ -34,17 +39,22 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     rows = {}
-    for world in (2, 4):
-        for mode in ("semi_megatron", "semi_megatron_sp"):
-            step = step_peak(mode, world)
-            rows[f"{mode}@{world}"] = {k: step[k] for k in ("peak_bytes", "parameters", "gradients", "optimizer",
-                                                             "activations", "other")}
-            print(f"{mode:17s} tp {world}: step peak {step['peak_bytes'] / MiB:7.2f} MiB, activations "
-                  f"{step['activations'] / MiB:7.2f} MiB, other {step['other'] / MiB:6.2f} MiB", flush=True)
+    for mode, world in [("semi_megatron", 2), ("semi_megatron_sp", 2), ("semi_megatron", 4), ("semi_megatron_sp", 4),
+                        ("cp", 1), ("cp", 2), ("cp", 4)]:
+        step = step_peak(mode, world)
+        rows[f"{mode}@{world}"] = {k: step[k] for k in ("peak_bytes", "parameters", "gradients", "optimizer",
+                                                         "activations", "other")}
+        print(f"{mode:17s} on {world}: step peak {step['peak_bytes'] / MiB:7.2f} MiB, activations "
+              f"{step['activations'] / MiB:7.2f} MiB, other {step['other'] / MiB:6.2f} MiB", flush=True)
     for world in (2, 4):
         tp, sp = rows[f"semi_megatron@{world}"], rows[f"semi_megatron_sp@{world}"]
         print(f"tp {world}: sequence parallelism keeps {sp['activations'] / tp['activations']:.3f} of the "
               f"activations, {sp['peak_bytes'] / tp['peak_bytes']:.3f} of the step's peak")
+    one = rows["cp@1"]
+    for world in (2, 4):
+        cp = rows[f"cp@{world}"]
+        print(f"cp {world}: context parallelism keeps {cp['activations'] / one['activations']:.3f} of one rank's "
+              f"activations, {cp['peak_bytes'] / one['peak_bytes']:.3f} of its step's peak")
     if args.out:
         json.dump({"gpt": dict(zip(("n_layer", "n_embd", "vocab", "block", "batch"), map(int, GPT[:5]))),
                    "cases": rows}, open(args.out, "w"), indent=1)

@@ -3,7 +3,7 @@
 (a padding mask) built from config objects (no downloads), called with keyword inputs and ``labels=`` (the loss
 inside ``forward``, a ``ModelOutput`` back), float64, AdamW + 2 micro-steps + ``clip_grad_norm_(1.0)`` -- equal to
 one process on the same global batches, ``state_dict()`` loading into a fresh one-process model, and (sliced and
-ZeRO-3 modes) ``save_pretrained`` read back by ``from_pretrained``. One launch runs
+ZeRO-3 modes) ``save_pretrained`` read back by ``from_pretrained``; the causal LMs also context parallel. One launch runs
 every case (tests/scripts/hf_train.py)."""
 import pytest
 
@@ -23,8 +23,11 @@ SPLIT = {"llama": {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj
 
 
 def test_transformers_models_train_exactly_in_every_mode(procs, tmp_path):
-    # wrapped_pipe: a user's wrapper returning .logits, pipelined (its stages pass a strided mask and RoPE tables)
-    cases = [[m, mode] for m in MODELS for mode in MODES] + [["llama", "wrapped_pipe"], ["gpt2", "wrapped_pipe"]]
+    # wrapped_pipe: a user's wrapper returning .logits, pipelined (its stages pass a strided mask and RoPE tables);
+    # cp: context parallelism -- each rank loads half of every sequence (input_ids and labels), RoPE's positions,
+    # the causal mask and the shifted labels of the loss inside forward taken at their global places
+    cases = [[m, mode] for m in MODELS for mode in MODES] + [[m, x] for x in ("wrapped_pipe", "cp")
+                                                             for m in ("llama", "gpt2")]
     for rank, case, r in train_cases(procs, tmp_path, cases):
         model, mode = case.split("/")
         if mode in ("megatron", "names", "zero3"):  # save_pretrained from the parallel model, from_pretrained
@@ -36,7 +39,7 @@ def test_transformers_models_train_exactly_in_every_mode(procs, tmp_path):
                 (rank, case, r["split"])
         elif mode == "lone":  # the single operators split, and the results exact (checked in train_cases)
             assert r["split"], (rank, case, r["split"])
-        elif mode in ("data", "semi"):  # whole parameters (ZeRO stores slices; AUTO chooses)
+        elif mode in ("data", "semi", "cp"):  # whole parameters (ZeRO stores slices; AUTO chooses)
             assert not r["split"], (rank, case, r["split"])
         elif mode == "auto_tight":  # under the limit weights are stored as slices: the planner's ZeRO-3, or a
             # layout of the operators that fits and measured faster in the round (BERT's did)

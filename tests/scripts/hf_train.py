@@ -16,7 +16,8 @@ float32 -- and its first ``q_proj`` alone by columns -- heads split in the query
 batch; BERT's first ``query`` alone by columns -- its padding mask must follow onto the batch), pipe (``autopar.PipelineParallel`` in 2
 stages split before the second block, the loss as ``loss_fn`` on the logits; against one process whose micro-steps'
 gradients add up, as a pipeline step per micro-step gives), wrapped_pipe (the same, the causal LM inside a
-user's six-line wrapper returning ``.logits``). Per case: the largest parameter difference and ``state_dict()`` loaded into a fresh one-process
+user's six-line wrapper returning ``.logits``), cp (context parallelism: ``dataset_strategy=((1, n), (1, n))``, each
+rank loading its slice of every sequence). Per case: the largest parameter difference and ``state_dict()`` loaded into a fresh one-process
 model, and which parameters are stored split. Writes JSON to OUT_PREFIX.<rank>.
 """
 import json
@@ -68,10 +69,16 @@ def build(model: str) -> torch.nn.Module:
     return VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=4, num_classes=5)
 
 
+SEQUENCE_PARTS: list[int] = []  # context parallelism: [parts, part] -- each rank loads its slice of the sequence
+
+
 def inputs_of(model_name: str, step: int, micro: int, parts: int = 1, part: int = 0) -> tuple[tuple, dict]:
     """The call as the library's users write it: positional and keyword inputs."""
     rows = slice(part * GLOBAL // parts, (part + 1) * GLOBAL // parts)
     ids = IDS[step, micro, rows]
+    if SEQUENCE_PARTS:
+        cp, c = SEQUENCE_PARTS
+        ids = IDS[step, micro, :, c * SEQ // cp:(c + 1) * SEQ // cp].clone()
     if model_name in ("llama", "gpt2"):
         return (), {"input_ids": ids, "labels": ids}
     if model_name == "bert":
@@ -110,6 +117,7 @@ def reference(model_name: str, summed: bool = False) -> dict:
     """One process on the global batches; ``summed``: the micro-steps' gradients added undivided (what a
     pipeline's ``step()`` per micro-step gives: each is the mean over its own pipeline micro-batches)."""
     autopar.reset_auto_parallel_context()
+    SEQUENCE_PARTS.clear()  # the whole sequence
     with autopar.context.managed():  # one process: its calls must not parallelize it
         model = build(model_name)
         step_fn = (lambda step, micro: outside_loss(model_name, model, step, micro).backward()) if summed else None
@@ -178,6 +186,9 @@ def set_mode(mode: str) -> None:
     if mode.startswith("zero"):
         autopar.set_auto_parallel_context(enable_parallel_optimizer=True,
                                           parallel_optimizer_config={"optimizer_level": f"level{mode[-1]}"})
+    SEQUENCE_PARTS[:] = [n, rank] if mode == "cp" else []
+    if mode == "cp":  # context parallelism: input_ids and labels split on the sequence
+        autopar.set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy=((1, n), (1, n)))
 
 
 # Megatron's plan per model: the first projection of attention and MLP split by columns (output features), the
@@ -240,7 +251,7 @@ def run(model_name: str, mode: str, ref: dict) -> dict:
         train(model_name, model, micro_step=pipelined(model_name, model, wrapped=mode == "wrapped_pipe"))
         ref = reference(model_name, summed=True)
     else:
-        train(model_name, model, n, rank)
+        train(model_name, model, *((1, 0) if mode == "cp" else (n, rank)))
     got = full(model)
     worst = max((got[k] - ref[k]).abs().max().item() for k in ref)
     sd = model.state_dict()

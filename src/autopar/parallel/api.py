@@ -153,6 +153,7 @@ def _dispatch(state: ParallelState, network, loss_fn, optimizer, sample, ctx, sa
     if mode is ParallelMode.STAND_ALONE:
         _whole(network)
         return
+    _check_context_parallel(ctx, mode)
     layerwise = layerwise_names(network)
     if layerwise and mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL):
         raise ConfigError(f"layerwise_parallel parameters {layerwise} need parallel_mode=hybrid_parallel "
@@ -244,7 +245,26 @@ def lays_out(network, loss_fn, ctx) -> bool:
     if ctx.parallel_mode is ParallelMode.AUTO_PARALLEL:
         return True
     return ctx.parallel_mode is ParallelMode.SEMI_AUTO_PARALLEL and (has_strategies(network, loss_fn)
-                                                                     or bool(ctx.strategy_ckpt_load_file))
+                                                                     or bool(ctx.strategy_ckpt_load_file)
+                                                                     or splits_the_sequence(ctx))
+
+
+def _check_context_parallel(ctx, mode) -> None:
+    """A sequence split runs in SEMI_AUTO_PARALLEL (its layouts carry the tokens' places): elsewhere each rank would
+    train its slice as if it were a whole sequence -- one line. ``context_parallel_algo`` without one: said."""
+    if splits_the_sequence(ctx) and mode is not ParallelMode.SEMI_AUTO_PARALLEL:
+        raise ConfigError(f"dataset_strategy={ctx.dataset_strategy} splits the sequence (context parallelism), which "
+                          f"runs in parallel_mode='semi_auto_parallel' (now {mode.value}): each rank would attend "
+                          "only within its own slice")
+    if ctx.context_parallel_algo != "all_gather" and not splits_the_sequence(ctx):
+        _warn_once("context_parallel_algo", f"autopar: context_parallel_algo={ctx.context_parallel_algo!r} is not "
+                   "applied: no dataset_strategy splits the sequence (e.g. ((dp, cp), (dp, cp)))")
+
+
+def splits_the_sequence(ctx) -> bool:
+    """``dataset_strategy`` splitting the inputs' dimension 1 (the sequence): context parallelism."""
+    strategy = ctx.dataset_strategy if isinstance(ctx.dataset_strategy, (tuple, list)) else ()
+    return any(isinstance(e, (tuple, list)) and len(e) > 1 and int(e[1]) > 1 for e in strategy)
 
 
 def _attach_layouts(state, network, loss_fn, optimizer, ctx, zero) -> None:
@@ -254,7 +274,7 @@ def _attach_layouts(state, network, loss_fn, optimizer, ctx, zero) -> None:
     runtime = SemiAutoRuntime(
         gradients_mean=ctx.gradients_mean, full_batch=ctx.full_batch, parameter_broadcast=ctx.parameter_broadcast,
         strategy_save_file=ctx.strategy_ckpt_save_file, strategy_load_file=ctx.strategy_ckpt_load_file,
-        dataset_strategy=ctx.dataset_strategy, zero_level=zero,
+        dataset_strategy=ctx.dataset_strategy, zero_level=zero, context_parallel_algo=ctx.context_parallel_algo,
         zero_shard_size=shard_size_of(ctx, state.world) if zero else None)
     state.runtime = runtime
     state.engines.append(runtime.grads)

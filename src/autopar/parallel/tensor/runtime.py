@@ -46,7 +46,7 @@ from autopar.ops.comm import _CommPrimitive
 from autopar.ops.primitive import Primitive
 from autopar.parallel.grads.layouts import LayoutGrads
 from autopar.parallel.state import state_of
-from autopar.parallel.tensor import local_matmul, sequence
+from autopar.parallel.tensor import context, local_matmul, sequence
 from autopar.parallel.tensor import placements as P
 from autopar.parallel.tensor.attention import register_attention_rules
 from autopar.parallel.tensor.explain import fused_projection_split
@@ -92,7 +92,7 @@ class SemiAutoRuntime(ParameterPlacement):
     def __init__(self, gradients_mean: bool, full_batch: bool = False, parameter_broadcast: bool = False,
                  strategy_save_file: str | None = None, strategy_load_file: str | None = None,
                  dataset_strategy: Any = "data_parallel", zero_level: str | None = None,
-                 zero_shard_size: int | None = None):
+                 zero_shard_size: int | None = None, context_parallel_algo: str = "all_gather"):
         self.device_num = world_size()
         register_attention_rules()
         register_cast_handler()
@@ -123,6 +123,12 @@ class SemiAutoRuntime(ParameterPlacement):
         self.loss_was_global = False
         self._depth = 0
         self._matmul_mode = None
+        self._attention_mode = None
+        # context parallelism: the inputs split on their sequence (dimension 1) -- token-wise modules keep that
+        # split, attention gathers keys and values (parallel/tensor/context.py)
+        self.context_parallel_algo = context_parallel_algo
+        self.sequence_split = any(len(e) > 1 and any(int(k) > 1 for k in tuple(e)[1:2])
+                                  for e in self.dataset_strategy or ())
         self._hooked: set[int] = set()
         self._strategy_written = False
         self.loss_root: torch.nn.Module | None = None  # network + loss, when Model gave a loss
@@ -196,6 +202,8 @@ class SemiAutoRuntime(ParameterPlacement):
             self._executing.__enter__()
             if len(world_mesh().shape) > 1:  # a dimension may be split over two mesh axes
                 self._matmul_mode = local_matmul.enter()
+            if self.sequence_split:  # context parallelism: attention over the split sequence
+                self._attention_mode = context.enter(self.context_parallel_algo)
         self._depth += 1
         return True
 
@@ -206,6 +214,9 @@ class SemiAutoRuntime(ParameterPlacement):
             executing, self._executing = self._executing, None
             if executing is not None:
                 executing.__exit__(None, None, None)
+            attention, self._attention_mode = self._attention_mode, None
+            if attention is not None:
+                context.leave(attention)
             mode, self._matmul_mode = self._matmul_mode, None
             if mode is not None:
                 local_matmul.leave(mode)
@@ -215,6 +226,8 @@ class SemiAutoRuntime(ParameterPlacement):
         if not self._enter():
             return None
         if outer:
+            if self.sequence_split:
+                context.check_equal_slices(args, kwargs, self)
             count = iter(range(10**9))
 
             def convert(t):
@@ -252,8 +265,9 @@ class SemiAutoRuntime(ParameterPlacement):
     def _leaf_pre(self, module, args):
         if active_runtime() is not self or is_annotated(module):
             return None
-        if sequence.is_split(module):  # sequence parallelism: on its slice of the sequence
-            local, layout, grad = sequence.enter(self, module, args)
+        follow = self.sequence_split and sequence.follows(args)
+        if follow or sequence.is_split(module):  # sequence / context parallelism: on its slice of the sequence
+            local, layout, grad = sequence.enter(self, module, args, follow=follow)
             self._leaf_split.setdefault(id(module), []).append(layout)
             self._lend_parameters(module, grad)
             return local

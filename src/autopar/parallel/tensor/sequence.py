@@ -75,14 +75,27 @@ def input_layout(rt, module: torch.nn.Module, x: torch.Tensor) -> Layout:
                             f"{str(exc).split(': ', 1)[-1]}") from None
 
 
-def enter(rt, module: torch.nn.Module, args: tuple) -> tuple[tuple, tuple, tuple]:
+def follows(args) -> bool:
+    """Under context parallelism: does a module get a tensor split on its sequence (dimension 1)? It then runs on
+    that split, as a token-wise module does."""
+    return any(isinstance(t, DTensor) and t.dim() >= 2 and any(isinstance(p, Shard) and p.dim == 1
+                                                                for p in t.placements)
+               for t in tree_flatten((args,))[0])
+
+
+def enter(rt, module: torch.nn.Module, args: tuple, follow: bool = False) -> tuple[tuple, tuple, tuple]:
     """The module's arguments as this rank's slices; returns (local args, (placements, input rank), gradient
-    placements of its whole parameters)."""
+    placements of its whole parameters). ``follow``: the layout of the first sequence-split input (context
+    parallelism), not the module's own split."""
     flat = [t for t in tree_flatten((args,))[0] if isinstance(t, torch.Tensor)]
     if not flat:
         return args, (), P.replicate_placements()
-    x = flat[0]
-    placements = input_layout(rt, module, x).placements()
+    if follow:
+        x = next(t for t in flat if follows((t,)))
+        placements = tuple(Replicate() if isinstance(p, Partial) else p for p in x.placements)
+    else:
+        x = flat[0]
+        placements = input_layout(rt, module, x).placements()
     mesh = world_mesh()
 
     def local(t):
@@ -96,19 +109,29 @@ def enter(rt, module: torch.nn.Module, args: tuple) -> tuple[tuple, tuple, tuple
         return t.full_tensor() if isinstance(t, DTensor) else t  # a mask or table beside it: whole
 
     grad = tuple(Partial() if isinstance(p, Shard) else Replicate() for p in placements)
-    return tree_map(local, args), (placements, x.dim()), grad
+    # under context parallelism an output as long as the whole sequence was made from what every rank holds
+    # whole (a rotary table from the positions, the activations given only for their dtype): replicated
+    whole_length = x.shape[1] if follow else None
+    return tree_map(local, args), (placements, None if follow else x.dim(), whole_length), grad
 
 
 def leave(rt, module: torch.nn.Module, output, layout: tuple):
     """The module's outputs back as DTensors laid out as its input was."""
     if not layout:
         return output
-    placements, ndim = layout
+    placements, ndim, whole_length = layout
 
     def wrap(t):
         if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
-            if t.dim() != ndim:
+            if whole_length is not None and t.dim() >= 2 and t.shape[1] == whole_length:
+                return P.to_dtensor_replicated(t)
+            if t.dim() != ndim and not (ndim is None and t.dim() >= 2):
                 name = rt.names.get(id(module), type(module).__name__)
+                if ndim is None:
+                    raise StrategyError(f"module '{name}' ({type(module).__name__}) ran on its slice of the sequence "
+                                        f"(context parallelism) and returned a {t.dim()}-dimensional tensor: a "
+                                        "module that reduces over tokens (a loss module) sees only its slice -- "
+                                        "compute the loss with torch's functions on the network's outputs")
                 raise StrategyError(f"module '{name}' ({type(module).__name__}) split on the sequence returned a "
                                     f"{t.dim()}-dimensional tensor: a split module must keep its input's shape "
                                     "(a norm, a dropout); leave this one whole")

@@ -1,0 +1,238 @@
+"""Context parallelism: attention over a sequence split across ranks.
+
+A job that splits its inputs' sequence (``dataset_strategy=((dp, cp), (dp, cp))``: dimension 1 over cp ranks) runs
+every token-wise module on its slice of the sequence -- embeddings, norms, projections, the MLP, the loss's logits --
+so activations per rank fall by cp. Only attention needs the other ranks' tokens: a query attends to every earlier
+key. Here each rank gathers the keys and values of its context-parallel group (an all-gather, whose backward
+reduce-scatters their gradients) and attends with its own queries, under the causal mask at their global positions
+-- the all-gather form Llama 3 trained with (Dubey et al. 2024, section 3.3.2), exact: every query's softmax runs over
+the same keys as in one process. Or (``context_parallel_algo="ulysses"``) DeepSpeed-Ulysses: an all-to-all moves
+query, keys and values onto a split of the heads, attention runs whole over the sequence, and the output moves back. torch's own ``context_parallel`` has no CPU kernel rule (its ring dispatches the
+CUDA attention kernels), so this is built on ``F.scaled_dot_product_attention`` of the local tensors.
+
+Active (a torch function mode) while a layout runtime whose inputs split the sequence runs a forward pass.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from autopar.errors import StrategyError
+
+_SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient: a local tensor's gradient is taken to have the
+    strides its DTensor had, and the attention kernel's gradients come in its own memory order."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _sequence_axes(t: DTensor) -> list[int]:
+    seq = t.dim() - 2
+    return [m for m, p in enumerate(t.placements) if isinstance(p, Shard) and p.dim == seq]
+
+
+def _gathered(t: DTensor, axes: list[int], seq: int) -> torch.Tensor:
+    """``t`` whole along the sequence on ``axes`` (local), its gradient a partial sum there."""
+    target = [Replicate() if m in axes else p for m, p in enumerate(t.placements)]
+    if any(isinstance(p, Shard) and p.dim == seq for m, p in enumerate(t.placements) if m not in axes):
+        raise StrategyError("context parallelism: keys split on the sequence over other ranks than the queries")
+    whole = t.redistribute(t.device_mesh, target)
+    grad = [Partial() if m in axes else p for m, p in enumerate(target)]
+    return _ContiguousGrad.apply(whole.to_local(grad_placements=grad))
+
+
+def attention(query: DTensor, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
+              scale=None, enable_gqa: bool = False) -> DTensor:
+    """``F.scaled_dot_product_attention`` of a query split on its sequence: the keys and values gathered, the
+    causal mask (and a given mask's rows) at the local queries' global positions."""
+    seq = query.dim() - 2
+    axes = _sequence_axes(query)
+    mesh = query.device_mesh
+    key = key if isinstance(key, DTensor) else DTensor.from_local(key, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    value = value if isinstance(value, DTensor) else DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim,
+                                                                        run_check=False)
+    # contiguous first: the gradients the kernel returns are contiguous, and a local tensor's gradient is taken to
+    # have the strides its DTensor had (a head-split view's transposed strides would make the next view fail)
+    k, v = _gathered(key.contiguous(), axes, seq), _gathered(value.contiguous(), axes, seq)
+    q = _ContiguousGrad.apply(query.contiguous().to_local())
+    _, offset = compute_local_shape_and_global_offset(query.shape, mesh, query.placements)
+    start, rows, keys = offset[seq], q.shape[-2], k.shape[-2]
+    mask = None
+    if is_causal:
+        positions = torch.arange(start, start + rows, device=q.device)
+        mask = torch.arange(keys, device=q.device) <= positions[:, None]
+    if attn_mask is not None:
+        given = attn_mask.full_tensor() if isinstance(attn_mask, DTensor) else attn_mask
+        if given.dim() >= 2 and given.shape[-2] != 1:
+            given = given.narrow(-2, start, rows)
+        if given.dtype == torch.bool:
+            mask = given if mask is None else mask & given
+        else:
+            mask = given if mask is None else given.masked_fill(~mask, float("-inf"))
+    if dropout_p:
+        raise StrategyError("context parallelism: attention dropout differs from one process's draws; train with "
+                           "dropout_p=0 in attention")
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa).contiguous()
+    shape = (*query.shape[:-1], value.shape[-1])
+    return DTensor.from_local(out, mesh, query.placements, run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+_RESHAPES = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten, torch.flatten}
+
+
+def _batch_first(func, t: DTensor, args: tuple, kwargs: dict) -> DTensor:
+    """Batch and sequence flattened into one dimension (``logits.view(-1, vocab)`` before the loss) while the
+    sequence is split over two or more mesh axes: DTensor records a strided split it cannot take back in the
+    backward ("Cannot unflatten tensor with _StridedShard placement"). The tokens are moved onto a batch split
+    first (an all-to-all; gathered where the batch does not divide), which flattens cleanly."""
+    axes = [m for m, p in enumerate(t.placements) if isinstance(p, Shard) and p.dim == 1]
+    if t.dim() < 2 or t.shape[0] == 1 or len(axes) < 2:
+        return t
+    merged = func(torch.empty(t.shape, device="meta"), *args[1:], **kwargs)
+    if merged.dim() == 0 or merged.shape[0] != t.shape[0] * t.shape[1]:
+        return t
+    parts = 1
+    for m in axes:
+        parts *= t.device_mesh.size(m)
+    moved = Shard(0) if t.shape[0] % parts == 0 else Replicate()
+    return t.redistribute(t.device_mesh, [moved if m in axes else p for m, p in enumerate(t.placements)])
+
+
+def check_equal_slices(args, kwargs, rt) -> None:
+    """Every rank of a context-parallel group loads an equal slice of one sequence; a sequence the group does not
+    divide gives slices of different lengths, which no layout describes. Checked (one all-gather of the local
+    shapes) whenever this rank's input shapes change: one line, not a wrong result or a hang."""
+    import torch.distributed as dist
+
+
+    shapes = [tuple(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    if shapes == getattr(rt, "_checked_shapes", None) or not dist.is_initialized():
+        return
+    rt._checked_shapes = shapes
+    lengths = torch.tensor([s[1] if len(s) > 1 else -1 for s in shapes], dtype=torch.int64)
+    gathered = [torch.empty_like(lengths) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, lengths)
+    for k in range(len(shapes)):
+        seen = sorted({int(g[k]) for g in gathered if len(g) > k})
+        if len(seen) > 1:
+            raise StrategyError(f"context parallelism: the ranks loaded slices of {' and '.join(map(str, seen))} "
+                                f"tokens of input {k}: each rank holds an equal slice of the sequence -- make the "
+                                f"sequence a multiple of the context-parallel degree (pad it)")
+
+
+def ulysses(query: DTensor, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
+            scale=None, enable_gqa: bool = False) -> DTensor:
+    """DeepSpeed-Ulysses (Jacobs et al. 2023): query, keys and values moved from the sequence split onto a split of
+    the heads (an all-to-all each), attention whole over the sequence on each rank's heads, the output moved back.
+    The heads -- the key-value heads too -- must divide the context-parallel group."""
+    mesh, heads = query.device_mesh, query.dim() - 3
+    axes = _sequence_axes(query)
+    parts = 1
+    for m in axes:
+        parts *= mesh.size(m)
+    if not isinstance(key, DTensor) or query.shape[heads] % parts or key.shape[heads] % parts:
+        kv = key.shape[heads] if isinstance(key, torch.Tensor) else "?"
+        raise StrategyError(f"context_parallel_algo='ulysses' splits the heads over the {parts} ranks of the "
+                            f"sequence, but the attention has {query.shape[heads]} query and {kv} key-value heads: "
+                            "give a head count they divide, or context_parallel_algo='all_gather'")
+    if dropout_p:
+        raise StrategyError("context parallelism: attention dropout differs from one process's draws; train with "
+                            "dropout_p=0 in attention")
+
+    group = _group_of(mesh, axes)
+    rank = torch.distributed.get_rank(group)
+    q, k, v = (_SequenceToHeads.apply(t.contiguous().to_local(), group, parts, rank, heads)
+               for t in (query, key, value))
+    if attn_mask is not None:
+        attn_mask = attn_mask.full_tensor() if isinstance(attn_mask, DTensor) else attn_mask
+        if attn_mask.dim() == query.dim() and attn_mask.shape[heads] != 1:  # a mask per head: this rank's heads
+            attn_mask = attn_mask.chunk(parts, dim=heads)[rank]
+    local = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                           enable_gqa=enable_gqa)
+    local = _SequenceToHeads.apply(local.contiguous(), group, parts, rank, heads, True)
+    shape = (*query.shape[:-1], value.shape[-1])
+    return DTensor.from_local(local, mesh, query.placements, run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+def _group_of(mesh, axes: list[int]):
+    """The process group of the mesh axes that split the sequence (flattened in their order: the order of the
+    sequence's slices)."""
+    if len(axes) == 1:
+        return mesh.get_group(axes[0])
+    names = tuple(mesh.mesh_dim_names[m] for m in axes)
+    return mesh[names]._flatten().get_group()
+
+
+def _exchange(t: torch.Tensor, group, parts: int, rank: int, gather_dim: int, split_dim: int) -> torch.Tensor:
+    """The all-to-all that moves ``t`` from a split of ``gather_dim`` to a split of ``split_dim`` (contiguous):
+    NCCL's all_to_all; gloo has none, so there it is an all-gather and this rank's chunk (what torch's DTensor does
+    on gloo too)."""
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "gloo":
+        pieces = [torch.empty_like(t) for _ in range(parts)]
+        dist.all_gather(pieces, t.contiguous(), group=group)
+        return torch.cat(pieces, dim=gather_dim).chunk(parts, dim=split_dim)[rank].contiguous()
+    send = [c.contiguous() for c in t.chunk(parts, dim=split_dim)]
+    recv = [torch.empty_like(send[0]) for _ in range(parts)]
+    dist.all_to_all(recv, send, group=group)
+    return torch.cat(recv, dim=gather_dim).contiguous()
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    """Ulysses' all-to-all: from a split of the sequence to a split of the heads (``back``: the other way); the
+    backward is the opposite move."""
+
+    @staticmethod
+    def forward(ctx, t, group, parts: int, rank: int, heads: int, back: bool = False):
+        ctx.args = (group, parts, rank, heads, back)
+        seq = heads + 1
+        return _exchange(t, group, parts, rank, heads if back else seq, seq if back else heads)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, parts, rank, heads, back = ctx.args
+        seq = heads + 1
+        return _exchange(grad, group, parts, rank, seq if back else heads, heads if back else seq), None, None, \
+            None, None, None
+
+
+class SequenceAttention(TorchFunctionMode):
+    def __init__(self, algo: str = "all_gather"):
+        super().__init__()
+        self.attend = ulysses if algo == "ulysses" else attention
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _SDPA and args and isinstance(args[0], DTensor) and _sequence_axes(args[0]):
+            return self.attend(*args, **kwargs)
+        if func in _RESHAPES and args and isinstance(args[0], DTensor):
+            args = (_batch_first(func, args[0], args, kwargs), *args[1:])
+        return func(*args, **kwargs)
+
+
+def enter(algo: str = "all_gather") -> SequenceAttention:
+    mode = SequenceAttention(algo)
+    mode.__enter__()
+    return mode
+
+
+def leave(mode: SequenceAttention) -> None:
+    stack = torch.overrides._get_current_function_mode_stack()
+    if stack and stack[-1] is mode:
+        mode.__exit__(None, None, None)

@@ -1,0 +1,42 @@
+"""Context parallelism on a nanoGPT-style GPT in float64, 2 and 4 ranks, one launch each
+(tests/scripts/context_parallel.py): the inputs' sequence split by ``dataset_strategy``, every token-wise module on
+its slice, attention over the gathered keys and values -- over every rank, dp x cp (4 ranks), with ZeRO-1 and
+ZeRO-3, the optimizer made after the first forward, and DeepSpeed-Ulysses' all-to-all; each equal to one process after 3 AdamW steps with
+clipping. What a user gets wrong is one line. (Hugging Face's Llama and GPT-2: tests/models/test_hf_transformers.py.)"""
+import json
+
+import pytest
+
+from procutil import SCRIPTS, autopar_cmd
+
+TRAINED = {2: ["cp", "cp_zero1", "cp_optimizer_after", "cp_ulysses"],
+           4: ["cp", "dp_cp", "cp_zero3", "dp_cp_zero1", "cp_ulysses", "dp_cp_ulysses"]}
+MISTAKES = {
+    "sequence_indivisible": ("StrategyError", "context parallelism: the ranks loaded slices of"),
+    "attention_dropout": ("StrategyError", "context parallelism: attention dropout differs from one process's draws"),
+    "ulysses_heads": ("StrategyError", "context_parallel_algo='ulysses' splits the heads over the"),
+    "data_parallel_split": ("ConfigError", "splits the sequence (context parallelism), which runs in "
+                                           "parallel_mode='semi_auto_parallel' (now data_parallel)"),
+}
+TOL = 1e-9
+SEQ = 16  # the script's GPT block size
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_context_parallelism_trains_exactly(procs, tmp_path, n):
+    res = procs.run(autopar_cmd("launch", "-n", str(n), "--log-dir", str(tmp_path / "logs"),
+                                str(SCRIPTS / "context_parallel.py"), str(tmp_path / "out"),
+                                json.dumps(TRAINED[n] + list(MISTAKES))), timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr + (tmp_path / "logs" / "worker_0.log").read_text()
+    for rank in range(n):
+        out = json.load(open(tmp_path / f"out.{rank}"))
+        for case in TRAINED[n]:
+            r = out[case]
+            assert "error" not in r, (rank, case, r.get("error"), r.get("trace"))
+            assert r["loss"] <= TOL and r["param"] <= TOL, (rank, case, r)
+            cp = 2 if case.startswith("dp_cp") else n
+            assert r["ln_1"]["local"][1] == SEQ // cp, (rank, case, r["ln_1"])  # the norms hold a slice
+        for case, (kind, message) in MISTAKES.items():
+            r = out[case]
+            assert r["raised"] == kind and message in r["message"], (rank, case, r)
+            assert "\n" not in r["message"]
