@@ -3,7 +3,8 @@
 (a padding mask) built from config objects (no downloads), called with keyword inputs and ``labels=`` (the loss
 inside ``forward``, a ``ModelOutput`` back), float64, AdamW + 2 micro-steps + ``clip_grad_norm_(1.0)`` -- equal to
 one process on the same global batches, ``state_dict()`` loading into a fresh one-process model, and (sliced and
-ZeRO-3 modes) ``save_pretrained`` read back by ``from_pretrained``; the causal LMs also context parallel. One launch runs
+ZeRO-3 modes) ``save_pretrained`` read back by ``from_pretrained``; the causal LMs also context parallel, and a
+``MixtralForCausalLM`` with its experts spread over the ranks. One launch runs
 every case (tests/scripts/hf_train.py)."""
 import pytest
 
@@ -26,8 +27,10 @@ def test_transformers_models_train_exactly_in_every_mode(procs, tmp_path):
     # wrapped_pipe: a user's wrapper returning .logits, pipelined (its stages pass a strided mask and RoPE tables);
     # cp: context parallelism -- each rank loads half of every sequence (input_ids and labels), RoPE's positions,
     # the causal mask and the shifted labels of the loss inside forward taken at their global places
+    # mixtral: a mixture of experts -- its experts spread over the ranks (ep), with ZeRO-3, with attention by names
     cases = [[m, mode] for m in MODELS for mode in MODES] + [[m, x] for x in ("wrapped_pipe", "cp")
-                                                             for m in ("llama", "gpt2")]
+                                                             for m in ("llama", "gpt2")] + [
+        ["mixtral", mode] for mode in ("data", "ep", "ep_zero3", "ep_names")]
     for rank, case, r in train_cases(procs, tmp_path, cases):
         model, mode = case.split("/")
         if mode in ("megatron", "names", "zero3"):  # save_pretrained from the parallel model, from_pretrained
@@ -39,6 +42,9 @@ def test_transformers_models_train_exactly_in_every_mode(procs, tmp_path):
                 (rank, case, r["split"])
         elif mode == "lone":  # the single operators split, and the results exact (checked in train_cases)
             assert r["split"], (rank, case, r["split"])
+        elif mode.startswith("ep"):  # each rank keeps half of every layer's experts
+            assert {f"model.layers.{k}.mlp.experts.{w}" for k in (0, 1) for w in ("gate_up_proj", "down_proj")} <= \
+                set(r["split"]), (rank, case, r["split"])
         elif mode in ("data", "semi", "cp"):  # whole parameters (ZeRO stores slices; AUTO chooses)
             assert not r["split"], (rank, case, r["split"])
         elif mode == "auto_tight":  # under the limit weights are stored as slices: the planner's ZeRO-3, or a

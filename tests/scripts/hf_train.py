@@ -17,7 +17,9 @@ batch; BERT's first ``query`` alone by columns -- its padding mask must follow o
 stages split before the second block, the loss as ``loss_fn`` on the logits; against one process whose micro-steps'
 gradients add up, as a pipeline step per micro-step gives), wrapped_pipe (the same, the causal LM inside a
 user's six-line wrapper returning ``.logits``), cp (context parallelism: ``dataset_strategy=((1, n), (1, n))``, each
-rank loading its slice of every sequence). Per case: the largest parameter difference and ``state_dict()`` loaded into a fresh one-process
+rank loading its slice of every sequence); for mixtral (MixtralForCausalLM, 4 experts, top-2) also ep (expert
+parallelism: ``{"*.experts": "expert"}``), ep_zero1 / ep_zero3 (and ZeRO), ep_names (and attention split by
+names). Per case: the largest parameter difference and ``state_dict()`` loaded into a fresh one-process
 model, and which parameters are stored split. Writes JSON to OUT_PREFIX.<rank>.
 """
 import json
@@ -52,6 +54,14 @@ def build(model: str) -> torch.nn.Module:
         return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                             max_position_embeddings=64, attn_implementation="sdpa"))
+    if model == "mixtral":  # a mixture of experts: 4 experts, each token routed to 2
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        return MixtralForCausalLM(MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                num_local_experts=4, num_experts_per_tok=2,
+                                                max_position_embeddings=64, attn_implementation="sdpa",
+                                                experts_implementation="eager"))  # grouped_mm has no float64
     if model == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -79,7 +89,7 @@ def inputs_of(model_name: str, step: int, micro: int, parts: int = 1, part: int 
     if SEQUENCE_PARTS:
         cp, c = SEQUENCE_PARTS
         ids = IDS[step, micro, :, c * SEQ // cp:(c + 1) * SEQ // cp].clone()
-    if model_name in ("llama", "gpt2"):
+    if model_name in ("llama", "gpt2", "mixtral"):
         return (), {"input_ids": ids, "labels": ids}
     if model_name == "bert":
         return (), {"input_ids": ids, "attention_mask": PAD[step, micro, rows], "labels": CLS[step, micro, rows]}
@@ -183,10 +193,12 @@ def set_mode(mode: str) -> None:
         autopar.set_auto_parallel_context(parallel_mode="auto_parallel")
     if mode == "auto_tight":  # less memory than data parallel needs: the planner shards the optimizer
         autopar.set_auto_parallel_context(parallel_mode="auto_parallel", max_device_memory=TIGHT)
-    if mode.startswith("zero"):
+    if mode.startswith("zero") or mode.startswith("ep_zero"):
         autopar.set_auto_parallel_context(enable_parallel_optimizer=True,
                                           parallel_optimizer_config={"optimizer_level": f"level{mode[-1]}"})
     SEQUENCE_PARTS[:] = [n, rank] if mode == "cp" else []
+    if mode.startswith("ep"):  # expert parallelism (ep_zero1: and ZeRO-1; ep_names: and the attention by names)
+        autopar.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
     if mode == "cp":  # context parallelism: input_ids and labels split on the sequence
         autopar.set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy=((1, n), (1, n)))
 
@@ -241,6 +253,11 @@ def run(model_name: str, mode: str, ref: dict) -> dict:
         megatron(model_name, model)
     if mode == "names":
         by_names(model_name, model)
+    if mode.startswith("ep"):
+        autopar.shard(model, {"*.experts": "expert"})
+    if mode == "ep_names":
+        autopar.shard(model, {"*.q_proj": "colwise", "*.k_proj": "colwise", "*.v_proj": "colwise",
+                              "*.o_proj": "rowwise"})
     if mode == "lone":
         for name, strategy in LONE[model_name].items():
             autopar.shard(model.get_submodule(name), strategy)

@@ -26,7 +26,9 @@ dropouts and residual adds between tensor-parallel layers then hold 1/n of the a
 a row-parallel layer becomes a reduce-scatter (the all-gather comes before the next column-parallel one).
 ``RowwiseParallel(output_layouts=Shard(1))`` reduce-scatters its output at once, ``ColwiseParallel(output_layouts=
 Replicate())`` gathers it, and ``PrepareModuleInput(desired_input_layouts=...)`` on a block redistributes its inputs
-once (a Llama's q, k and v then share one all-gather). The MindSpore spelling: a one-entry strategy on such a
+once (a Llama's q, k and v then share one all-gather). ``"expert"`` (torchtitan's ``ExpertParallel()``) on a
+module of stacked expert weights spreads its experts over the ranks (:mod:`autopar.parallel.tensor.experts`). The
+MindSpore spelling of the sequence split: a one-entry strategy on such a
 module, ``shard(norm, ((dp, mp, 1),))`` or ``cell.shard(((dp, mp, 1),))``. The runtime is
 :mod:`autopar.parallel.tensor.sequence`.
 """
@@ -169,8 +171,9 @@ def _with_bias_entry(strategy: Any, bias_split: int, has_bias: bool) -> tuple:
     return strategy
 
 
-_STYLES = {"colwise", "rowwise", "vocab", "sequence"}
-_TORCH_STYLES = {"ColwiseParallel": "colwise", "RowwiseParallel": "rowwise", "SequenceParallel": "sequence"}
+_STYLES = {"colwise", "rowwise", "vocab", "sequence", "expert"}
+_TORCH_STYLES = {"ColwiseParallel": "colwise", "RowwiseParallel": "rowwise", "SequenceParallel": "sequence",
+                 "ExpertParallel": "expert"}  # torchtitan's ExpertParallel
 
 
 def _style_of(value: Any) -> str | None:
@@ -235,6 +238,8 @@ def shard(module: Any, in_strategy: Any, out_strategy: Any = None) -> Any:
     if type(in_strategy).__name__ == "PrepareModuleInput":
         return _prepare_input(module, in_strategy)
     style = _style_of(in_strategy)
+    if style == "expert":
+        return split_experts(module)
     if style == "sequence" or (style is None and _splits_a_leaf(module, in_strategy)):
         if out_strategy is not None:
             raise StrategyError(f"{type(module).__name__}: a sequence split takes no out_strategy (the output keeps "
@@ -313,6 +318,21 @@ def split_leaf(module: Any, split: Any) -> Any:
     return module
 
 
+def split_experts(module: Any) -> Any:
+    """Mark a module of stacked expert weights (Hugging Face's ``MixtralExperts``: parameters ``[num_experts, ...]``,
+    ``forward(hidden_states, top_k_index, top_k_weights)``) to keep only its rank's experts; the runtime is
+    :mod:`autopar.parallel.tensor.experts`."""
+    stacked = [p for p in getattr(module, "_parameters", {}).values() if p is not None]
+    experts = getattr(module, "num_experts", None)
+    if not isinstance(module, torch.nn.Module) or not isinstance(experts, int) or not stacked \
+            or any(p.dim() < 2 or p.shape[0] != experts for p in stacked):
+        raise StrategyError(f"autopar.shard: 'expert' splits a module of stacked expert weights (num_experts and "
+                            f"parameters [num_experts, ...], as transformers' MixtralExperts), not a "
+                            f"{type(module).__name__}")
+    module._autopar_experts = True
+    return module
+
+
 def _prepare_input(module: Any, prepare: Any) -> Any:
     """torch's ``PrepareModuleInput`` on a block: its inputs redistributed to ``desired_input_layouts`` (and
     ``desired_input_kwarg_layouts``) at each call, over every rank -- once for every layer inside (a Llama's q, k
@@ -386,5 +406,7 @@ def has_strategies(*modules: torch.nn.Module | None, splits: bool = True) -> boo
             if isinstance(m, ShardablePrimitive) and m.strategy is not None:
                 return True
             if splits and getattr(m, "_autopar_split", None) is not None:
+                return True
+            if getattr(m, "_autopar_experts", False):
                 return True
     return False

@@ -114,7 +114,12 @@ class ParameterPlacement:
         holds no operator (``x * self.scale`` in its ``construct``). Left to the operators that use them: the
         parameters of a module with autopar operators (MindSpore's way, where the first operator to use a
         parameter lays it out)."""
+        from autopar.parallel.tensor import experts
+
         for module in root.modules():
+            if experts.is_experts(module):  # expert parallelism: each rank keeps its experts
+                self._store_experts(module)
+                continue
             if (id(module) in self._hooked or is_annotated(module) or isinstance(module, Primitive)
                     or any(isinstance(child, Primitive) for child in module.children())):
                 continue
@@ -131,6 +136,18 @@ class ParameterPlacement:
                 layout = Layout.replicated(tuple(param.shape), self.device_num)
                 self.param_layout[name] = (f"module '{self.names.get(id(module), '?')}' (used in its forward)",
                                            layout.placements(), layout)
+
+    def _store_experts(self, module: torch.nn.Module) -> None:
+        from autopar.parallel.tensor import experts
+
+        where = self.names.get(id(module), type(module).__name__)
+        for attr, param in list(module._parameters.items()):
+            if param is None or isinstance(param, DTensor):
+                continue
+            name = self.param_names.get(param, attr)
+            layout = experts.expert_layout(where, module, param)
+            self.param_layout[name] = (f"expert-parallel module '{where}'", layout.placements(), layout)
+            self._lay_out(param, name, layout)
 
     def preset_layout(self, name: str, layout: Layout) -> None:
         """Lay parameter ``name`` out now (a strategy to load a checkpoint into, or one read from a file); the

@@ -46,7 +46,7 @@ from autopar.ops.comm import _CommPrimitive
 from autopar.ops.primitive import Primitive
 from autopar.parallel.grads.layouts import LayoutGrads
 from autopar.parallel.state import state_of
-from autopar.parallel.tensor import context, local_matmul, sequence
+from autopar.parallel.tensor import context, experts, local_matmul, sequence
 from autopar.parallel.tensor import placements as P
 from autopar.parallel.tensor.attention import register_attention_rules
 from autopar.parallel.tensor.explain import fused_projection_split
@@ -86,6 +86,34 @@ def _execute(op: Primitive, args: tuple, kwargs: dict) -> Any:
     if rt is None or isinstance(op, _CommPrimitive):
         return op.compute(*args, **kwargs)
     return rt.run_op(op, args, kwargs)
+
+
+_EXPERT_CLASSES: dict[type, type] = {}
+
+
+def _expert_parallel(module: torch.nn.Module) -> None:
+    """Give a module marked ``"expert"`` a forward that, under this runtime, runs only this rank's experts
+    (:func:`autopar.parallel.tensor.experts.run`); the module's own forward runs inside on plain tensors, so the
+    runtime's hooks stand aside meanwhile. Outside a runtime: the module's own forward."""
+    cls = type(module)
+    if cls in _EXPERT_CLASSES.values():
+        return
+    if cls not in _EXPERT_CLASSES:
+        original = cls.forward
+
+        def forward(self, *args, **kwargs):
+            rt = active_runtime()
+            if rt is None:
+                return original(self, *args, **kwargs)
+            _local.runtime = None
+            try:
+                return experts.run(self, original, *args, **kwargs)
+            finally:
+                _local.runtime = rt
+
+        _EXPERT_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (cls,),
+                                    {"forward": forward, "__module__": cls.__module__})
+    module.__class__ = _EXPERT_CLASSES[cls]
 
 
 class SemiAutoRuntime(ParameterPlacement):
@@ -145,8 +173,10 @@ class SemiAutoRuntime(ParameterPlacement):
         self.roots.append(root)
         for name, module in root.named_modules(prefix=prefix.rstrip(".")):
             self.names.setdefault(id(module), name or type(module).__name__)
+            if experts.is_experts(module):
+                _expert_parallel(module)
             leaf = not any(True for _ in module.children())
-            if (leaf and not isinstance(module, (Primitive, *LAYOUT_TRANSPARENT))
+            if (leaf and not isinstance(module, (Primitive, *LAYOUT_TRANSPARENT)) and not experts.is_experts(module)
                     and id(module) not in self._hooked):
                 module.register_forward_pre_hook(self._leaf_pre)
                 module.register_forward_hook(self._leaf_post, always_call=True)

@@ -1,0 +1,90 @@
+"""Expert parallelism: a mixture-of-experts layer's experts spread over the ranks, each rank computing only its own.
+
+A module of stacked expert weights -- Hugging Face's ``MixtralExperts`` / ``Qwen2MoeExperts`` and any module of that
+form: parameters ``[num_experts, ...]``, ``forward(hidden_states, top_k_index, top_k_weights)`` returning the
+weighted sum of each token's chosen experts -- marked ``autopar.shard(model, {"*.experts": "expert"})`` keeps, on
+each of the n ranks, experts ``[r * E/n, (r + 1) * E/n)``: its weights are stored split on the expert dimension.
+
+A call is Megatron-LM's all-gather token dispatcher (``moe_token_dispatcher_type="allgather"``): every rank's tokens,
+with their routing, are gathered; each rank runs the module's own forward over them with only its experts (a token
+routed elsewhere takes the forward's "no expert" slot, so it adds nothing here) and its weights; the partial sums
+are reduce-scattered back to the tokens' ranks. The backward is the mirror (each expert's weight gradient whole on
+its rank, the tokens' gradient summed over the experts that saw them). Exact: each token gets the same terms as in
+one process, summed in another order. An expert no token chose computes nothing; uneven routing needs no capacity.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import DTensor, Shard
+
+from autopar.comm.topology import world_mesh, world_size
+from autopar.errors import StrategyError
+from autopar.layout.layout import Layout
+from autopar.parallel.tensor import placements as P
+
+
+def is_experts(module: torch.nn.Module) -> bool:
+    return getattr(module, "_autopar_experts", False)
+
+
+def expert_layout(name: str, module: torch.nn.Module, param: torch.Tensor) -> Layout:
+    """A stacked expert weight split on its expert dimension over every rank."""
+    n, experts = world_size(), getattr(module, "num_experts", param.shape[0])
+    if param.dim() < 2 or param.shape[0] != experts:
+        raise StrategyError(f"expert parallelism splits module '{name}' on its experts, but its parameter of shape "
+                            f"{tuple(param.shape)} is not stacked by expert ({experts} experts)")
+    if experts % n:
+        raise StrategyError(f"expert parallelism over {n} ranks: module '{name}' has {experts} experts, which the ranks "
+                            f"do not divide (give a number of experts that is a multiple of {n})")
+    return Layout((n,), (0,) + (-1,) * (param.dim() - 1), tuple(param.shape))
+
+
+def _tokens_split(t: DTensor, mesh) -> DTensor:
+    """The tokens split over every rank in rank order (the layout the gather and the scatter below assume)."""
+    target = [Shard(0)] * mesh.ndim
+    return t if tuple(t.placements) == tuple(target) else t.redistribute(mesh, target)
+
+
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    """A functional collective's result as a plain tensor (its wrapper has no storage of its own, which ZeRO-3's
+    saved-tensor hooks read)."""
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def run(module: torch.nn.Module, forward, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+    """The module's ``forward`` over every rank's tokens with this rank's experts; the tokens' results back where
+    their hidden states came from."""
+    mesh = world_mesh()
+    hidden = hidden_states if isinstance(hidden_states, DTensor) else P.to_dtensor_replicated(hidden_states)
+    if hidden.shape[0] % world_size():
+        raise StrategyError(f"expert parallelism over {world_size()} ranks: {hidden.shape[0]} tokens do not divide "
+                            "over the ranks (give a batch whose tokens they divide)")
+    group = dist.group.WORLD
+
+    def gathered(t):  # every rank's tokens, in rank order; the backward reduce-scatters the gradient
+        if not isinstance(t, DTensor):
+            return t  # made alike on every rank
+        local = _tokens_split(t, mesh).to_local()
+        return _waited(funcol.all_gather_tensor_autograd(local, gather_dim=0, group=group))
+
+    h, index, weights = gathered(hidden), gathered(top_k_index), gathered(top_k_weights)
+    experts, n = module.num_experts, world_size()
+    per = experts // n
+    start = (dist.get_rank() if dist.is_initialized() else 0) * per
+    local = torch.where((index >= start) & (index < start + per), index - start, torch.full_like(index, per))
+    stacked = {attr: p for attr, p in module._parameters.items() if isinstance(p, DTensor)}
+    try:
+        for attr, p in stacked.items():
+            module._parameters[attr] = p.to_local()
+        module.num_experts = per
+        out = forward(module, h, local, weights, *args, **kwargs)
+    finally:
+        module.num_experts = experts
+        for attr, p in stacked.items():
+            module._parameters[attr] = p
+    mine = _waited(funcol.reduce_scatter_tensor_autograd(out, "sum", scatter_dim=0, group=group))  # token sums
+    split = DTensor.from_local(mine, mesh, [Shard(0)] * mesh.ndim, run_check=False, shape=hidden.shape,
+                               stride=hidden.stride())
+    return split if tuple(split.placements) == tuple(hidden.placements) else split.redistribute(mesh, hidden.placements)

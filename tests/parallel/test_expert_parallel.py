@@ -1,0 +1,38 @@
+"""Expert parallelism on a mixture-of-experts network as its users write one (top-2 router, experts stacked in
+Hugging Face's form, the load-balancing loss inside ``forward``), float64, 2 and 4 ranks, one launch each
+(tests/scripts/expert_parallel.py): 8 experts spread over the ranks, with routing skewed so that one expert takes
+a third of the tokens and two take none -- alone, with ZeRO-3, and with tensor parallelism beside it; each equal to
+one process after 3 AdamW steps with clipping. Experts the ranks do not divide, and ``"expert"`` on a module not
+stacked by expert, are one line. (Hugging Face's Mixtral: tests/models/test_hf_transformers.py.)"""
+import json
+
+import pytest
+
+from procutil import SCRIPTS, autopar_cmd
+
+TRAINED = ["ep", "ep_zero3", "ep_tp"]
+MISTAKES = {
+    "indivisible": "expert parallelism over {n} ranks: module 'experts' has {e} experts, which the ranks do not divide",
+    "not_stacked": "autopar.shard: 'expert' splits a module of stacked expert weights",
+}
+TOL = 1e-9
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_expert_parallelism_trains_exactly(procs, tmp_path, n):
+    res = procs.run(autopar_cmd("launch", "-n", str(n), "--log-dir", str(tmp_path / "logs"),
+                                str(SCRIPTS / "expert_parallel.py"), str(tmp_path / "out"),
+                                json.dumps(TRAINED + list(MISTAKES))), timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr + (tmp_path / "logs" / "worker_0.log").read_text()
+    for rank in range(n):
+        out = json.load(open(tmp_path / f"out.{rank}"))
+        routed = out["routed"]
+        assert routed[0] == 0 and routed.count(0) >= 1 and max(routed) >= 2 * sum(routed) / len(routed), routed
+        for case in TRAINED:
+            r = out[case]
+            assert "error" not in r, (rank, case, r.get("error"), r.get("trace"))
+            assert r["param"] <= TOL and r["local_experts"] == 8 // n, (rank, case, r)
+        for case, message in MISTAKES.items():
+            r = out[case]
+            assert r["raised"] == "StrategyError" and message.format(n=n, e=2 * n + 1) in r["message"], (rank, case, r)
+            assert "\n" not in r["message"]

@@ -1,0 +1,147 @@
+"""Worker: expert parallelism on a mixture-of-experts network written as its users write one (a top-2 router, the
+experts' weights stacked ``[num_experts, ...]`` in Hugging Face's form, the load-balancing auxiliary loss of Switch /
+Mixtral added to the task loss inside ``forward``, as Hugging Face's MoE models do), float64, AdamW with clipping, 3 steps -- against one process on the same global
+batches. The router is skewed so that routing is uneven and expert 0 receives no token at all.
+
+Cases: ``ep`` (the experts over every rank: 8 experts on 2 or 4), ``ep_zero3`` (with ZeRO-3), ``ep_tp`` (with the
+router's input projection split by columns and its output projection by rows); mistakes -- experts the ranks do not
+divide, ``"expert"`` on a module that is not stacked by expert.
+
+argv: OUT_PREFIX CASES_JSON. Writes {case: {...}} to OUT_PREFIX.<rank>.
+"""
+import json
+import sys
+import traceback
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+import autopar
+from autopar.communication import get_group_size, get_rank, init
+
+out_prefix, cases = sys.argv[1], json.loads(sys.argv[2])
+init()
+rank, n = get_rank(), get_group_size()
+torch.set_default_dtype(torch.float64)
+STEPS, GLOBAL, SEQ, D, HIDDEN, TOP_K = 3, 8, 4, 16, 24, 2
+X = torch.randn(STEPS, GLOBAL, SEQ, D, generator=torch.Generator().manual_seed(0))
+Y = torch.randn(STEPS, GLOBAL, SEQ, D, generator=torch.Generator().manual_seed(1))
+
+
+class Experts(torch.nn.Module):
+    """Stacked experts as transformers writes them: each token's chosen experts, weighted and summed."""
+
+    def __init__(self, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up = torch.nn.Parameter(torch.randn(num_experts, 2 * HIDDEN, D) * 0.2)
+        self.down = torch.nn.Parameter(torch.randn(num_experts, D, HIDDEN) * 0.2)
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden)
+        mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)  # + a "no expert" slot
+        for e in range(self.num_experts):
+            slot, token = torch.where(mask[e])
+            if token.numel() == 0:
+                continue
+            gate, up = F.linear(hidden[token], self.gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down[e]) * top_k_weights[token, slot, None]
+            out.index_add_(0, token, y)
+        return out
+
+
+class MoE(torch.nn.Module):
+    def __init__(self, num_experts: int = 8):
+        super().__init__()
+        self.proj_in = torch.nn.Linear(D, D)
+        self.router = torch.nn.Linear(D, num_experts)
+        self.experts = Experts(num_experts)
+        self.proj_out = torch.nn.Linear(D, D)
+        with torch.no_grad():
+            self.router.weight[0] = 0.0
+            self.router.bias[0] = -100.0  # expert 0 is never chosen
+            self.router.bias[1] = 1.0  # expert 1 is chosen often
+
+    def forward(self, x, y):
+        b, s, d = x.shape
+        h = self.proj_in(x).reshape(-1, d)
+        logits = self.router(h)
+        probs = logits.softmax(dim=-1)
+        weights, index = probs.topk(TOP_K, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = self.experts(h, index, weights)
+        # Switch / Mixtral load balancing: experts' token fractions times their mean router probabilities
+        fraction = F.one_hot(index, logits.shape[-1]).to(probs.dtype).mean(dim=(0, 1))
+        aux = logits.shape[-1] * (fraction * probs.mean(dim=0)).sum()
+        return F.mse_loss(self.proj_out(out.reshape(b, s, d)), y) + 0.01 * aux
+
+
+def fresh(num_experts: int = 8) -> MoE:
+    torch.manual_seed(2)
+    return MoE(num_experts)
+
+
+def train(model, rows):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(STEPS):
+        model(X[step, rows], Y[step, rows]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.named_parameters()}
+
+
+def routed(model) -> list[int]:
+    """Tokens each expert received in the first step (whole batch), as one process routes them."""
+    with torch.no_grad():
+        h = model.proj_in(X[0]).reshape(-1, D)
+        index = model.router(h).softmax(-1).topk(TOP_K, dim=-1)[1]
+    return torch.bincount(index.flatten(), minlength=model.experts.num_experts).tolist()
+
+
+def set_mode(case: str) -> None:
+    autopar.reset_auto_parallel_context()
+    autopar.set_auto_parallel_context(parallel_mode="semi_auto_parallel", gradients_mean=True)
+    if case.endswith("zero3"):
+        autopar.set_auto_parallel_context(enable_parallel_optimizer=True,
+                                          parallel_optimizer_config={"optimizer_level": "level3"})
+
+
+def run(case: str) -> dict:
+    set_mode(case)
+    model = fresh()
+    autopar.shard(model, {"experts": "expert"})
+    if case == "ep_tp":
+        autopar.shard(model, {"proj_in": "colwise", "proj_out": "rowwise"})
+    got = train(model, slice(rank * GLOBAL // n, (rank + 1) * GLOBAL // n))
+    local = model.experts.gate_up.to_local().shape[0] if isinstance(model.experts.gate_up, DTensor) else None
+    return {"param": max((got[k] - REF[k]).abs().max().item() for k in REF), "local_experts": local}
+
+
+def mistake(case: str) -> dict:
+    set_mode("ep")
+    try:
+        if case == "indivisible":
+            model = fresh(num_experts=2 * n + 1)
+            autopar.shard(model, {"experts": "expert"})
+            model(X[0, :2], Y[0, :2])
+        else:
+            autopar.shard(fresh(), {"proj_in": "expert"})
+    except Exception as exc:  # noqa: BLE001 - the message is what is checked
+        return {"raised": type(exc).__name__, "message": str(exc)}
+    return {"raised": None}
+
+
+autopar.reset_auto_parallel_context()
+with autopar.context.managed():  # one process on the global batches
+    ROUTED = routed(fresh())
+    REF = train(fresh(), slice(0, GLOBAL))
+results = {"routed": ROUTED}
+for case in cases:
+    try:
+        results[case] = mistake(case) if case in ("indivisible", "not_stacked") else run(case)
+    except Exception as exc:  # noqa: BLE001 - recorded: the test names the case
+        results[case] = {"error": f"{type(exc).__name__}: {str(exc)[:600]}", "trace": traceback.format_exc()[-3000:]}
+json.dump(results, open(f"{out_prefix}.{rank}", "w"), indent=1)
+print(f"RANK {rank} DONE", flush=True)
