@@ -102,7 +102,7 @@ def test_sequence_parallel_plans_mark_the_norms_and_prepare_the_blocks():
 @pytest.mark.parametrize("call, message", [
     (lambda: autopar.shard(torch.nn.Sequential(torch.nn.Linear(2, 2)), {"*.q_proj": "colwise"}),
      "pattern '*.q_proj' matches no module of the Sequential"),
-    (lambda: autopar.shard(torch.nn.Linear(2, 2), "diagonal"), "style 'diagonal' is not one of colwise, rowwise, sequence, vocab"),
+    (lambda: autopar.shard(torch.nn.Linear(2, 2), "diagonal"), "style 'diagonal' is not one of colwise, expert, rowwise, sequence, vocab"),
     (lambda: autopar.shard(torch.nn.Linear(2, 2), "vocab"), "'vocab' splits an nn.Embedding's vocabulary"),
     (lambda: autopar.shard(torch.nn.Embedding(4, 2, max_norm=1.0), "vocab"), "max_norm or sparse=True"),
     (lambda: autopar.shard(torch.nn.LayerNorm(2), "colwise"), "cannot shard a LayerNorm"),

@@ -2,7 +2,7 @@
 Hugging Face's form, the load-balancing loss inside ``forward``), float64, 2 and 4 ranks, one launch each
 (tests/scripts/expert_parallel.py): 8 experts spread over the ranks, with routing skewed so that one expert takes
 a third of the tokens and two take none -- alone, with ZeRO-3, and with tensor parallelism beside it; each equal to
-one process after 3 AdamW steps with clipping. Experts the ranks do not divide, and ``"expert"`` on a module not
+one process after 3 AdamW steps with clipping, and the sliced checkpoint read back whole into one process. Experts the ranks do not divide, and ``"expert"`` on a module not
 stacked by expert, are one line. (Hugging Face's Mixtral: tests/models/test_hf_transformers.py.)"""
 import json
 
@@ -32,6 +32,7 @@ def test_expert_parallelism_trains_exactly(procs, tmp_path, n):
             r = out[case]
             assert "error" not in r, (rank, case, r.get("error"), r.get("trace"))
             assert r["param"] <= TOL and r["local_experts"] == 8 // n, (rank, case, r)
+        assert out["ep"]["reload"] <= TOL, out["ep"]  # the sliced checkpoint, whole in one process
         for case, message in MISTAKES.items():
             r = out[case]
             assert r["raised"] == "StrategyError" and message.format(n=n, e=2 * n + 1) in r["message"], (rank, case, r)

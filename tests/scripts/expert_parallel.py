@@ -3,7 +3,8 @@ experts' weights stacked ``[num_experts, ...]`` in Hugging Face's form, the load
 Mixtral added to the task loss inside ``forward``, as Hugging Face's MoE models do), float64, AdamW with clipping, 3 steps -- against one process on the same global
 batches. The router is skewed so that routing is uneven and expert 0 receives no token at all.
 
-Cases: ``ep`` (the experts over every rank: 8 experts on 2 or 4), ``ep_zero3`` (with ZeRO-3), ``ep_tp`` (with the
+Cases: ``ep`` (the experts over every rank: 8 experts on 2 or 4; its sliced checkpoint read back whole into one
+process), ``ep_zero3`` (with ZeRO-3), ``ep_tp`` (with the
 router's input projection split by columns and its output projection by rows); mistakes -- experts the ranks do not
 divide, ``"expert"`` on a module that is not stacked by expert.
 
@@ -116,7 +117,16 @@ def run(case: str) -> dict:
         autopar.shard(model, {"proj_in": "colwise", "proj_out": "rowwise"})
     got = train(model, slice(rank * GLOBAL // n, (rank + 1) * GLOBAL // n))
     local = model.experts.gate_up.to_local().shape[0] if isinstance(model.experts.gate_up, DTensor) else None
-    return {"param": max((got[k] - REF[k]).abs().max().item() for k in REF), "local_experts": local}
+    result = {"param": max((got[k] - REF[k]).abs().max().item() for k in REF), "local_experts": local}
+    if case == "ep":  # each rank's slices saved, read back whole into one process
+        autopar.save_checkpoint(model, f"{out_prefix}.{case}_{rank}", integrated_save=False)
+        torch.distributed.barrier()
+        autopar.reset_auto_parallel_context()
+        with autopar.context.managed():
+            one = fresh()
+            autopar.load_distributed_checkpoint(one, [f"{out_prefix}.{case}_{r}.ckpt" for r in range(n)])
+        result["reload"] = max((p.detach() - REF[k]).abs().max().item() for k, p in one.named_parameters())
+    return result
 
 
 def mistake(case: str) -> dict:
