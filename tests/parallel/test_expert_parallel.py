@@ -1,7 +1,8 @@
 """Expert parallelism on a mixture-of-experts network as its users write one (top-2 router, experts stacked in
 Hugging Face's form, the load-balancing loss inside ``forward``), float64, 2 and 4 ranks, one launch each
 (tests/scripts/expert_parallel.py): 8 experts spread over the ranks, with routing skewed so that one expert takes
-a third of the tokens and two take none -- alone, with ZeRO-3, and with tensor parallelism beside it; each equal to
+a third of the tokens and two take none -- alone, with ZeRO-3, and with tensor parallelism beside it, and MindSpore's ``nn.transformer.MoE`` with ``MoEConfig`` and
+``expert_parallel`` (tokens over capacity dropped as one process drops them); each equal to
 one process after 3 AdamW steps with clipping, and the sliced checkpoint read back whole into one process. Experts the ranks do not divide, and ``"expert"`` on a module not
 stacked by expert, are one line. (Hugging Face's Mixtral: tests/models/test_hf_transformers.py.)"""
 import json
@@ -10,7 +11,7 @@ import pytest
 
 from procutil import SCRIPTS, autopar_cmd
 
-TRAINED = ["ep", "ep_zero3", "ep_tp"]
+TRAINED = ["ep", "ep_zero3", "ep_tp", "ms_moe"]
 MISTAKES = {
     "indivisible": "expert parallelism over {n} ranks: module 'experts' has {e} experts, which the ranks do not divide",
     "not_stacked": "autopar.shard: 'expert' splits a module of stacked expert weights",
@@ -33,6 +34,8 @@ def test_expert_parallelism_trains_exactly(procs, tmp_path, n):
             assert "error" not in r, (rank, case, r.get("error"), r.get("trace"))
             assert r["param"] <= TOL and r["local_experts"] == 8 // n, (rank, case, r)
         assert out["ep"]["reload"] <= TOL, out["ep"]  # the sliced checkpoint, whole in one process
+        ms = out["ms_moe"]  # MindSpore's MoE: the same tokens dropped for want of capacity as in one process
+        assert ms["dropped"] == ms["dropped_one"] > 0, ms
         for case, message in MISTAKES.items():
             r = out[case]
             assert r["raised"] == "StrategyError" and message.format(n=n, e=2 * n + 1) in r["message"], (rank, case, r)

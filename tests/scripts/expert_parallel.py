@@ -5,7 +5,9 @@ batches. The router is skewed so that routing is uneven and expert 0 receives no
 
 Cases: ``ep`` (the experts over every rank: 8 experts on 2 or 4; its sliced checkpoint read back whole into one
 process), ``ep_zero3`` (with ZeRO-3), ``ep_tp`` (with the
-router's input projection split by columns and its output projection by rows); mistakes -- experts the ranks do not
+router's input projection split by columns and its output projection by rows), ``ms_moe`` (the MindSpore door:
+``nn.transformer.MoE`` with ``MoEConfig`` and ``MoEParallelConfig(expert_parallel=n)``, tokens over capacity
+dropped as one process drops them); mistakes -- experts the ranks do not
 divide, ``"expert"`` on a module that is not stacked by expert.
 
 argv: OUT_PREFIX CASES_JSON. Writes {case: {...}} to OUT_PREFIX.<rank>.
@@ -78,7 +80,30 @@ class MoE(torch.nn.Module):
         return F.mse_loss(self.proj_out(out.reshape(b, s, d)), y) + 0.01 * aux
 
 
-def fresh(num_experts: int = 8) -> MoE:
+class MindSporeMoE(autopar.nn.Cell):
+    """The MindSpore door: ``nn.transformer.MoE`` with ``MoEConfig`` (capacity 1.0: tokens beyond an expert's
+    capacity are dropped) and ``MoEParallelConfig(expert_parallel=n)``; its auxiliary loss added to the task loss."""
+
+    def __init__(self, expert_parallel: int):
+        super().__init__()
+        from autopar.nn.transformer import MoE as MsMoE
+        from autopar.nn.transformer import MoEConfig, MoEParallelConfig
+
+        self.dense_in = autopar.nn.Dense(D, D, dtype=torch.float64)
+        self.moe = MsMoE(D, HIDDEN, hidden_act="gelu", param_init_type=torch.float64, moe_config=MoEConfig(
+            expert_num=8, capacity_factor=1.0, aux_loss_factor=0.05, num_experts_chosen=2),
+            parallel_config=MoEParallelConfig(expert_parallel=expert_parallel))
+        self.dense_out = autopar.nn.Dense(D, D, dtype=torch.float64)
+
+    def construct(self, x, y):
+        out, aux = self.moe(self.dense_in(x))
+        return ((self.dense_out(out) - y) ** 2).mean() + aux
+
+
+def fresh(num_experts: int = 8, door: str = "torch", expert_parallel: int = 1):
+    if door == "mindspore":
+        torch.manual_seed(3)
+        return MindSporeMoE(expert_parallel)
     torch.manual_seed(2)
     return MoE(num_experts)
 
@@ -111,6 +136,12 @@ def set_mode(case: str) -> None:
 
 def run(case: str) -> dict:
     set_mode(case)
+    if case == "ms_moe":
+        model = fresh(door="mindspore", expert_parallel=n)
+        got = train(model, slice(rank * GLOBAL // n, (rank + 1) * GLOBAL // n))
+        return {"param": max((got[k] - REF_MS[k]).abs().max().item() for k in REF_MS),
+                "local_experts": model.moe.experts.mapping.to_local().shape[0], "dropped": model.moe.dropped,
+                "dropped_one": DROPPED_MS}
     model = fresh()
     autopar.shard(model, {"experts": "expert"})
     if case == "ep_tp":
@@ -147,6 +178,9 @@ autopar.reset_auto_parallel_context()
 with autopar.context.managed():  # one process on the global batches
     ROUTED = routed(fresh())
     REF = train(fresh(), slice(0, GLOBAL))
+    one_ms = fresh(door="mindspore")
+    REF_MS = train(one_ms, slice(0, GLOBAL))
+    DROPPED_MS = one_ms.moe.dropped
 results = {"routed": ROUTED}
 for case in cases:
     try:

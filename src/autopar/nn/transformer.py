@@ -1,6 +1,8 @@
-"""``mindspore.nn.transformer`` (MindSpore 1.8-2.0's parallel Transformer library): not available -- each name
-imports (so a script loads) and stops at its first use with one line saying what to use instead."""
+"""``mindspore.nn.transformer`` (MindSpore 1.8-2.0's parallel Transformer library). Its mixture of experts is here
+(``MoEConfig``, ``MoE``, ``MoEParallelConfig`` with ``expert_parallel``: :mod:`autopar.nn.moe`); the other names
+import (so a script loads) and stop at their first use with one line saying what to use instead."""
 from autopar.errors import unsupported
+from autopar.nn.moe import MoE, MoEConfig, MoEParallelConfig, default_moeparallel_config  # noqa: F401
 
 _INSTEAD = ("build the model from autopar.nn layers (Dense, LayerNorm, Dropout) or torch.nn.TransformerEncoderLayer, "
             "and give its operators strategies (ops.MatMul().shard, autopar.shard) or let AUTO_PARALLEL plan it; "
