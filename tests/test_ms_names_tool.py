@@ -29,7 +29,7 @@ class Net(nn.Cell):
 net = Net()
 net.fc.set_comm_fusion(1)
 net.relu.recompute()
-net.fc.shard(((1, 1),))
+net.fc.set_param_ps()
 ms.NoSuchThing()
 '''
 
@@ -44,7 +44,7 @@ def test_the_tool_lists_and_resolves_a_scripts_names(tmp_path):
                  "mindspore.set_auto_parallel_context(comm_fusion=)", "mindspore.ParallelMode.DATA_PARALLEL",
                  "mindspore.set_seed"):
         assert status.get(name) == "ok", name
-    assert status["mindspore.nn.Dense.shard"] == "refused"
+    assert status["mindspore.nn.Dense.set_param_ps"] == "refused"
     assert status["mindspore.NoSuchThing"] == "missing"
     assert status["mindspore.set_auto_parallel_context(no_such_key=)"] == "missing"
     assert "mindspore.nn.Cell.expansion" not in status  # the script's own class attribute
