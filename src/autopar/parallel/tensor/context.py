@@ -230,9 +230,3 @@ def enter(algo: str = "all_gather") -> SequenceAttention:
     mode = SequenceAttention(algo)
     mode.__enter__()
     return mode
-
-
-def leave(mode: SequenceAttention) -> None:
-    stack = torch.overrides._get_current_function_mode_stack()
-    if stack and stack[-1] is mode:
-        mode.__exit__(None, None, None)

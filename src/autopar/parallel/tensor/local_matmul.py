@@ -44,8 +44,8 @@ def enter() -> LocalBatchedMatmul:
     return mode
 
 
-def leave(mode: LocalBatchedMatmul) -> None:
-    """Pop ``mode`` if it is the innermost one (a forward that raised may have left modes above it: leave those)."""
+def leave(mode: TorchFunctionMode) -> None:
+    """Pop ``mode`` (this one, or context parallelism's attention) if it is the innermost one (a forward that raised may have left modes above it: leave those)."""
     stack = torch.overrides._get_current_function_mode_stack()
     if stack and stack[-1] is mode:
         mode.__exit__(None, None, None)

@@ -246,7 +246,7 @@ class SemiAutoRuntime(ParameterPlacement):
                 executing.__exit__(None, None, None)
             attention, self._attention_mode = self._attention_mode, None
             if attention is not None:
-                context.leave(attention)
+                local_matmul.leave(attention)  # pops a torch function mode if it is the innermost one
             mode, self._matmul_mode = self._matmul_mode, None
             if mode is not None:
                 local_matmul.leave(mode)
