@@ -11,13 +11,13 @@ import autopar.dryrun.runner as runner_module
 from autopar.dataset.synth import write_synthetic_cifar10
 from procutil import ROOT, SCRIPTS, autopar_cmd
 
-MODES = ["dp", "zero1", "zero2", "zero3", "semi_megatron", "pipeline", "auto"]
+MODES = ["dp", "zero1", "zero2", "zero3", "semi_megatron", "semi_megatron_sp", "cp", "pipeline", "auto"]
 # The real runs: gradients reduced through the process group (the CPU-only shared-memory reducer is not what a
 # cluster runs), AUTO decided by its prediction alone (a measured round picks by timing, which varies run to run)
 ENV = {"AUTOPAR_SHARED_MEMORY": "0", "AUTOPAR_AUTO_TRIALS": "0", "AUTOPAR_MEASURE_OPS": "0"}
 # Megatron strategies on 4 ranks: heads of 32 features and more stop at the attention's ``.contiguous().view()``
 # (a DTensor whose local strides are not its wrapper's; the real run and the dry run stop alike): a narrower GPT
-SIZES = {("semi_megatron", 4): ("2", "32", "512", "64", "4")}
+SIZES = {("semi_megatron", 4): ("2", "32", "512", "64", "4"), ("semi_megatron_sp", 4): ("2", "32", "512", "64", "4")}
 
 
 def _dry(procs, tmp_path, n, *script_args, ok=True, script=str(SCRIPTS / "dryrun_gpt.py")):

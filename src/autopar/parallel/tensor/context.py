@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.overrides import TorchFunctionMode
@@ -96,11 +97,12 @@ _RESHAPES = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tenso
 
 def _batch_first(func, t: DTensor, args: tuple, kwargs: dict) -> DTensor:
     """Batch and sequence flattened into one dimension (``logits.view(-1, vocab)`` before the loss) while the
-    sequence is split over two or more mesh axes: DTensor records a strided split it cannot take back in the
-    backward ("Cannot unflatten tensor with _StridedShard placement"). The tokens are moved onto a batch split
-    first (an all-to-all; gathered where the batch does not divide), which flattens cleanly."""
+    sequence is split: DTensor records a strided split, which over two mesh axes it cannot take back in the backward
+    ("Cannot unflatten tensor with _StridedShard placement"), and which the loss then gathers whole (under the dry
+    run's fake tensors, it cannot work out its offsets at all). The tokens are moved onto a batch split first (an
+    all-to-all, lighter than the gather; gathered where the batch does not divide), which flattens cleanly."""
     axes = [m for m, p in enumerate(t.placements) if isinstance(p, Shard) and p.dim == 1]
-    if t.dim() < 2 or t.shape[0] == 1 or len(axes) < 2:
+    if t.dim() < 2 or t.shape[0] == 1 or not axes:
         return t
     merged = func(torch.empty(t.shape, device="meta"), *args[1:], **kwargs)
     if merged.dim() == 0 or merged.shape[0] != t.shape[0] * t.shape[1]:
@@ -124,6 +126,8 @@ def check_equal_slices(args, kwargs, rt) -> None:
         return
     rt._checked_shapes = shapes
     lengths = torch.tensor([s[1] if len(s) > 1 else -1 for s in shapes], dtype=torch.int64)
+    if is_fake(lengths):  # a dry run: one rank simulated, the others' slices are not loaded
+        return
     gathered = [torch.empty_like(lengths) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, lengths)
     for k in range(len(shapes)):
