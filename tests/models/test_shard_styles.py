@@ -111,6 +111,8 @@ def test_sequence_parallel_plans_mark_the_norms_and_prepare_the_blocks():
     (lambda: autopar.shard(torch.nn.Sequential(torch.nn.LayerNorm(2)), "sequence"),
      "Sequential has children: split its norms and dropouts by name"),
     (lambda: autopar.shard(torch.nn.LayerNorm(2), ((1, 2, 1),), ((1, 2, 1),)), "a sequence split takes no out_strategy"),
+    (lambda: autopar.shard(torch.nn.LSTM(2, 2), "sequence"), "a LSTM combines positions along the sequence"),
+    (lambda: autopar.shard(torch.nn.Softmax(dim=1), ((1, 2, 1),)), "a Softmax combines positions along the sequence"),
     (lambda: autopar.shard(torch.nn.Linear(2, 2), _torch_style("PrepareModuleOutput", output_layouts=None,
                                                                desired_output_layouts=None)),
      "PrepareModuleOutput is not available"),

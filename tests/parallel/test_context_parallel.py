@@ -1,7 +1,8 @@
 """Context parallelism on a nanoGPT-style GPT in float64, 2 and 4 ranks, one launch each
 (tests/scripts/context_parallel.py): the inputs' sequence split by ``dataset_strategy``, every token-wise module on
 its slice, attention over the gathered keys and values -- over every rank, dp x cp (4 ranks), with ZeRO-1 and
-ZeRO-3, the optimizer made after the first forward, and DeepSpeed-Ulysses' all-to-all; each equal to one process after 3 AdamW steps with
+ZeRO-3, the optimizer made after the first forward, DeepSpeed-Ulysses' all-to-all, and a per-sample mask made
+inside the network; each equal to one process after 3 AdamW steps with
 clipping. What a user gets wrong is one line. (Hugging Face's Llama and GPT-2: tests/models/test_hf_transformers.py.)"""
 import json
 
@@ -9,8 +10,9 @@ import pytest
 
 from procutil import SCRIPTS, autopar_cmd
 
-TRAINED = {2: ["cp", "cp_zero1", "cp_optimizer_after", "cp_ulysses"],
-           4: ["cp", "dp_cp", "cp_zero3", "dp_cp_zero1", "cp_ulysses", "dp_cp_ulysses"]}
+TRAINED = {2: ["cp", "cp_zero1", "cp_optimizer_after", "cp_ulysses", "cp_mask"],
+           4: ["cp", "dp_cp", "cp_zero3", "dp_cp_zero1", "cp_ulysses", "dp_cp_ulysses", "dp_cp_mask",
+               "dp_cp_ulysses_mask"]}
 MISTAKES = {
     "sequence_indivisible": ("StrategyError", "context parallelism: the ranks loaded slices of"),
     "attention_dropout": ("StrategyError", "context parallelism: attention dropout differs from one process's draws"),

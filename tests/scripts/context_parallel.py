@@ -5,7 +5,8 @@ token-wise runs on that slice, attention gathers the keys and values.
 
 Cases: ``cp`` (the sequence over every rank), ``dp_cp`` (4 ranks: dp 2 x cp 2), ``cp_zero1`` / ``cp_zero3``
 (``enable_parallel_optimizer``), ``cp_optimizer_after`` (the optimizer made after the first forward), ``cp_ulysses``
-(``context_parallel_algo="ulysses"``: all-to-all onto the heads); and the mistakes -- a sequence the ranks do not
+(``context_parallel_algo="ulysses"``: all-to-all onto the heads), ``..._mask`` (a per-sample mask made inside the
+network instead of ``is_causal``, split with the batch); and the mistakes -- a sequence the ranks do not
 divide, attention dropout, Ulysses with heads the ranks do not divide, a sequence split in data_parallel.
 
 argv: OUT_PREFIX CASES_JSON. Writes {case: {...}} to OUT_PREFIX.<rank>.
@@ -21,6 +22,7 @@ import autopar
 from autopar.communication import get_group_size, get_rank, init
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import gpt  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 out_prefix, cases = sys.argv[1], json.loads(sys.argv[2])
@@ -83,7 +85,25 @@ def train(model, batches, after_first_forward=False):
     return losses
 
 
+class MaskedAttention:
+    """``F`` for the GPT's attention with an explicit mask made inside the network instead of ``is_causal``: causal,
+    and sample b of the batch unable to see its first b keys -- a mask per sample, split with the batch."""
+
+    def __getattr__(self, name):
+        return getattr(torch.nn.functional, name)
+
+    @staticmethod
+    def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False):
+        b, t = q.shape[0], q.shape[-2]
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        keys = torch.arange(t)[None, :] >= torch.arange(b)[:, None]  # [b, t]
+        mask = causal[None, None] & keys[:, None, None, :]
+        mask[..., 0] = True  # every query sees at least one key
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+
+
 def run(case: str) -> dict:
+    gpt.F = MaskedAttention() if case.endswith("mask") else torch.nn.functional
     set_mode(case)
     model = fresh()
     seen = {}
@@ -91,8 +111,10 @@ def run(case: str) -> dict:
         lambda m, a, out: seen.update(local=list(out.shape)))
     losses = train(model, [local_batch(s, case) for s in range(STEPS)], after_first_forward=case.endswith("after"))
     got = full(model)
-    return {"loss": max(abs(a - b) for a, b in zip(losses, REF_LOSSES)),
-            "param": max((got[k] - REF[k]).abs().max().item() for k in REF), "ln_1": seen}
+    ref_losses, ref = (REF_LOSSES_MASK, REF_MASK) if case.endswith("mask") else (REF_LOSSES, REF)
+    gpt.F = torch.nn.functional
+    return {"loss": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "param": max((got[k] - ref[k]).abs().max().item() for k in ref), "ln_1": seen}
 
 
 def mistake(case: str) -> dict:
@@ -119,6 +141,11 @@ with autopar.context.managed():  # one process on the global batches
     reference = fresh()
     REF_LOSSES = train(reference, [(DATA[s, :, :-1].clone(), DATA[s, :, 1:].clone()) for s in range(STEPS)])
     REF = full(reference)
+    gpt.F = MaskedAttention()
+    reference = fresh()
+    REF_LOSSES_MASK = train(reference, [(DATA[s, :, :-1].clone(), DATA[s, :, 1:].clone()) for s in range(STEPS)])
+    REF_MASK = full(reference)
+    gpt.F = torch.nn.functional
 results = {}
 for case in cases:
     try:

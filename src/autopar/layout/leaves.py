@@ -13,3 +13,15 @@ def is_annotated(module: torch.nn.Module) -> bool:
 # input back to the batch split first would undo a Megatron column split for nothing.
 LAYOUT_TRANSPARENT = (torch.nn.ReLU, torch.nn.ReLU6, torch.nn.GELU, torch.nn.Tanh, torch.nn.Sigmoid, torch.nn.SiLU,
                       torch.nn.LeakyReLU, torch.nn.Identity)
+
+
+def mixes_tokens(module: torch.nn.Module) -> bool:
+    """Does ``module`` combine positions along the sequence (a recurrence, attention, a convolution or pooling, a
+    softmax over another dimension than the last)? Such a module cannot run on a slice of the sequence."""
+    pools = tuple(getattr(torch.nn.modules.pooling, name) for name in ("_MaxPoolNd", "_AvgPoolNd",
+                                                                        "_AdaptiveAvgPoolNd", "_AdaptiveMaxPoolNd"))
+    if isinstance(module, (torch.nn.RNNBase, torch.nn.MultiheadAttention, torch.nn.modules.conv._ConvNd, *pools)):
+        return True
+    if isinstance(module, (torch.nn.Softmax, torch.nn.LogSoftmax, torch.nn.Softmin)):
+        return module.dim not in (None, -1)
+    return False

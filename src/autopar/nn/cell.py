@@ -146,6 +146,9 @@ class Cell(torch.nn.Module):
                 "dropout split on the sequence: cell.shard(((dp, mp, 1),))): shard the operators inside "
                 "(ops.MatMul().shard(...)) or Dense/Conv2d with autopar.shard(module, strategy), under "
                 "set_auto_parallel_context(parallel_mode='semi_auto_parallel')")
+        if device != "Ascend" or level != 0:
+            warn_once("Cell.shard-device", f"Cell.shard(device={device!r}, level={level!r}) is accepted and not "
+                      "applied: the split runs on the job's devices")
         return split_leaf(self, in_strategy)
 
     @refuses("Cell.set_param_ps", "parameter-server training is not part of autopar; use data parallel "

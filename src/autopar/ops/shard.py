@@ -307,6 +307,11 @@ def split_leaf(module: Any, split: Any) -> Any:
     if any(True for _ in module.children()):
         raise StrategyError(f"autopar.shard: a sequence split runs one module without children on its slice of the "
                             f"sequence; {type(module).__name__} has children: split its norms and dropouts by name")
+    from autopar.layout.leaves import mixes_tokens
+
+    if mixes_tokens(module):
+        raise StrategyError(f"autopar.shard: a {type(module).__name__} combines positions along the sequence and "
+                            "cannot run on a slice of it: split the norms and dropouts around it")
     if split is None or (isinstance(split, tuple) and split and type(split[0]).__name__ == "Shard"):
         module._autopar_split = ("sequence", split[0].dim if split else 1)
     else:

@@ -252,7 +252,7 @@ def lays_out(network, loss_fn, ctx) -> bool:
 def _check_context_parallel(ctx, mode) -> None:
     """A sequence split runs in SEMI_AUTO_PARALLEL (its layouts carry the tokens' places): elsewhere each rank would
     train its slice as if it were a whole sequence -- one line. ``context_parallel_algo`` without one: said."""
-    if splits_the_sequence(ctx) and mode is not ParallelMode.SEMI_AUTO_PARALLEL:
+    if splits_the_sequence(ctx) and mode in (ParallelMode.DATA_PARALLEL, ParallelMode.HYBRID_PARALLEL):
         raise ConfigError(f"dataset_strategy={ctx.dataset_strategy} splits the sequence (context parallelism), which "
                           f"runs in parallel_mode='semi_auto_parallel' (now {mode.value}): each rank would attend "
                           "only within its own slice")

@@ -76,7 +76,8 @@ def attention(query: DTensor, key, value, attn_mask=None, dropout_p: float = 0.0
         positions = torch.arange(start, start + rows, device=q.device)
         mask = torch.arange(keys, device=q.device) <= positions[:, None]
     if attn_mask is not None:
-        given = attn_mask.full_tensor() if isinstance(attn_mask, DTensor) else attn_mask
+        # this rank's batch and heads of the mask (whole on the sequence axes), then its queries' rows
+        given = _local_mask(attn_mask, query, [Replicate() if m in axes else p for m, p in enumerate(query.placements)])
         if given.dim() >= 2 and given.shape[-2] != 1:
             given = given.narrow(-2, start, rows)
         if given.dtype == torch.bool:
@@ -90,6 +91,22 @@ def attention(query: DTensor, key, value, attn_mask=None, dropout_p: float = 0.0
     shape = (*query.shape[:-1], value.shape[-1])
     return DTensor.from_local(out, mesh, query.placements, run_check=False, shape=torch.Size(shape),
                               stride=torch.empty(shape, device="meta").stride())
+
+
+def _local_mask(mask, query: DTensor, placements: list) -> torch.Tensor:
+    """``mask`` (a DTensor or a tensor made whole inside the network) laid out as ``placements`` say for the query,
+    on the dimensions it has (a dimension it broadcasts over stays whole), as this rank's local tensor."""
+    mesh = query.device_mesh
+    if not isinstance(mask, DTensor):
+        mask = DTensor.from_local(mask, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    offset = query.dim() - mask.dim()  # a mask of fewer dimensions aligns on the right
+    target = []
+    for p in placements:
+        d = p.dim - offset if isinstance(p, Shard) else -1
+        target.append(Shard(d) if isinstance(p, Shard) and d >= 0 and mask.shape[d] > 1 else Replicate())
+    if tuple(mask.placements) != tuple(target):
+        mask = mask.redistribute(mesh, target)
+    return mask.to_local()
 
 
 _RESHAPES = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten, torch.flatten}
@@ -116,18 +133,17 @@ def _batch_first(func, t: DTensor, args: tuple, kwargs: dict) -> DTensor:
 
 def check_equal_slices(args, kwargs, rt) -> None:
     """Every rank of a context-parallel group loads an equal slice of one sequence; a sequence the group does not
-    divide gives slices of different lengths, which no layout describes. Checked (one all-gather of the local
-    shapes) whenever this rank's input shapes change: one line, not a wrong result or a hang."""
+    divide gives slices of different lengths, which no layout describes. Checked at every call (one all-gather of a
+    few integers, on the inputs' device): one line, not a wrong result or a hang."""
     import torch.distributed as dist
 
 
-    shapes = [tuple(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-    if shapes == getattr(rt, "_checked_shapes", None) or not dist.is_initialized():
-        return
-    rt._checked_shapes = shapes
-    lengths = torch.tensor([s[1] if len(s) > 1 else -1 for s in shapes], dtype=torch.int64)
-    if is_fake(lengths):  # a dry run: one rank simulated, the others' slices are not loaded
-        return
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    if not tensors or not dist.is_initialized() or any(is_fake(t) for t in tensors):
+        return  # (a dry run simulates one rank: the others' slices are not loaded)
+    shapes = [tuple(t.shape) for t in tensors]
+    # every call, on every rank: a check some ranks skip would leave the others waiting in the collective
+    lengths = torch.tensor([s[1] if len(s) > 1 else -1 for s in shapes], dtype=torch.int64, device=tensors[0].device)
     gathered = [torch.empty_like(lengths) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, lengths)
     for k in range(len(shapes)):
@@ -148,10 +164,13 @@ def ulysses(query: DTensor, key, value, attn_mask=None, dropout_p: float = 0.0, 
     parts = 1
     for m in axes:
         parts *= mesh.size(m)
-    if not isinstance(key, DTensor) or query.shape[heads] % parts or key.shape[heads] % parts:
-        kv = key.shape[heads] if isinstance(key, torch.Tensor) else "?"
+    if not isinstance(key, DTensor) or not isinstance(value, DTensor):
+        raise StrategyError("context_parallel_algo='ulysses' needs the keys and values split on the sequence as the "
+                            "query is (made from the network's inputs); use context_parallel_algo='all_gather'")
+    q_heads, kv_heads = query.to_local().shape[heads], key.to_local().shape[heads]  # after any tensor-parallel split
+    if q_heads % parts or kv_heads % parts:
         raise StrategyError(f"context_parallel_algo='ulysses' splits the heads over the {parts} ranks of the "
-                            f"sequence, but the attention has {query.shape[heads]} query and {kv} key-value heads: "
+                            f"sequence, but each rank's attention has {q_heads} query and {kv_heads} key-value heads: "
                             "give a head count they divide, or context_parallel_algo='all_gather'")
     if dropout_p:
         raise StrategyError("context parallelism: attention dropout differs from one process's draws; train with "
@@ -161,10 +180,9 @@ def ulysses(query: DTensor, key, value, attn_mask=None, dropout_p: float = 0.0, 
     rank = torch.distributed.get_rank(group)
     q, k, v = (_SequenceToHeads.apply(t.contiguous().to_local(), group, parts, rank, heads)
                for t in (query, key, value))
-    if attn_mask is not None:
-        attn_mask = attn_mask.full_tensor() if isinstance(attn_mask, DTensor) else attn_mask
-        if attn_mask.dim() == query.dim() and attn_mask.shape[heads] != 1:  # a mask per head: this rank's heads
-            attn_mask = attn_mask.chunk(parts, dim=heads)[rank]
+    if attn_mask is not None:  # this rank's batch and (after the exchange) heads, the whole sequence
+        attn_mask = _local_mask(attn_mask, query, [Shard(heads) if m in axes else p
+                                                   for m, p in enumerate(query.placements)])
     local = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                                            enable_gqa=enable_gqa)
     local = _SequenceToHeads.apply(local.contiguous(), group, parts, rank, heads, True)

@@ -73,15 +73,26 @@ def run(module: torch.nn.Module, forward, hidden_states, top_k_index, top_k_weig
     experts, n = module.num_experts, world_size()
     per = experts // n
     start = (dist.get_rank() if dist.is_initialized() else 0) * per
-    local = torch.where((index >= start) & (index < start + per), index - start, torch.full_like(index, per))
+    mine = (index >= start) & (index < start + per)
+    local = torch.where(mine, index - start, torch.full_like(index, per))
+    # another rank's expert adds nothing here whatever the implementation does with the "no expert" slot
+    # (transformers' grouped_mm leaves those rows unwritten): its weight is zero, and transformers is told that
+    # its experts are split (_is_expert_parallel)
+    weights = weights.masked_fill(~mine, 0)
     stacked = {attr: p for attr, p in module._parameters.items() if isinstance(p, DTensor)}
+    flagged = hasattr(module, "_is_expert_parallel")
+    before = getattr(module, "_is_expert_parallel", None)
     try:
         for attr, p in stacked.items():
             module._parameters[attr] = p.to_local()
         module.num_experts = per
+        if flagged:
+            module._is_expert_parallel = True
         out = forward(module, h, local, weights, *args, **kwargs)
     finally:
         module.num_experts = experts
+        if flagged:
+            module._is_expert_parallel = before
         for attr, p in stacked.items():
             module._parameters[attr] = p
     mine = _waited(funcol.reduce_scatter_tensor_autograd(out, "sum", scatter_dim=0, group=group))  # token sums

@@ -17,7 +17,7 @@ from autopar.layout.placements import (  # noqa: F401  (the runtime reads them a
 
 
 def wrap_local(local: torch.Tensor, placements) -> DTensor:
-    if local.is_contiguous() and local.stride() != _row_major(local.shape):
+    if local.numel() and local.is_contiguous() and local.stride() != _row_major(local.shape):
         # contiguous with an odd stride on a size-1 dimension (``rows[:, 1:].contiguous()`` of a batch of one):
         # DTensor scales that stride to the global shape, where a later ``view`` then fails
         local = local.clone(memory_format=torch.contiguous_format)

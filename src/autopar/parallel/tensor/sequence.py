@@ -24,6 +24,7 @@ from autopar.comm.topology import world_mesh
 from autopar.errors import StrategyError
 from autopar.layout import spec as S
 from autopar.layout.layout import Layout
+from autopar.layout.leaves import mixes_tokens
 from autopar.layout.strategy import derive_plan
 from autopar.parallel.tensor import placements as P
 
@@ -91,6 +92,12 @@ def enter(rt, module: torch.nn.Module, args: tuple, follow: bool = False) -> tup
     if not flat:
         return args, (), P.replicate_placements()
     if follow:
+        if mixes_tokens(module):
+            name = rt.names.get(id(module), type(module).__name__)
+            raise StrategyError(f"context parallelism: module '{name}' ({type(module).__name__}) combines positions "
+                                "along the sequence, which each rank holds only a slice of: attention runs split "
+                                "(F.scaled_dot_product_attention), this module cannot -- train it without a "
+                                "sequence split")
         x = next(t for t in flat if follows((t,)))
         placements = tuple(Replicate() if isinstance(p, Partial) else p for p in x.placements)
     else:
