@@ -50,8 +50,8 @@ def _words(name: str, module: torch.nn.Module, strategy: tuple, shape: tuple, de
         return (f"{what}: the strategy has {len(strategy)} values but the module's input has {len(shape)} dimensions "
                 f"(shape {shape})")
     if len(strategy) and strategy[-1] > 1:
-        return (f"{what}: its last dimension (the features it normalises) stays whole -- split the sequence, "
-                f"(dp, mp, 1)")
+        return (f"module '{name}' ({type(module).__name__}) split {strategy} over {device_num} ranks: its last "
+                "dimension (the features it normalises) stays whole -- split the sequence: (dp, mp, 1)")
     for d, (k, size) in enumerate(zip(strategy, shape)):
         if k > 1 and size % k:
             part = "sequence" if d == 1 else f"dimension {d}"
