@@ -18,6 +18,9 @@ ENV = {"AUTOPAR_SHARED_MEMORY": "0", "AUTOPAR_AUTO_TRIALS": "0", "AUTOPAR_MEASUR
 # Megatron strategies on 4 ranks: heads of 32 features and more stop at the attention's ``.contiguous().view()``
 # (a DTensor whose local strides are not its wrapper's; the real run and the dry run stop alike): a narrower GPT
 SIZES = {("semi_megatron", 4): ("2", "32", "512", "64", "4"), ("semi_megatron_sp", 4): ("2", "32", "512", "64", "4")}
+# the suite's minutes: sequence parallelism on the two-axis mesh of 4 ranks only (on 2 ranks its dry run and real run
+# were equal too; its exactness on 2 ranks is tests/parallel/test_sequence_parallel.py)
+SKIP = {("semi_megatron_sp", 2)}
 
 
 def _dry(procs, tmp_path, n, *script_args, ok=True, script=str(SCRIPTS / "dryrun_gpt.py")):
@@ -32,7 +35,7 @@ def _dry(procs, tmp_path, n, *script_args, ok=True, script=str(SCRIPTS / "dryrun
 @pytest.mark.parametrize("n", [2, 4])
 def test_a_dry_run_predicts_the_peak_of_a_real_run_in_every_mode(procs, tmp_path, n):
     table, bad = [], []
-    for mode in MODES:
+    for mode in [m for m in MODES if (m, n) not in SKIP]:
         out = tmp_path / f"real_{mode}"
         res = procs.run(autopar_cmd("launch", "-n", str(n), "--log-dir", str(tmp_path / f"logs_{mode}"),
                                     runner_module.__file__, "--measure", "--out", str(out),
