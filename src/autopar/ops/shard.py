@@ -21,7 +21,7 @@ torchtitan plans are written: ``autopar.shard(model, {"*.q_proj": "colwise", "*.
 (``fnmatch`` patterns over ``named_modules()``; one that matches no module is an error).
 
 Sequence parallelism (Korthikanti et al. 2022), as torchtitan plans it: ``"sequence"`` or ``SequenceParallel()`` on
-a norm or dropout (any module without children) splits its input's sequence dimension over every rank -- the norms,
+a norm or dropout (a token-wise module without children) splits its input's sequence dimension over every rank -- the norms,
 dropouts and residual adds between tensor-parallel layers then hold 1/n of the activations, and the all-reduce after
 a row-parallel layer becomes a reduce-scatter (the all-gather comes before the next column-parallel one).
 ``RowwiseParallel(output_layouts=Shard(1))`` reduce-scatters its output at once, ``ColwiseParallel(output_layouts=
