@@ -263,8 +263,9 @@ def _check_context_parallel(ctx, mode) -> None:
 
 def splits_the_sequence(ctx) -> bool:
     """``dataset_strategy`` splitting the inputs' dimension 1 (the sequence): context parallelism."""
-    strategy = ctx.dataset_strategy if isinstance(ctx.dataset_strategy, (tuple, list)) else ()
-    return any(isinstance(e, (tuple, list)) and len(e) > 1 and int(e[1]) > 1 for e in strategy)
+    from autopar.parallel.tensor.inputs import splits_sequence
+
+    return splits_sequence(ctx.dataset_strategy)
 
 
 def _attach_layouts(state, network, loss_fn, optimizer, ctx, zero) -> None:

@@ -14,7 +14,10 @@ Active (a torch function mode) while a layout runtime whose inputs split the seq
 """
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -38,6 +41,16 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad.contiguous()
+
+
+def _refuse_dropout(dropout_p: float) -> None:
+    if dropout_p:
+        raise StrategyError("context parallelism: attention dropout differs from one process's draws; train with "
+                            "dropout_p=0 in attention")
+
+
+def _group_size(mesh, axes: list[int]) -> int:
+    return math.prod(mesh.size(m) for m in axes)
 
 
 def _sequence_axes(t: DTensor) -> list[int]:
@@ -84,9 +97,7 @@ def attention(query: DTensor, key, value, attn_mask=None, dropout_p: float = 0.0
             mask = given if mask is None else mask & given
         else:
             mask = given if mask is None else given.masked_fill(~mask, float("-inf"))
-    if dropout_p:
-        raise StrategyError("context parallelism: attention dropout differs from one process's draws; train with "
-                           "dropout_p=0 in attention")
+    _refuse_dropout(dropout_p)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa).contiguous()
     shape = (*query.shape[:-1], value.shape[-1])
     return DTensor.from_local(out, mesh, query.placements, run_check=False, shape=torch.Size(shape),
@@ -124,20 +135,15 @@ def _batch_first(func, t: DTensor, args: tuple, kwargs: dict) -> DTensor:
     merged = func(torch.empty(t.shape, device="meta"), *args[1:], **kwargs)
     if merged.dim() == 0 or merged.shape[0] != t.shape[0] * t.shape[1]:
         return t
-    parts = 1
-    for m in axes:
-        parts *= t.device_mesh.size(m)
+    parts = _group_size(t.device_mesh, axes)
     moved = Shard(0) if t.shape[0] % parts == 0 else Replicate()
     return t.redistribute(t.device_mesh, [moved if m in axes else p for m, p in enumerate(t.placements)])
 
 
-def check_equal_slices(args, kwargs, rt) -> None:
+def check_equal_slices(args, kwargs) -> None:
     """Every rank of a context-parallel group loads an equal slice of one sequence; a sequence the group does not
     divide gives slices of different lengths, which no layout describes. Checked at every call (one all-gather of a
     few integers, on the inputs' device): one line, not a wrong result or a hang."""
-    import torch.distributed as dist
-
-
     tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     if not tensors or not dist.is_initialized() or any(is_fake(t) for t in tensors):
         return  # (a dry run simulates one rank: the others' slices are not loaded)
@@ -161,9 +167,7 @@ def ulysses(query: DTensor, key, value, attn_mask=None, dropout_p: float = 0.0, 
     The heads -- the key-value heads too -- must divide the context-parallel group."""
     mesh, heads = query.device_mesh, query.dim() - 3
     axes = _sequence_axes(query)
-    parts = 1
-    for m in axes:
-        parts *= mesh.size(m)
+    parts = _group_size(mesh, axes)
     if not isinstance(key, DTensor) or not isinstance(value, DTensor):
         raise StrategyError("context_parallel_algo='ulysses' needs the keys and values split on the sequence as the "
                             "query is (made from the network's inputs); use context_parallel_algo='all_gather'")
@@ -172,12 +176,9 @@ def ulysses(query: DTensor, key, value, attn_mask=None, dropout_p: float = 0.0, 
         raise StrategyError(f"context_parallel_algo='ulysses' splits the heads over the {parts} ranks of the "
                             f"sequence, but each rank's attention has {q_heads} query and {kv_heads} key-value heads: "
                             "give a head count they divide, or context_parallel_algo='all_gather'")
-    if dropout_p:
-        raise StrategyError("context parallelism: attention dropout differs from one process's draws; train with "
-                            "dropout_p=0 in attention")
-
+    _refuse_dropout(dropout_p)
     group = _group_of(mesh, axes)
-    rank = torch.distributed.get_rank(group)
+    rank = dist.get_rank(group)
     q, k, v = (_SequenceToHeads.apply(t.contiguous().to_local(), group, parts, rank, heads)
                for t in (query, key, value))
     if attn_mask is not None:  # this rank's batch and (after the exchange) heads, the whole sequence
@@ -204,8 +205,6 @@ def _exchange(t: torch.Tensor, group, parts: int, rank: int, gather_dim: int, sp
     """The all-to-all that moves ``t`` from a split of ``gather_dim`` to a split of ``split_dim`` (contiguous):
     NCCL's all_to_all; gloo has none, so there it is an all-gather and this rank's chunk (what torch's DTensor does
     on gloo too)."""
-    import torch.distributed as dist
-
     if dist.get_backend(group) == "gloo":
         pieces = [torch.empty_like(t) for _ in range(parts)]
         dist.all_gather(pieces, t.contiguous(), group=group)

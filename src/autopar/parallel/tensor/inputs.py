@@ -50,6 +50,12 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def splits_sequence(strategy: Any) -> bool:
+    """Does a ``dataset_strategy`` split its inputs' dimension 1 (the sequence)? Context parallelism."""
+    entries = strategy if isinstance(strategy, (tuple, list)) else ()
+    return any(isinstance(e, (tuple, list)) and len(e) > 1 and int(e[1]) > 1 for e in entries)
+
+
 def dataset_shard(entry: Any, rank: int | None = None) -> tuple[int, int]:
     """(num_shards, shard_id) a rank should load along dimension 0 under a dataset_strategy entry."""
     rank = dist.get_rank() if rank is None else rank

@@ -51,7 +51,7 @@ from autopar.parallel.tensor import placements as P
 from autopar.parallel.tensor.attention import register_attention_rules
 from autopar.parallel.tensor.explain import fused_projection_split
 from autopar.parallel.tensor.handlers import register_cast_handler
-from autopar.parallel.tensor.inputs import dataset_input
+from autopar.parallel.tensor.inputs import dataset_input, splits_sequence
 from autopar.parallel.tensor.operators import run_operator
 from autopar.parallel.tensor.parameters import ParameterPlacement
 from autopar.parallel.tensor.regather import Regather
@@ -155,8 +155,7 @@ class SemiAutoRuntime(ParameterPlacement):
         # context parallelism: the inputs split on their sequence (dimension 1) -- token-wise modules keep that
         # split, attention gathers keys and values (parallel/tensor/context.py)
         self.context_parallel_algo = context_parallel_algo
-        self.sequence_split = any(len(e) > 1 and any(int(k) > 1 for k in tuple(e)[1:2])
-                                  for e in self.dataset_strategy or ())
+        self.sequence_split = splits_sequence(self.dataset_strategy)
         self._hooked: set[int] = set()
         self._strategy_written = False
         self.loss_root: torch.nn.Module | None = None  # network + loss, when Model gave a loss
@@ -257,7 +256,7 @@ class SemiAutoRuntime(ParameterPlacement):
             return None
         if outer:
             if self.sequence_split:
-                context.check_equal_slices(args, kwargs, self)
+                context.check_equal_slices(args, kwargs)
             count = iter(range(10**9))
 
             def convert(t):

@@ -50,8 +50,7 @@ def _words(name: str, module: torch.nn.Module, strategy: tuple, shape: tuple, de
         return (f"{what}: the strategy has {len(strategy)} values but the module's input has {len(shape)} dimensions "
                 f"(shape {shape})")
     if len(strategy) and strategy[-1] > 1:
-        return (f"module '{name}' ({type(module).__name__}) split {strategy} over {device_num} ranks: its last "
-                "dimension (the features it normalises) stays whole -- split the sequence: (dp, mp, 1)")
+        return f"{what}: its last dimension (the features it normalises) stays whole -- split the sequence: (dp, mp, 1)"
     for d, (k, size) in enumerate(zip(strategy, shape)):
         if k > 1 and size % k:
             part = "sequence" if d == 1 else f"dimension {d}"
@@ -85,8 +84,8 @@ def follows(args) -> bool:
 
 
 def enter(rt, module: torch.nn.Module, args: tuple, follow: bool = False) -> tuple[tuple, tuple, tuple]:
-    """The module's arguments as this rank's slices; returns (local args, (placements, input rank), gradient
-    placements of its whole parameters). ``follow``: the layout of the first sequence-split input (context
+    """The module's arguments as this rank's slices; returns (local args, (placements, input rank, the whole
+    sequence's length when following a context-parallel split), gradient placements of its whole parameters). ``follow``: the layout of the first sequence-split input (context
     parallelism), not the module's own split."""
     flat = [t for t in tree_flatten((args,))[0] if isinstance(t, torch.Tensor)]
     if not flat:
@@ -119,7 +118,7 @@ def enter(rt, module: torch.nn.Module, args: tuple, follow: bool = False) -> tup
     # under context parallelism an output as long as the whole sequence was made from what every rank holds
     # whole (a rotary table from the positions, the activations given only for their dtype): replicated
     whole_length = x.shape[1] if follow else None
-    return tree_map(local, args), (placements, None if follow else x.dim(), whole_length), grad
+    return tree_map(local, args), (placements, x.dim(), whole_length), grad
 
 
 def leave(rt, module: torch.nn.Module, output, layout: tuple):
@@ -132,9 +131,10 @@ def leave(rt, module: torch.nn.Module, output, layout: tuple):
         if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
             if whole_length is not None and t.dim() >= 2 and t.shape[1] == whole_length:
                 return P.to_dtensor_replicated(t)
-            if t.dim() != ndim and not (ndim is None and t.dim() >= 2):
+            follow = whole_length is not None  # context parallelism: any token-wise output keeps the split
+            if t.dim() != ndim and not (follow and t.dim() >= 2):
                 name = rt.names.get(id(module), type(module).__name__)
-                if ndim is None:
+                if follow:
                     raise StrategyError(f"module '{name}' ({type(module).__name__}) ran on its slice of the sequence "
                                         f"(context parallelism) and returned a {t.dim()}-dimensional tensor: a "
                                         "module that reduces over tokens (a loss module) sees only its slice -- "
