@@ -261,8 +261,8 @@ def shard(module: Any, in_strategy: Any, out_strategy: Any = None) -> Any:
         base = EmbeddingOp(module.padding_idx)
     else:
         raise StrategyError(f"autopar.shard cannot shard a {type(module).__name__}: supported are nn.Linear, "
-                            f"nn.Conv2d, nn.Embedding, transformers' Conv1D and the autopar.ops operators; a norm or dropout "
-                              f"splits on the sequence (\"sequence\", or ((dp, mp, 1),))")
+                            "nn.Conv2d, nn.Embedding, transformers' Conv1D and the autopar.ops operators; a norm or "
+                            "dropout splits on the sequence (\"sequence\", or ((dp, mp, 1),))")
     if style is not None:
         if out_strategy is not None:
             raise StrategyError(f"{type(module).__name__}: a style ({style}) takes no out_strategy")
@@ -296,7 +296,7 @@ def _splits_a_leaf(module: Any, strategy: Any) -> bool:
 
 
 def split_leaf(module: Any, split: Any) -> Any:
-    """Mark a norm / dropout / any module without children to run on its input split as ``split`` says: a strategy
+    """Mark a norm / dropout / other token-wise module without children to run on its input split as ``split`` says: a strategy
     tuple for its first input (``((dp, mp, 1),)``), or torch's ``sequence_sharding`` (``(Shard(1),)``: that dimension
     over every rank), or None (dimension 1 over every rank). Its parameters stay whole; the runtime
     (:mod:`autopar.parallel.tensor.sequence`) splits the input and completes their gradients."""

@@ -95,7 +95,7 @@ def run(module: torch.nn.Module, forward, hidden_states, top_k_index, top_k_weig
             module._is_expert_parallel = before
         for attr, p in stacked.items():
             module._parameters[attr] = p
-    mine = _waited(funcol.reduce_scatter_tensor_autograd(out, "sum", scatter_dim=0, group=group))  # token sums
-    split = DTensor.from_local(mine, mesh, [Shard(0)] * mesh.ndim, run_check=False, shape=hidden.shape,
+    sums = _waited(funcol.reduce_scatter_tensor_autograd(out, "sum", scatter_dim=0, group=group))  # this rank's tokens
+    split = DTensor.from_local(sums, mesh, [Shard(0)] * mesh.ndim, run_check=False, shape=hidden.shape,
                                stride=hidden.stride())
     return split if tuple(split.placements) == tuple(hidden.placements) else split.redistribute(mesh, hidden.placements)

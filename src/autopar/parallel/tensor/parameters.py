@@ -14,6 +14,7 @@ from autopar.errors import StrategyError
 from autopar.layout.layout import Layout
 from autopar.layout.leaves import is_annotated
 from autopar.ops.primitive import Primitive
+from autopar.parallel.tensor import experts
 from autopar.parallel.tensor import placements as P
 from autopar.parallel.tensor import state_dict as _state_dict
 
@@ -114,8 +115,6 @@ class ParameterPlacement:
         holds no operator (``x * self.scale`` in its ``construct``). Left to the operators that use them: the
         parameters of a module with autopar operators (MindSpore's way, where the first operator to use a
         parameter lays it out)."""
-        from autopar.parallel.tensor import experts
-
         for module in root.modules():
             if experts.is_experts(module):  # expert parallelism: each rank keeps its experts
                 self._store_experts(module)
@@ -138,8 +137,6 @@ class ParameterPlacement:
                                            layout.placements(), layout)
 
     def _store_experts(self, module: torch.nn.Module) -> None:
-        from autopar.parallel.tensor import experts
-
         where = self.names.get(id(module), type(module).__name__)
         for attr, param in list(module._parameters.items()):
             if param is None or isinstance(param, DTensor):
