@@ -25,3 +25,12 @@ def mixes_tokens(module: torch.nn.Module) -> bool:
     if isinstance(module, (torch.nn.Softmax, torch.nn.LogSoftmax, torch.nn.Softmin)):
         return module.dim not in (None, -1)
     return False
+
+
+def stacked_experts(module: torch.nn.Module) -> bool:
+    """A module of stacked expert weights (transformers' ``MixtralExperts``: ``num_experts`` and parameters
+    ``[num_experts, ...]``, called ``(hidden_states, top_k_index, top_k_weights)``): what expert parallelism splits."""
+    stacked = [p for p in getattr(module, "_parameters", {}).values() if p is not None]
+    experts = getattr(module, "num_experts", None)
+    return isinstance(module, torch.nn.Module) and isinstance(experts, int) and bool(stacked) and all(
+        p.dim() >= 2 and p.shape[0] == experts for p in stacked)

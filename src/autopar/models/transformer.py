@@ -41,10 +41,14 @@ class TransformerBlock(nn.Module):
 class LlamaBlock(nn.Module):
     """A Llama-style decoder layer: RMSNorm, grouped-query attention (``kv_heads`` key/value heads shared by
     ``heads / kv_heads`` query heads each) with rotary position embeddings, and a SwiGLU MLP -- the shape of
-    today's open models, as plain ``nn.Linear`` layers (q, k, v, o, gate, up, down)."""
+    today's open models, as plain ``nn.Linear`` layers (q, k, v, o, gate, up, down). ``causal=True``: causal
+    attention through ``F.scaled_dot_product_attention`` (the fused kernel, as long-context training runs it)
+    instead of the bidirectional softmax of an explicit score matrix."""
 
-    def __init__(self, d_model: int = 512, heads: int = 8, kv_heads: int = 2, ff: int = 1408, seq: int = 128):
+    def __init__(self, d_model: int = 512, heads: int = 8, kv_heads: int = 2, ff: int = 1408, seq: int = 128,
+                 causal: bool = False):
         super().__init__()
+        self.causal = causal
         if d_model % heads or heads % kv_heads:
             raise ValueError(f"d_model {d_model}, heads {heads}, kv_heads {kv_heads}: heads must divide d_model and "
                              f"kv_heads heads")
@@ -82,8 +86,11 @@ class LlamaBlock(nn.Module):
         v = self._heads(self.v(h), self.kv_heads)
         group = self.heads // self.kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        att = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(self.head_dim), dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(b, s, d)
+        if self.causal:
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(self.head_dim), dim=-1) @ v
+        y = y.transpose(1, 2).reshape(b, s, d)
         x = x + self.o(y)
         h = self.norm2(x)
         return x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))

@@ -172,11 +172,12 @@ def _dispatch(state: ParallelState, network, loss_fn, optimizer, sample, ctx, sa
             return
         if state.plan.pure_data_parallel:
             zero = state.plan.zero_level or zero
-        else:
-            for target, strategy in state.plan.strategies():
-                shard(target, strategy)
-    if has_strategies(network, loss_fn) if mode is ParallelMode.AUTO_PARALLEL else lays_out(network, loss_fn, ctx):
-        _attach_layouts(state, network, loss_fn, optimizer, ctx, zero)
+        for target, strategy in state.plan.strategies():
+            shard(target, strategy)
+    cp = state.plan.context_parallel if mode is ParallelMode.AUTO_PARALLEL and state.plan is not None else 1
+    if cp > 1 or (has_strategies(network, loss_fn) if mode is ParallelMode.AUTO_PARALLEL
+                  else lays_out(network, loss_fn, ctx)):
+        _attach_layouts(state, network, loss_fn, optimizer, ctx, zero, cp)
     elif zero:
         from autopar.parallel.data.replicas import equalize_replicas
         from autopar.parallel.zero.fsdp import ShardedGrads, shard_optimizer, shard_size_of
@@ -268,7 +269,9 @@ def splits_the_sequence(ctx) -> bool:
     return splits_sequence(ctx.dataset_strategy)
 
 
-def _attach_layouts(state, network, loss_fn, optimizer, ctx, zero) -> None:
+def _attach_layouts(state, network, loss_fn, optimizer, ctx, zero, context_parallel: int = 1) -> None:
+    """``context_parallel``: AUTO's sequence split over this many ranks (the batch, loaded as for data parallel,
+    re-split on the way in)."""
     from autopar.parallel.tensor.runtime import SemiAutoRuntime
     from autopar.parallel.zero.fsdp import shard_size_of
 
@@ -276,7 +279,7 @@ def _attach_layouts(state, network, loss_fn, optimizer, ctx, zero) -> None:
         gradients_mean=ctx.gradients_mean, full_batch=ctx.full_batch, parameter_broadcast=ctx.parameter_broadcast,
         strategy_save_file=ctx.strategy_ckpt_save_file, strategy_load_file=ctx.strategy_ckpt_load_file,
         dataset_strategy=ctx.dataset_strategy, zero_level=zero, context_parallel_algo=ctx.context_parallel_algo,
-        zero_shard_size=shard_size_of(ctx, state.world) if zero else None)
+        zero_shard_size=shard_size_of(ctx, state.world) if zero else None, context_parallel=context_parallel)
     state.runtime = runtime
     state.engines.append(runtime.grads)
     runtime.add_root(network)  # first: parameters and operators are named as in the user's network

@@ -34,6 +34,8 @@ def split_modules(network: torch.nn.Module) -> list[str]:
             out.append(f"{name or 'the network'} ({type(m).__name__.removeprefix('Sharded')}) {_spelled(how)}")
         elif isinstance(m, ShardablePrimitive) and m.strategy is not None and not name.endswith("_autopar_op"):
             out.append(f"{name} ({type(m).__name__}) {_spelled(m.strategy)}")
+        elif getattr(m, "_autopar_experts", False):
+            out.append(f"{name} ({type(m).__name__}) {_spelled('expert')}")
     return out
 
 
@@ -47,13 +49,28 @@ def _tensor_parallel(runtime) -> int:
                 for _who, _placements, layout in runtime.param_layout.values()), default=1)
 
 
+def _context_parallel(runtime) -> int:
+    """Over how many ranks the inputs' sequence is split (1: not split)."""
+    if runtime is None or not getattr(runtime, "sequence_split", False):
+        return 1
+    if runtime.context_parallel > 1:
+        return runtime.context_parallel
+    return max((int(e[1]) for e in runtime.dataset_strategy or () if isinstance(e, (tuple, list)) and len(e) > 1),
+               default=1)
+
+
 def describe(state, network: torch.nn.Module) -> str:
     """The line, without the ``[autopar]`` mark."""
     world = state.world
     pp = getattr(state.pipeline, "num_stages", 1) if state.pipeline is not None else 1
     tp = _tensor_parallel(state.runtime) if state.runtime is not None else 1
-    dp = max(1, world // (pp * tp))
-    parts = [f"{state.mode.value} on {world} rank{'s' if world != 1 else ''}: mesh dp {dp} x tp {tp} x pp {pp}"]
+    cp = _context_parallel(state.runtime)
+    dp = max(1, world // (pp * tp * cp))
+    parts = [f"{state.mode.value} on {world} rank{'s' if world != 1 else ''}: mesh dp {dp} x "
+             + (f"cp {cp} x " if cp > 1 else "") + f"tp {tp} x pp {pp}"]
+    if cp > 1:
+        parts.append(f"the sequence split over {cp} ranks (context parallelism, attention by "
+                     f"{state.runtime.context_parallel_algo})")
     zero = state.zero_level or getattr(state.runtime, "zero_level", None)
     if zero:
         level = str(zero).removeprefix("level")

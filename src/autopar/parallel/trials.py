@@ -110,7 +110,7 @@ def measured_round(network: torch.nn.Module, loss_fn: Any, optimizer: Any, sampl
             torch.cuda.set_rng_state_all(cuda_rng)
     if _as_the_copy_steps(optimizer):  # data parallel as the job runs it: kept for later plans
         for candidate, seconds in zip(candidates, measured):
-            if candidate.pure_data_parallel and candidate.zero_level is None and candidate.pipeline is None:
+            if candidate.plain_data_parallel:
                 record_data_parallel_step(candidate, seconds)
     best = min(range(len(candidates)), key=lambda i: (measured[i], i))
     chosen = candidates[best]

@@ -29,6 +29,10 @@ def describe(plan: Plan) -> str:
     """A short name for a plan: what a user would have written by hand."""
     if plan.pipeline is not None:
         return f"pipeline {plan.pipeline.stages} stages"
+    variant = next((label for label, (cp, ep, _) in plan.variants.items()
+                    if (cp, ep) == (plan.context_parallel, plan.expert_parallel)), None)
+    if variant is not None and (plan.context_parallel > 1 or plan.expert_parallel):
+        return variant
     if plan.pure_data_parallel:
         return f"data parallel + ZeRO {plan.zero_level}" if plan.zero_level else "data parallel"
     labels = [f"{node.name} {plan.chosen(n).label}" for n, node in enumerate(plan.graph.nodes)
@@ -61,6 +65,8 @@ def alternatives(plan: Plan, layouts: int = 5, near: int = 2, within: float = WI
     layouts were predicted within 4 % of each other (189-197 ms), a spread inside the model's error; Megatron's pairs,
     predicted fifth, were not measured, and the plan kept ran 5-7 % slower than them."""
     p, limit = plan.problem, plan.memory_limit
+    # the runners-up divide the batch as data parallel does, unless a variant says otherwise (the last loop)
+    chosen, plan = plan, dataclasses.replace(plan, context_parallel=1, expert_parallel=False)
     if plan.pipeline is not None:  # chosen as predicted faster: data parallel (or ZeRO) is measured beside it
         out = [plan]
         dp = p.dp_choice()
@@ -79,11 +85,11 @@ def alternatives(plan: Plan, layouts: int = 5, near: int = 2, within: float = WI
                                            pure_data_parallel=False, zero_level=None, pipeline=None,
                                            reason="the searched plan"))
         return out
-    out = [plan]
+    out = [chosen]
     dp = p.dp_choice()
     fits = lambda totals: limit is None or totals.memory <= limit  # noqa: E731
     dp_fits = dp is not None and plan.dp_totals is not None and fits(plan.dp_totals)
-    if dp_fits and not (plan.pure_data_parallel and plan.zero_level is None):
+    if dp_fits and not chosen.plain_data_parallel:
         out.append(dataclasses.replace(plan, choice=dp, totals=plan.dp_totals, pure_data_parallel=True,
                                        zero_level=None, reason="data parallel"))
     if dp is not None and not dp_fits:  # where data parallel fits, its bucketed all-reduce beat FSDP2 every time
@@ -118,27 +124,35 @@ def alternatives(plan: Plan, layouts: int = 5, near: int = 2, within: float = WI
         out.append(dataclasses.replace(plan, choice=choice, totals=totals, pure_data_parallel=False,
                                        zero_level=None, reason="a runner-up of the searched plan" + (
                                            "" if close else ", a third of its layers apart")))
+    for label, (cp, ep, totals) in plan.variants.items():  # the batch divided otherwise: sequence, experts
+        if fits(totals) and (cp, ep) != (chosen.context_parallel, chosen.expert_parallel):
+            out.append(dataclasses.replace(plan, choice=dp, totals=totals, pure_data_parallel=True, zero_level=None,
+                                           context_parallel=cp, expert_parallel=ep, reason=label))
     best = min(c.totals.step for c in out)
     first, rest = out[0], sorted(out[1:], key=lambda c: c.totals.step)
     # the baseline a plan must beat is always measured: data parallel, or -- where it does not fit -- the fastest
     # ZeRO level that does (it runs whatever the operators are: when every layout of a Llama's attention stopped at
     # a view, the round kept a plan that could not run). A plan a few milliseconds a step is cheap to measure
     # whatever its prediction (a 3-layer MLP's data parallel predicted 1.2 ms measured 2.7 ms).
-    baseline = next((c for c in rest if c.pure_data_parallel), None)
+    baseline = next((c for c in rest if c.pure_data_parallel and c.context_parallel == 1 and not c.expert_parallel),
+                    None)
     return [first] + [c for c in rest if c.totals.step <= max(within * best, best + CHEAP) or c is baseline]
 
 
 def as_choice(plan: Plan) -> tuple:
     """What every rank needs to rebuild ``plan`` from its own copy of the problem (broadcast from rank 0)."""
     return (list(plan.choice), plan.pure_data_parallel, plan.zero_level, plan.totals.compute, plan.totals.comm,
-            plan.totals.memory, plan.reason, plan.pipeline is not None)
+            plan.totals.memory, plan.reason, plan.pipeline is not None, plan.context_parallel, plan.expert_parallel)
 
 
 def from_choice(plan: Plan, box: tuple) -> Plan:
     choice, pure, level, compute, comm, memory, reason = box[:7]
     piped = box[7] if len(box) > 7 else False  # (a decision kept by an earlier version has no pipeline flag)
+    cp, ep = (int(box[8]), bool(box[9])) if len(box) > 9 else (1, False)  # (nor these)
     totals = Totals(compute, comm, memory)
-    if pure and level is None and not piped and plan.dp_totals is not None:  # data parallel's step as now known (a
+    plain = pure and level is None and not piped and cp == 1 and not ep
+    if plain and plan.dp_totals is not None:  # data parallel's step as now known (a
         totals = plan.dp_totals  # decision read back: its step as an earlier measured round timed it, where kept)
     return dataclasses.replace(plan, choice=choice, pure_data_parallel=pure, zero_level=level, totals=totals,
-                               reason=reason, pipeline=plan.pipeline if piped else None)
+                               reason=reason, pipeline=plan.pipeline if piped else None, context_parallel=cp,
+                               expert_parallel=ep)

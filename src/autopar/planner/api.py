@@ -43,9 +43,11 @@ def make_plan(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sample:
     plan = plan_network(network, loss_fn, batch, n, machine, ctx.search_mode, limit, pipeline_note=note,
                         sample_kwargs=kwargs, data_parallel_step=data_parallel_step)
     if dist.is_initialized() and n > 1:  # every rank runs rank 0's plan (one source of truth)
-        box = [plan.choice if dist.get_rank() == 0 else None, plan.pure_data_parallel, plan.zero_level, plan.pipeline]
+        box = [plan.choice if dist.get_rank() == 0 else None, plan.pure_data_parallel, plan.zero_level, plan.pipeline,
+               plan.context_parallel, plan.expert_parallel]
         dist.broadcast_object_list(box, src=0)
-        plan.choice, plan.pure_data_parallel, plan.zero_level, plan.pipeline = box
+        (plan.choice, plan.pure_data_parallel, plan.zero_level, plan.pipeline, plan.context_parallel,
+         plan.expert_parallel) = box
     return plan
 
 

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 from autopar.labels import call_loss
 
 # (importing the runtime also installs its operator executor, which the tracer stacks its own on top of)
-from autopar.layout.leaves import LAYOUT_TRANSPARENT
+from autopar.layout.leaves import LAYOUT_TRANSPARENT, mixes_tokens, stacked_experts
 from autopar.layout.spec import OpSpec
 from autopar.ops import primitive as _primitive
 from autopar.ops.comm import _CommPrimitive
@@ -85,6 +85,14 @@ class Graph:
     # edges whose tensor went through a function that is not linear (an activation, a normalisation): a partial sum
     # of the producer is summed (all-reduced to whole) before it, whatever layout the consumer asks for
     edge_resolved: frozenset = frozenset()
+    # what context and expert parallelism are weighed on (autopar.planner.dimensions): every SDPA call's (query,
+    # key, value) shapes, itemsize and whether it is causal; every module of stacked experts as (module, parameter bytes, hidden-state
+    # shape, itemsize, experts); whether a module combines positions along the sequence (a convolution, an RNN:
+    # no sequence split then); the inputs' common dimension 1 (None where they have none)
+    attention: tuple = ()
+    experts: tuple = ()
+    mixes_tokens: bool = False
+    sequence: int | None = None
 
 
 def _numel(shape) -> int:
@@ -201,6 +209,8 @@ class Tracer:
         # one (the trace runs without autograd, so it follows them itself)
         self.grads: set[int] = set()
         self._node_grad: dict[int, bool] = {}  # node index -> does its output carry a gradient
+        self.attention: list[tuple] = []  # SDPA calls: (query, key, value shapes, itemsize, causal)
+        self.experts: list[tuple] = []  # stacked experts modules: (module, parameter bytes, hidden shape, itemsize, E)
 
     # -- sources ----------------------------------------------------------------------------------------------
     def _src(self, t: torch.Tensor) -> Any:
@@ -292,6 +302,10 @@ class Tracer:
             self.elementwise_bytes += 2.0 * tensors[0].numel() * tensors[0].element_size()  # read + write
             return
         self._set(out, DP, self._flows(tensors, module))
+        if stacked_experts(module) and tensors:
+            self.experts.append((module,
+                                 float(sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))),
+                                 tuple(tensors[0].shape), tensors[0].element_size(), module.num_experts))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.other_flops += 4.0 * t.numel()  # normalisation / pooling: a few operations per element
@@ -330,6 +344,10 @@ class Tracer:
             if self._flows((args, kwargs)):  # a scalar made from the gradient's path stays on it
                 self._set(out, self._src(out) if isinstance(out, torch.Tensor) else DP, True)
             return
+        if func is torch.nn.functional.scaled_dot_product_attention and len(tensors) >= 3:
+            causal = bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False))
+            self.attention.append((tuple(tensors[0].shape), tuple(tensors[1].shape), tuple(tensors[2].shape),
+                                   tensors[0].element_size(), causal))
         first = self._src(tensors[0])
         name = getattr(func, "__name__", "")
         linear = name in _LINEAR or (name in _SCALED and len(tensors) == 1 and not any(
@@ -431,13 +449,17 @@ def capture(network: torch.nn.Module, loss_fn: torch.nn.Module | None, inputs: t
         root.train(was_training)
     first = next((t for t in tree_flatten((tuple(inputs), kwargs or {}))[0] if isinstance(t, torch.Tensor)), None)
     batch = int(first.shape[0]) if first is not None and first.dim() else 1
+    lengths = {int(t.shape[1]) for t in tree_flatten((tuple(inputs), kwargs or {}))[0]
+               if isinstance(t, torch.Tensor) and t.dim() >= 2}
     if loss_fn is not None:  # names as in the user's network
         for node in tracer.nodes:
             node.name = node.name.removeprefix("network.")
             node.param_names = tuple(p.removeprefix("network.") if p else p for p in node.param_names)
     return Graph(tracer.nodes, tracer.edges, tracer.edge_dims, tracer.joins, tracer.other_flops, tracer.other_bytes, batch,
                  time.perf_counter() - start, tracer.elementwise_bytes, tracer.tensor_calls + len(tracer.nodes),
-                 frozenset(tracer.edge_resolved))
+                 frozenset(tracer.edge_resolved), tuple(tracer.attention), tuple(tracer.experts),
+                 any(mixes_tokens(m) for m in root.modules()),
+                 lengths.pop() if len(lengths) == 1 else None)
 
 
 def with_loss(network: torch.nn.Module, loss_fn: torch.nn.Module | None) -> torch.nn.Module:

@@ -65,6 +65,17 @@ class Plan:
     # runner-up the round keeps -- a dataclasses.replace of this plan -- still says them)
     cost_seconds: float = 0.0
     trial_seconds: float = 0.0
+    # the batch divided otherwise (autopar.planner.dimensions): chosen -- the sequence split over this many ranks
+    # (1: none), the stacked experts split by expert -- and weighed: label -> (cp, experts split, Totals)
+    context_parallel: int = 1
+    expert_parallel: bool = False
+    variants: dict = field(default_factory=dict)
+
+    @property
+    def plain_data_parallel(self) -> bool:
+        """Data parallel on DDP as it is: no ZeRO, no pipeline, no sequence or expert split."""
+        return (self.pure_data_parallel and self.zero_level is None and self.pipeline is None
+                and self.context_parallel == 1 and not self.expert_parallel)
 
     def chosen(self, n: int):
         return self.costs[n].choices[self.choice[n]]
@@ -73,10 +84,12 @@ class Plan:
     def strategies(self) -> list[tuple[torch.nn.Module, tuple]]:
         """``(operator or module, strategy)`` for every operator the search chose (one a user annotated is left
         out): what ``autopar.shard`` applies -- the strategies a user could have written. Empty for pure data
-        parallel and for a pipeline."""
+        parallel and for a pipeline; the modules of stacked experts marked ``"expert"`` where the experts are
+        split."""
+        marks = [(module, "expert") for module, *_ in self.graph.experts] if self.expert_parallel else []
         if self.pipeline is not None or self.pure_data_parallel:
-            return []
-        out = []
+            return marks
+        out = marks
         for node, n in zip(self.graph.nodes, range(len(self.choice))):
             if node.fixed is None:
                 strategy = self.chosen(n).strategy
@@ -139,6 +152,9 @@ class Plan:
                              f"{z.comm * 1e3:.1f}; memory {z.memory / 2**20:.1f} MiB per device")
         else:
             lines.append("data parallel: not possible for this network on this many devices")
+        for label, (_, _, v) in self.variants.items():
+            lines.append(f"{label}: step {v.step * 1e3:.1f} ms = compute {v.compute * 1e3:.1f} + communication "
+                         f"{v.comm * 1e3:.1f}; memory {v.memory / 2**20:.1f} MiB per device")
         for option in self.pipelines:
             lines.append(option.describe() + ("" if fits(option, self.problem.memory_limit) else " (does not fit)"))
         if self.pipeline_note:
@@ -442,6 +458,8 @@ def plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, samp
                              sample_kwargs, data_parallel_step)
     # the rest of planning: costing the candidates, inside a job by measuring them (operators, redistributions, the
     # optimizer, the whole step, ZeRO) -- the part of planning a user waits for most, so it is said
+    if not any(node.fixed is not None for node in plan.graph.nodes):
+        _weigh_dimensions(plan, network, memory_limit)
     plan.cost_seconds = max(0.0, time.perf_counter() - start - plan.graph.seconds - plan.search_seconds)
     plan.memory_limit = memory_limit
     timer = getattr(machine, "op_timer", None)
@@ -562,6 +580,40 @@ def _plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sam
                         other_compute=other_compute)
     return Plan(graph, costs, problem, choice, device_num, search_mode, seconds, totals, dp_totals, pure, reason,
                 zero, level, pipelines, pipeline_note, other_compute=other_compute)
+
+
+def _weigh_dimensions(plan: Plan, network: torch.nn.Module, memory_limit: float | None) -> None:
+    """Context and expert parallelism beside the plan (:mod:`autopar.planner.dimensions`): each possible variant
+    predicted from data parallel's step and listed; the fastest that fits replaces the plan where it is predicted
+    faster, or where the plan does not fit."""
+    from autopar.planner import dimensions
+
+    n, graph, d = plan.device_num, plan.graph, plan.dp_totals
+    if d is None or plan.pipeline is not None or n < 2:
+        return
+    in_experts = {id(p) for module, *_ in graph.experts for p in module.parameters()}
+    sizes = {id(p): float(p.numel() * p.element_size()) for p in network.parameters() if p.requires_grad}
+    grads = [b for k, b in sizes.items() if k not in in_experts]
+    machine, dispatch = plan.problem.machine, dispatch_of(plan.problem)
+    for cp in dimensions.context_degrees(graph, n):
+        label = f"context parallel {cp}" + (f" x data parallel {n // cp}" if n // cp > 1 else "")
+        plan.variants[label] = (cp, False, dimensions.context_totals(graph, machine, d, n, cp, list(sizes.values()),
+                                                                     dispatch))
+    if dimensions.expert_parallel_ok(graph, n):
+        experts = [b for k, b in sizes.items() if k in in_experts]
+        plan.variants[f"data parallel + expert parallel {n}"] = (
+            1, True, dimensions.expert_totals(graph, machine, d, n, grads, experts, dispatch))
+    fitting = {k: v for k, v in plan.variants.items() if memory_limit is None or v[2].memory <= memory_limit}
+    if not fitting:
+        return
+    label = min(fitting, key=lambda k: fitting[k][2].step)
+    cp, ep, totals = fitting[label]
+    chosen_fits = memory_limit is None or plan.totals.memory <= memory_limit
+    if totals.step < plan.totals.step or not chosen_fits:
+        why = "does not fit" if not chosen_fits else f"takes {plan.totals.step * 1e3:.1f} ms"
+        plan.reason = f"{label} ({totals.step * 1e3:.1f} ms per step); without it: {plan.reason}, which {why}"
+        plan.choice, plan.totals, plan.pure_data_parallel, plan.zero_level = plan.problem.dp_choice(), totals, True, None
+        plan.context_parallel, plan.expert_parallel = cp, ep
 
 
 def _as_totals(option: PipelineOption) -> Totals:

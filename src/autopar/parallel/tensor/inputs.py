@@ -36,6 +36,19 @@ def dataset_layout(entry: Any, local_shape: tuple[int, ...]) -> Layout:
     return Layout(matrix, tmap, full)
 
 
+def resplit_sequence(batch: DTensor, cp: int) -> DTensor:
+    """A batch as data parallel loads it (rows split, or whole) re-split as ``dataset_strategy=((n/cp, cp), ...)``
+    would have loaded it: rows over ``n/cp`` ranks, the sequence (dimension 1) over ``cp`` -- AUTO's context
+    parallelism, where the user's loader stays as it is. A tensor without a sequence keeps its rows split."""
+    n = world_size()
+    entry = (n // cp, cp) + (1,) * (batch.dim() - 2) if batch.dim() >= 2 else (n // cp,) * batch.dim()
+    split_dims = [d for d, v in enumerate(entry) if v > 1]
+    matrix = (n // math.prod(entry),) + tuple(entry[d] for d in split_dims)
+    tmap = tuple(split_dims.index(d) + 1 if d in split_dims else -1 for d in range(len(entry)))
+    placements = Layout(matrix, tmap, tuple(batch.shape)).placements()
+    return batch if tuple(batch.placements) == tuple(placements) else batch.redistribute(world_mesh(), placements)
+
+
 def dataset_input(local: torch.Tensor, entry: Any) -> DTensor:
     layout = dataset_layout(entry, tuple(local.shape))
     return DTensor.from_local(local, world_mesh(), layout.placements(), run_check=False,

@@ -51,7 +51,7 @@ from autopar.parallel.tensor import placements as P
 from autopar.parallel.tensor.attention import register_attention_rules
 from autopar.parallel.tensor.explain import fused_projection_split
 from autopar.parallel.tensor.handlers import register_cast_handler
-from autopar.parallel.tensor.inputs import dataset_input, splits_sequence
+from autopar.parallel.tensor.inputs import dataset_input, resplit_sequence, splits_sequence
 from autopar.parallel.tensor.operators import run_operator
 from autopar.parallel.tensor.parameters import ParameterPlacement
 from autopar.parallel.tensor.regather import Regather
@@ -120,7 +120,8 @@ class SemiAutoRuntime(ParameterPlacement):
     def __init__(self, gradients_mean: bool, full_batch: bool = False, parameter_broadcast: bool = False,
                  strategy_save_file: str | None = None, strategy_load_file: str | None = None,
                  dataset_strategy: Any = "data_parallel", zero_level: str | None = None,
-                 zero_shard_size: int | None = None, context_parallel_algo: str = "all_gather"):
+                 zero_shard_size: int | None = None, context_parallel_algo: str = "all_gather",
+                 context_parallel: int = 1):
         self.device_num = world_size()
         register_attention_rules()
         register_cast_handler()
@@ -155,7 +156,10 @@ class SemiAutoRuntime(ParameterPlacement):
         # context parallelism: the inputs split on their sequence (dimension 1) -- token-wise modules keep that
         # split, attention gathers keys and values (parallel/tensor/context.py)
         self.context_parallel_algo = context_parallel_algo
-        self.sequence_split = splits_sequence(self.dataset_strategy)
+        # AUTO's sequence split over ``context_parallel`` ranks: the inputs arrive as data parallel loads them (each
+        # rank its rows; under full_batch every row) and are re-split on their sequence on the way in
+        self.context_parallel = context_parallel
+        self.sequence_split = splits_sequence(self.dataset_strategy) or context_parallel > 1
         self._hooked: set[int] = set()
         self._strategy_written = False
         self.loss_root: torch.nn.Module | None = None  # network + loss, when Model gave a loss
@@ -263,6 +267,9 @@ class SemiAutoRuntime(ParameterPlacement):
                 if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
                     return t
                 k = next(count)
+                if self.context_parallel > 1:
+                    whole = P.to_dtensor_replicated(t) if self.full_batch else P.wrap_data_parallel(t)
+                    return resplit_sequence(whole, self.context_parallel)
                 if self.dataset_strategy is not None and k < len(self.dataset_strategy):
                     return dataset_input(t, self.dataset_strategy[k])
                 return P.to_dtensor_replicated(t) if self.full_batch else P.wrap_data_parallel(t)
@@ -294,7 +301,7 @@ class SemiAutoRuntime(ParameterPlacement):
     def _leaf_pre(self, module, args):
         if active_runtime() is not self or is_annotated(module):
             return None
-        follow = self.sequence_split and sequence.follows(args)
+        follow = self.sequence_split and not self._is_loss(module) and sequence.follows(args)
         if follow or sequence.is_split(module):  # sequence / context parallelism: on its slice of the sequence
             local, layout, grad = sequence.enter(self, module, args, follow=follow)
             self._leaf_split.setdefault(id(module), []).append(layout)
@@ -305,9 +312,14 @@ class SemiAutoRuntime(ParameterPlacement):
         # (a batch that does not divide over the ranks -- ``full_batch`` with fewer rows than ranks -- is computed
         # whole on every rank: its outputs are whole, its parameters' gradients too)
         n = self.device_num
-        batched = any(isinstance(t, DTensor) and (t.dim() == 0 or t.shape[0] % n == 0 and t.shape[0] >= n)
-                      for t in tree_flatten((args,))[0])
-        local = tree_map(lambda t: P.to_data_parallel_local(t) if isinstance(t, DTensor) else t, args)
+        # a loss module under full_batch: on the whole batch on every rank (its value is then one process's, not this
+        # rank's rows' -- a loss is cheap beside the network)
+        whole = self.full_batch and self._is_loss(module)
+        self.loss_was_global = self.loss_was_global or whole  # its gradients are the whole batch's: not averaged
+        batched = not whole and any(isinstance(t, DTensor) and (t.dim() == 0 or t.shape[0] % n == 0 and t.shape[0] >= n)
+                                    for t in tree_flatten((args,))[0])
+        local = tree_map(lambda t: (t.full_tensor() if whole else P.to_data_parallel_local(t))
+                         if isinstance(t, DTensor) else t, args)
         local_batch = next((a.shape[0] for a, t in zip(tree_flatten((local,))[0], tree_flatten((args,))[0])
                             if isinstance(t, DTensor) and t.dim() >= 1), None)
         self._leaf_batched.setdefault(id(module), []).append((batched, local_batch))
@@ -315,6 +327,12 @@ class SemiAutoRuntime(ParameterPlacement):
         # batch, the whole gradient already when it computed on what every rank holds alike
         self._lend_parameters(module, tuple(Partial() if batched else Replicate() for _ in P.replicate_placements()))
         return local
+
+    def _is_loss(self, module) -> bool:
+        """A loss module (torch's, or the loss ``Model`` was given): it reduces over the tokens, so under a sequence
+        split it runs as any data-parallel leaf does (its inputs moved onto the batch split), not on a slice."""
+        return isinstance(module, torch.nn.modules.loss._Loss) or (
+            self.loss_root is not None and module is getattr(self.loss_root, "loss_fn", None))
 
     def _lend_parameters(self, module, grad: tuple) -> None:
         """The module's whole parameters for this call only (under ZeRO an all-gather, the gradient reduce-scattered

@@ -1,0 +1,103 @@
+"""Context and expert parallelism as AUTO_PARALLEL weighs them: variants of the data-parallel plan.
+
+Neither is a choice of one operator's layout, so neither is in the operator search
+(:mod:`autopar.planner.search`); each changes how the whole batch is divided, as ZeRO changes how the optimizer is:
+
+- *context parallelism* over ``cp`` ranks (``dp x cp``): every token-wise module runs on ``1/n`` of the tokens as
+  under data parallel, but the batch is divided ``dp`` ways and the sequence ``cp`` ways -- so a global batch that
+  the ranks do not divide (Megatron's contract: a few long sequences, ``full_batch``) still splits. Each attention
+  gathers its keys and values over the ``cp`` ranks and reduce-scatters their gradients
+  (:mod:`autopar.parallel.tensor.context`). Weighed where the network's attention is SDPA, nothing in it mixes
+  positions otherwise (a convolution, an RNN), and its inputs share a sequence dimension the ranks divide;
+- *expert parallelism*: each module of stacked experts keeps ``E/n`` experts, its tokens all-gathered in and their
+  results reduce-scattered back (:mod:`autopar.parallel.tensor.experts`); the experts' gradients need no
+  all-reduce, and their weights and optimizer state take ``1/n`` of the memory.
+
+Their predictions start from data parallel's step (measured whole in a job, where it was) and add what the
+variant adds: the layout runtime's dispatch, its gradient all-reduce without DDP's overlap, and the variant's own
+collectives at the machine's measured rates. They are bets for the measured round
+(:mod:`autopar.parallel.trials`), which runs the close ones and keeps the fastest.
+"""
+from __future__ import annotations
+
+import math
+
+from autopar.planner.costs import OPTIMIZER_SLOTS
+from autopar.planner.graph import Graph
+from autopar.planner.machine import MachineModel
+
+
+def _divides(graph: Graph, n: int) -> int:
+    """Into how many parts data parallel splits the batch: every device, or -- where they do not divide it -- none
+    (:func:`autopar.layout.strategy.data_parallel_strategy`)."""
+    return n if graph.batch % n == 0 else 1
+
+
+def context_degrees(graph: Graph, n: int) -> list[int]:
+    """The ``cp`` degrees a sequence split can take here (empty where it cannot run)."""
+    if n < 2 or not graph.attention or graph.mixes_tokens or not graph.sequence:
+        return []
+    heads_split = all(len(q) == 4 for q, *_ in graph.attention)  # (batch, heads, sequence, head_dim)
+    return [cp for cp in range(2, n + 1) if n % cp == 0 and graph.sequence % cp == 0
+            and graph.batch % (n // cp) == 0 and heads_split]
+
+
+def _layout_overheads(machine: MachineModel, n: int, grads: list[float], kept: float, dispatch: float) -> tuple:
+    """(compute, communication) the layout runtime adds to data parallel's step: DTensor's dispatch, the optimizer's
+    per-parameter loop on DTensors (``kept`` bytes of parameters on this device) where DDP ran the fused kernel, and
+    one all-reduce per replicated gradient (``grads``: their bytes) where DDP's buckets overlapped the backward."""
+    everything = sum(grads)
+    optimizer = kept / machine.optimizer_rate("layout") - everything / machine.optimizer_rate("fused")
+    return dispatch + max(0.0, optimizer), sum(machine.collective("all_reduce", g, n) for g in grads)
+
+
+def context_totals(graph: Graph, machine: MachineModel, dp_totals, n: int, cp: int, grads: list[float],
+                   dispatch: float):
+    """The step of a ``dp x cp`` sequence split, from data parallel's (``dp_totals``: the batch split as
+    :func:`_divides` says). ``grads``: the bytes of each trainable parameter; ``dispatch``: a layout's DTensor
+    dispatch per step (:func:`autopar.planner.plan.dispatch_of`)."""
+    from autopar.planner.plan import Totals
+
+    share = _divides(graph, n) / n  # of data parallel's per-device work, what a token split leaves each device
+    state = sum(grads) * (2 + OPTIMIZER_SLOTS)
+    extra, comm = _layout_overheads(machine, n, grads, sum(grads), dispatch)
+    compute = dp_totals.compute * share + extra
+    gathered = 0.0
+    for q, k, v, item, causal in graph.attention:  # keys and values gathered forward, gradients reduce-scattered
+        kv = (math.prod(k) + math.prod(v)) * item / (n // cp)  # this data-parallel group's, whole sequence
+        comm += machine.collective("all_gather", kv, cp) + machine.collective("reduce_scatter", kv, cp)
+        gathered += kv * (cp - 1) / cp  # kept for the backward beside the local slices
+        if causal:  # the last slice's queries see every key: it computes cp - 1/2 of the cp x cp blocks, the first
+            # 1/2 (no load balancing); the step waits for the last
+            whole = 3 * 4 * math.prod(q) * k[-2]  # forward + backward FLOPs of the unmasked product, whole batch
+            last = whole / (n // cp) * (cp - 0.5) / cp**2
+            compute += machine.compute("attention", last) - share * machine.compute("attention", whole / 2 / (
+                _divides(graph, n)))
+    memory = state + max(0.0, dp_totals.memory - state) * share + gathered
+    return Totals(compute, comm, memory)
+
+
+def expert_parallel_ok(graph: Graph, n: int) -> bool:
+    """Every module of stacked experts splits over the ``n`` ranks (experts and tokens)."""
+    return n > 1 and bool(graph.experts) and all(
+        experts % n == 0 and math.prod(hidden[:-1]) % n == 0 for _, _, hidden, _, experts in graph.experts)
+
+
+def expert_totals(graph: Graph, machine: MachineModel, dp_totals, n: int, grads: list[float],
+                  expert_grads: list[float], dispatch: float):
+    """Data parallel with every module of stacked experts split by expert over the ``n`` ranks, from data
+    parallel's step; ``grads``: the bytes of every trainable parameter outside the experts, ``expert_grads``: of
+    those inside."""
+    from autopar.planner.plan import Totals
+
+    expert_bytes = sum(expert_grads)
+    extra, comm = _layout_overheads(machine, n, grads, sum(grads) + expert_bytes / n, dispatch)
+    # (the experts' gradients are this rank's own: no all-reduce -- their share of the fused step is taken off)
+    extra -= expert_bytes / machine.optimizer_rate("fused")
+    gathered = 0.0
+    for _, _, hidden, item, _ in graph.experts:  # tokens gathered in, results reduce-scattered back; both backward
+        tokens = math.prod(hidden) * item
+        comm += 2 * (machine.collective("all_gather", tokens, n) + machine.collective("reduce_scatter", tokens, n))
+        gathered += tokens * (n - 1) / n
+    saved = expert_bytes * (2 + OPTIMIZER_SLOTS) * (n - 1) / n
+    return Totals(dp_totals.compute + extra, comm, dp_totals.memory - saved + gathered)

@@ -1,0 +1,76 @@
+"""AUTO_PARALLEL weighs context and expert parallelism (autopar.planner.dimensions) beside data parallel, ZeRO and
+the layouts: each variant is predicted and listed in the plan, measured by the round, and -- chosen -- runs exactly
+as one process would (float64, 3 AdamW steps with clipping) on 2 and 4 ranks, one launch each
+(tests/scripts/auto_dimensions.py): the sequence split when a long sequence is the whole batch (full_batch, one
+sequence), the experts split on a mixture-of-experts block whose data-parallel loading is left as the user wrote it.
+In one process: which networks get which variant, and that the measured round's runners-up include them."""
+import json
+
+import pytest
+import torch
+
+from autopar.models import LlamaBlock, MoEBlock, resnet50
+from autopar.planner.alternatives import alternatives, describe
+from autopar.planner.machine import MachineModel
+from autopar.planner.plan import plan_network
+from procutil import SCRIPTS, autopar_cmd
+
+CASES = ["cp_plan", "ep_plan", "cp_module_loss", "cp_auto", "ep_auto"]
+TOL = 1e-9
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_auto_weighs_and_runs_context_and_expert_parallelism_exactly(procs, tmp_path, n):
+    cases = CASES if n == 2 else CASES[:2]  # (the suite's minutes: the loss module and the user's path on 2)
+    res = procs.run(autopar_cmd("launch", "-n", str(n), "--log-dir", str(tmp_path / "logs"),
+                                str(SCRIPTS / "auto_dimensions.py"), str(tmp_path / "out"), json.dumps(cases)),
+                    env=procs.env(AUTOPAR_CACHE_DIR=str(tmp_path / "cache")), timeout=400)
+    assert res.returncode == 0, res.stdout + res.stderr + (tmp_path / "logs" / "worker_0.log").read_text()
+    for rank in range(n):
+        out = json.load(open(tmp_path / f"out.{rank}"))
+        for case in cases:
+            r = out[case]
+            assert "error" not in r, (rank, case, r.get("error"), r.get("trace"))
+            assert r["param"] <= TOL and (r["loss"] <= TOL or r["plain"]), (rank, case, r["loss"], r["param"])
+            variant = f"context parallel {n}" if case.startswith("cp") else f"data parallel + expert parallel {n}"
+            assert variant in r["variants"], (case, r["variants"])
+            assert variant in r["explain"], r["explain"]
+            if case == "cp_plan":  # the norms ran on this rank's slice of the one sequence
+                assert r["context_parallel"] == n and r["ln_1"]["local"] == [1, 32 // n, 16], r
+            if case == "ep_plan":
+                assert r["expert_parallel"], r
+            if case.endswith("auto") and r["trials"]:  # a variant the round measured: beside data parallel
+                assert "data parallel" in r["trials"], (case, r["trials"])
+
+
+def _plan(network, sample, n=2):
+    return plan_network(network, torch.nn.MSELoss(), sample, n, MachineModel(device_num=n))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_causal_sdpa_network_is_weighed_split_on_its_sequence(n):
+    sample = (torch.randn(4, 64, 64), torch.randn(4, 64, 64))
+    plan = _plan(LlamaBlock(64, 4, 2, 128, 64, causal=True), sample, n)
+    assert plan.graph.attention and plan.graph.sequence == 64
+    expected = {f"context parallel {cp}" + (f" x data parallel {n // cp}" if n // cp > 1 else "")
+                for cp in (2, 4) if cp <= n}
+    assert set(plan.variants) == expected, plan.variants
+    round_ = alternatives(plan, within=1e9)
+    assert {describe(c) for c in round_ if c.context_parallel > 1} == expected
+    assert "data parallel" in [describe(c) for c in round_]
+    for c in round_:  # the runners-up divide the batch as data parallel does unless they are the variant
+        assert (c.context_parallel > 1) == describe(c).startswith("context parallel")
+
+
+def test_experts_are_weighed_split_and_networks_that_cannot_split_are_not():
+    plan = _plan(MoEBlock(32, 4, 48, 2), (torch.randn(8, 4, 32), torch.randn(8, 4, 32)))
+    assert list(plan.variants) == ["data parallel + expert parallel 2"]
+    ep = [c for c in alternatives(plan, within=1e9) if c.expert_parallel]
+    assert len(ep) == 1 and [t for t, s in ep[0].strategies()] == [plan.graph.experts[0][0]]
+    assert plan.variants["data parallel + expert parallel 2"][2].memory < plan.dp_totals.memory
+    # no SDPA (the explicit score matrix), a convolution: no sequence split; 3 experts over 2 ranks: no expert split
+    assert not _plan(LlamaBlock(64, 4, 2, 128, 64), (torch.randn(4, 64, 64), torch.randn(4, 64, 64))).variants
+    assert not plan_network(resnet50(num_classes=10), torch.nn.CrossEntropyLoss(),
+                            (torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))), 2,
+                            MachineModel(device_num=2)).variants
+    assert not _plan(MoEBlock(32, 3, 48, 2), (torch.randn(8, 4, 32), torch.randn(8, 4, 32))).variants
