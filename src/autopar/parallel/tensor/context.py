@@ -84,6 +84,12 @@ def attention(query: DTensor, key, value, attn_mask=None, dropout_p: float = 0.0
     q = _ContiguousGrad.apply(query.contiguous().to_local())
     _, offset = compute_local_shape_and_global_offset(query.shape, mesh, query.placements)
     start, rows, keys = offset[seq], q.shape[-2], k.shape[-2]
+    _refuse_dropout(dropout_p)
+    if is_causal and attn_mask is None and _blockwise(q, k, v, start):
+        out = _CausalBlocks.apply(q, k, v, start, scale).contiguous()
+        shape = (*query.shape[:-1], value.shape[-1])
+        return DTensor.from_local(out, mesh, query.placements, run_check=False, shape=torch.Size(shape),
+                                  stride=torch.empty(shape, device="meta").stride())
     mask = None
     if is_causal:
         positions = torch.arange(start, start + rows, device=q.device)
@@ -97,11 +103,67 @@ def attention(query: DTensor, key, value, attn_mask=None, dropout_p: float = 0.0
             mask = given if mask is None else mask & given
         else:
             mask = given if mask is None else given.masked_fill(~mask, float("-inf"))
-    _refuse_dropout(dropout_p)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa).contiguous()
     shape = (*query.shape[:-1], value.shape[-1])
     return DTensor.from_local(out, mesh, query.placements, run_check=False, shape=torch.Size(shape),
                               stride=torch.empty(shape, device="meta").stride())
+
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _blockwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> bool:
+    """Can causal attention of this rank's queries run as blocks (:class:`_CausalBlocks`)? Real CPU tensors of one
+    floating dtype (the CPU flash kernel's), as many key as query heads, this rank's keys where its queries are."""
+    return (q.device.type == "cpu" and not is_fake(q) and q.dtype in (torch.float32, torch.float64, torch.bfloat16,
+                                                                    torch.float16)
+            and q.dtype == k.dtype == v.dtype and q.dim() == 4 and k.shape[-3] == q.shape[-3] == v.shape[-3]
+            and start + q.shape[-2] <= k.shape[-2])
+
+
+class _CausalBlocks(torch.autograd.Function):
+    """Causal attention of the queries at ``[start, start + c)`` over the gathered keys, without a mask: the keys
+    before ``start`` are all visible (one unmasked block), the keys at the queries' own positions are the causal
+    diagonal, the keys after are never read. Each block runs the CPU flash kernel, which returns its log-sum-exp;
+    the two blocks' outputs merge by their log-sum-exps (the blockwise softmax of FlashAttention and ring attention),
+    and each block's gradient is the flash kernel's backward given the merged output and log-sum-exp -- the
+    softmax over every key, as one process computes it.
+
+    Why: the masked call this replaces builds a ``c x S`` mask and runs the slower masked kernel (a Llama-style
+    block at 2,048 tokens on 2 ranks: 0.53 s a step against data parallel's 0.31 s), and it computes the masked-out
+    half of the diagonal's neighbours too."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, start: int, scale):
+        c = q.shape[-2]
+        diag = (k[..., start:start + c, :], v[..., start:start + c, :])
+        out, lse = _FLASH(q, *diag, 0.0, True, scale=scale)
+        if start:
+            before, lse0 = _FLASH(q, k[..., :start, :], v[..., :start, :], 0.0, False, scale=scale)
+            merged = torch.logaddexp(lse, lse0)
+            out = out * torch.exp(lse - merged).unsqueeze(-1) + before * torch.exp(lse0 - merged).unsqueeze(-1)
+            out, lse = out.to(q.dtype), merged
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.start, ctx.scale = start, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        start, scale, c = ctx.start, ctx.scale, q.shape[-2]
+        grad = grad.contiguous()
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        dq, dk_diag, dv_diag = _FLASH_BACKWARD(grad, q, k[..., start:start + c, :].contiguous(),
+                                               v[..., start:start + c, :].contiguous(), out, lse, 0.0, True,
+                                               scale=scale)
+        dk[..., start:start + c, :], dv[..., start:start + c, :] = dk_diag, dv_diag
+        if start:
+            dq0, dk0, dv0 = _FLASH_BACKWARD(grad, q, k[..., :start, :].contiguous(), v[..., :start, :].contiguous(),
+                                            out, lse, 0.0, False, scale=scale)
+            dq = dq + dq0
+            dk[..., :start, :], dv[..., :start, :] = dk0, dv0
+        return dq, dk, dv, None, None
 
 
 def _local_mask(mask, query: DTensor, placements: list) -> torch.Tensor:
