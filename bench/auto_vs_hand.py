@@ -2,13 +2,19 @@
 
 Models: ResNet-50 (32x32, 32 images per device), a wide MLP (4 x 4096, 8 samples per device), a transformer block
 (d 512, 8 heads, sequence 128, 4 sequences per device), a Llama-style decoder layer (RMSNorm, GQA 8/2 heads with
-rotary embeddings, SwiGLU 1408; same batch); N in {2, 4} local processes (1 thread each). Strategies:
+rotary embeddings, SwiGLU 1408; same batch); long sequences: the Llama-style layer (d 256, causal SDPA) on one
+2,048-token sequence per device (``longseq``) and on one 4,096-token sequence for the whole job under ``full_batch``
+(``longctx``: the ranks cannot split the batch); a mixture-of-experts block (``moe``: 8 SwiGLU experts of 1,024,
+top-2, d 256, 4 x 64 tokens per device); N in {2, 4} local processes (1 thread each). Strategies:
 auto, dp, zero1 / zero3 (data parallel with the optimizer -- and at level 3 the weights -- sharded on FSDP2),
-megatron (column / row), sharded (every layer column-split; ResNet: every convolution's output channels), mixed (data x tensor: a 2 x 2 mesh of Megatron pairs on 4 ranks; half the layers tensor parallel on 2). Prints JSON: per case the measured and predicted step time of each, whether auto is within 10% of the
+megatron (column / row), sharded (every layer column-split; ResNet: every convolution's output channels), mixed
+(data x tensor: a 2 x 2 mesh of Megatron pairs on 4 ranks; half the layers tensor parallel on 2), cp (the sequence
+split over every rank by ``dataset_strategy``), ep (the experts split over every rank, ``"expert"``). Prints JSON: per case the measured and predicted step time of each, whether auto is within 10% of the
 best hand strategy, each prediction's error, and whether the predicted ranking matches the measured one. A fresh
 calibration is made for the run (``AUTOPAR_CACHE_DIR`` in a temporary folder).
 
-    python bench/auto_vs_hand.py [--nproc 2 4] [--models resnet50 mlp transformer] [--steps 10] [--rounds 3]
+    python bench/auto_vs_hand.py [--nproc 2 4] [--models resnet50 mlp transformer longctx moe] [--steps 10]
+                                 [--rounds 3]
                                  [--strategies zero1 zero3]
 """
 from __future__ import annotations
@@ -27,7 +33,10 @@ from dp_throughput import WORK, _run  # noqa: E402
 
 HANDS = ("dp", "zero1", "zero3", "megatron", "sharded", "mixed")
 STRATEGIES = {"resnet50": ("auto", "dp", "zero1", "zero3", "sharded"), "mlp": ("auto",) + HANDS,
-              "transformer": ("auto",) + HANDS, "llama": ("auto",) + HANDS}
+              "transformer": ("auto",) + HANDS, "llama": ("auto",) + HANDS,
+              "longseq": ("auto", "dp", "zero1", "zero3", "megatron", "cp"),
+              "longctx": ("auto", "dp", "megatron", "cp"),
+              "moe": ("auto", "dp", "zero1", "zero3", "ep")}
 
 
 def main() -> None:

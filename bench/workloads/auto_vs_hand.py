@@ -1,4 +1,5 @@
-"""Benchmark workload: one model under one strategy (auto | dp | zero1 | zero3 | megatron | sharded | mixed), timed;
+"""Benchmark workload: one model under one strategy (auto | dp | zero1 | zero3 | megatron | sharded | mixed | cp | ep),
+timed;
 rank 0 prints the measured steady step time and the cost model's prediction for the same assignment (one JSON line)."""
 import argparse
 import os
@@ -9,7 +10,7 @@ import torch  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar.communication import get_group_size, get_rank, init  # noqa: E402
-from autopar.models import LlamaBlock, TransformerBlock, mlp, resnet50  # noqa: E402
+from autopar.models import LlamaBlock, MoEBlock, TransformerBlock, mlp, resnet50  # noqa: E402
 from autopar.nn import Momentum, SoftmaxCrossEntropyExpand  # noqa: E402
 from autopar.train import Callback, Model  # noqa: E402
 
@@ -23,11 +24,24 @@ MODELS = {
                             lambda b: (torch.randn(b, 128, 512), torch.randn(b, 128, 512))),
     "llama": lambda: (LlamaBlock(512, 8, 2, 1408, 128), torch.nn.MSELoss(), 4,
                       lambda b: (torch.randn(b, 128, 512), torch.randn(b, 128, 512))),
+    # long context: one 2,048-token sequence per device through causal SDPA
+    "longseq": lambda: (LlamaBlock(256, 8, 4, 704, 2048, causal=True), torch.nn.MSELoss(), 1,
+                        lambda b: (torch.randn(b, 2048, 256), torch.randn(b, 2048, 256))),
+    # long context as it is trained: one 4,096-token sequence for the whole job (full_batch: the ranks cannot split
+    # the batch, only the sequence, the weights or nothing)
+    "longctx": lambda: (LlamaBlock(256, 8, 4, 704, 4096, causal=True), torch.nn.MSELoss(), 1,
+                        lambda b: (torch.randn(b, 4096, 256), torch.randn(b, 4096, 256))),
+    # mixture of experts: 8 SwiGLU experts, top-2, 4 x 64 tokens per device
+    "moe": lambda: (MoEBlock(256, 8, 1024, 2), torch.nn.MSELoss(), 4,
+                    lambda b: (torch.randn(b, 64, 256), torch.randn(b, 64, 256))),
 }
 # Megatron's pairs: column-split modules feed row-split ones
-COLUMNS = {"transformer": ("q", "k", "v", "ff1"), "llama": ("q", "k", "v", "gate", "up")}
-ROWS = {"transformer": ("proj", "ff2"), "llama": ("o", "down")}
+COLUMNS = {"transformer": ("q", "k", "v", "ff1"), "llama": ("q", "k", "v", "gate", "up"),
+           "longseq": ("q", "k", "v", "gate", "up"), "longctx": ("q", "k", "v", "gate", "up")}
+ROWS = {"transformer": ("proj", "ff2"), "llama": ("o", "down"), "longseq": ("o", "down"), "longctx": ("o", "down")}
+FULL_BATCH = {"longctx"}  # the batch given is the job's (every rank loads it whole), not each device's
 ZERO = {"zero1": "level1", "zero3": "level3"}
+VARIANTS = {"cp": "context parallel", "ep": "data parallel + expert parallel"}  # AUTO's names for them
 
 
 HAND = ("megatron", "sharded", "mixed")
@@ -94,11 +108,16 @@ def predicted(name, strategy, n):
     if strategy in HAND:
         hand_annotate(name, net, strategy, n)
     mode = "sharding_propagation" if strategy in HAND else "dynamic_programming"
+    autopar.set_auto_parallel_context(dataset_strategy="data_parallel")  # (cp's own: the planner weighs cp itself)
     with autopar.context.managed():  # the trace calls the network: it must not parallelize itself meanwhile
-        plan = plan_network(net, loss, make(per_device * n), n, load_or_calibrate(), mode,
+        plan = plan_network(net, loss, make(per_device if name in FULL_BATCH else per_device * n), n,
+                            load_or_calibrate(), mode,
                             data_parallel_step=DATA_PARALLEL_STEP)
     if strategy == "dp":
         return plan.dp_totals.step
+    if strategy in VARIANTS:  # (a variant the planner does not weigh here has no prediction)
+        variant = plan.variants.get(f"{VARIANTS[strategy]} {n}")
+        return variant[2].step if variant else float("nan")
     if strategy in ZERO:
         return plan.zero[ZERO[strategy]].step
     return plan.totals.step
@@ -107,7 +126,7 @@ def predicted(name, strategy, n):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", choices=sorted(MODELS), required=True)
-    p.add_argument("--strategy", choices=("auto", "dp") + tuple(ZERO) + HAND, required=True)
+    p.add_argument("--strategy", choices=("auto", "dp") + tuple(ZERO) + HAND + tuple(VARIANTS), required=True)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args()
@@ -116,14 +135,23 @@ def main():
         mode = "data_parallel"
         autopar.set_auto_parallel_context(enable_parallel_optimizer=True,
                                           parallel_optimizer_config={"optimizer_level": ZERO[args.strategy]})
-    autopar.set_auto_parallel_context(parallel_mode=mode, gradients_mean=True)
+    autopar.set_auto_parallel_context(parallel_mode=mode, gradients_mean=True,
+                                      full_batch=args.model in FULL_BATCH and args.strategy != "cp")
     init()
     n, rank = get_group_size(), get_rank()
     net, loss, per_device, make = MODELS[args.model]()
     if args.strategy in HAND:
         hand_annotate(args.model, net, args.strategy, n)
-    torch.manual_seed(rank)
+    if args.strategy == "ep":
+        autopar.shard(net.experts, "expert")
+    torch.manual_seed(0 if args.model in FULL_BATCH else rank)
     batches = [make(per_device) for _ in range(args.steps)]
+    if args.strategy == "cp":  # the same global batch, each rank its slice of every sequence
+        autopar.set_auto_parallel_context(dataset_strategy=((1, n, 1), (1, n, 1)))
+        torch.manual_seed(0)
+        whole = per_device if args.model in FULL_BATCH else per_device * n
+        batches = [tuple(t[:, rank * t.shape[1] // n:(rank + 1) * t.shape[1] // n].clone() for t in make(whole))
+                   for _ in range(args.steps)]
     clock = StepClock(args.warmup)
 
     class Tick(Callback):

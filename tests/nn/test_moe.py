@@ -58,7 +58,7 @@ def test_moe_computes_each_tokens_experts_and_drops_beyond_capacity(capacity_fac
     (lambda: MoEConfig(expert_num=2, num_experts_chosen=3), "num_experts_chosen must be 1..expert_num (2)"),
     (lambda: MoEConfig(expert_num=0), "expert_num must be a positive integer"),
     (lambda: MoE(4, 8, moe_config=MoEConfig(expert_num=2), parallel_config=MoEParallelConfig(expert_parallel=2)),
-     "expert_parallel=2: autopar spreads the experts over every rank (1)"),
+     "expert_parallel=2 does not divide the 1 ranks"),
     (lambda: MoE(4, 8, hidden_act="tanhh"), "hidden_act 'tanhh' is not one of"),
 ])
 def test_bad_moe_configurations_are_one_line(make, message):

@@ -12,6 +12,7 @@ import pytest
 from procutil import SCRIPTS, autopar_cmd
 
 TRAINED = ["ep", "ep_zero3", "ep_tp", "ms_moe"]
+GROUPS = ["ep_ep2", "ep_zero3_ep2", "ms_moe_ep2"]  # 4 ranks: the experts over groups of 2, the groups replicas
 MISTAKES = {
     "indivisible": "expert parallelism over {n} ranks: module 'experts' has {e} experts, which the ranks do not divide",
     "not_stacked": "autopar.shard: 'expert' splits a module of stacked expert weights",
@@ -21,18 +22,20 @@ TOL = 1e-9
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_expert_parallelism_trains_exactly(procs, tmp_path, n):
+    trained = TRAINED + (GROUPS if n == 4 else [])
     res = procs.run(autopar_cmd("launch", "-n", str(n), "--log-dir", str(tmp_path / "logs"),
                                 str(SCRIPTS / "expert_parallel.py"), str(tmp_path / "out"),
-                                json.dumps(TRAINED + list(MISTAKES))), timeout=300)
+                                json.dumps(trained + list(MISTAKES))), timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr + (tmp_path / "logs" / "worker_0.log").read_text()
     for rank in range(n):
         out = json.load(open(tmp_path / f"out.{rank}"))
         routed = out["routed"]
         assert routed[0] == 0 and routed.count(0) >= 1 and max(routed) >= 2 * sum(routed) / len(routed), routed
-        for case in TRAINED:
+        for case in trained:
             r = out[case]
             assert "error" not in r, (rank, case, r.get("error"), r.get("trace"))
-            assert r["param"] <= TOL and r["local_experts"] == 8 // n, (rank, case, r)
+            ep = 2 if case.endswith("_ep2") else n
+            assert r["param"] <= TOL and r["local_experts"] == 8 // ep, (rank, case, r)
         assert out["ep"]["reload"] <= TOL, out["ep"]  # the sliced checkpoint, whole in one process
         ms = out["ms_moe"]  # MindSpore's MoE: the same tokens dropped for want of capacity as in one process
         assert ms["dropped"] == ms["dropped_one"] > 0, ms

@@ -74,3 +74,32 @@ def test_experts_are_weighed_split_and_networks_that_cannot_split_are_not():
                             (torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))), 2,
                             MachineModel(device_num=2)).variants
     assert not _plan(MoEBlock(32, 3, 48, 2), (torch.randn(8, 4, 32), torch.randn(8, 4, 32))).variants
+
+
+class _OwnRotary(torch.nn.Module):
+    """A leaf of the user's own that numbers the positions itself: on a slice of the sequence it would start again at
+    0, so AUTO must not split the sequence around it."""
+
+    def forward(self, x):
+        return x + torch.arange(x.shape[1], dtype=x.dtype)[None, :, None]
+
+
+def test_a_sequence_split_is_not_weighed_around_modules_it_could_get_wrong():
+    sample = (torch.randn(4, 64, 64), torch.randn(4, 64, 64))
+    plain = LlamaBlock(64, 4, 2, 128, 64, causal=True)
+    assert "context parallel 2" in _plan(plain, sample).variants
+    own = torch.nn.Sequential(_OwnRotary(), LlamaBlock(64, 4, 2, 128, 64, causal=True))
+    assert not _plan(own, sample).variants  # a leaf not known to be token-wise
+    plain.attn_dropout = 0.1  # attention dropout: a sequence split refuses it (its draws are not one process's)
+    assert not _plan(plain, sample).variants
+
+
+def test_hugging_face_mixtral_experts_are_weighed_split():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32))
+    ids = torch.randint(0, 64, (4, 16))
+    plan = plan_network(model, None, (), 2, MachineModel(device_num=2), sample_kwargs={"input_ids": ids, "labels": ids})
+    assert len(plan.graph.experts) == 1 and "data parallel + expert parallel 2" in plan.variants, plan.variants

@@ -7,7 +7,8 @@ Cases: ``ep`` (the experts over every rank: 8 experts on 2 or 4; its sliced chec
 process), ``ep_zero3`` (with ZeRO-3), ``ep_tp`` (with the
 router's input projection split by columns and its output projection by rows), ``ms_moe`` (the MindSpore door:
 ``nn.transformer.MoE`` with ``MoEConfig`` and ``MoEParallelConfig(expert_parallel=n)``, tokens over capacity
-dropped as one process drops them); mistakes -- experts the ranks do not
+dropped as one process drops them); ``..._ep2`` (4 ranks: the experts over groups of 2 consecutive ranks --
+``("expert", 2)`` / ``expert_parallel=2`` -- the groups replicas of each other); mistakes -- experts the ranks do not
 divide, ``"expert"`` on a module that is not stacked by expert.
 
 argv: OUT_PREFIX CASES_JSON. Writes {case: {...}} to OUT_PREFIX.<rank>.
@@ -129,21 +130,22 @@ def routed(model) -> list[int]:
 def set_mode(case: str) -> None:
     autopar.reset_auto_parallel_context()
     autopar.set_auto_parallel_context(parallel_mode="semi_auto_parallel", gradients_mean=True)
-    if case.endswith("zero3"):
+    if "zero3" in case:
         autopar.set_auto_parallel_context(enable_parallel_optimizer=True,
                                           parallel_optimizer_config={"optimizer_level": "level3"})
 
 
 def run(case: str) -> dict:
     set_mode(case)
-    if case == "ms_moe":
-        model = fresh(door="mindspore", expert_parallel=n)
+    ep = 2 if case.endswith("_ep2") else n  # experts over groups of 2 ranks, the groups replicas (4 ranks)
+    if case.startswith("ms_moe"):
+        model = fresh(door="mindspore", expert_parallel=ep)
         got = train(model, slice(rank * GLOBAL // n, (rank + 1) * GLOBAL // n))
         return {"param": max((got[k] - REF_MS[k]).abs().max().item() for k in REF_MS),
                 "local_experts": model.moe.experts.mapping.to_local().shape[0], "dropped": model.moe.dropped,
                 "dropped_one": DROPPED_MS}
     model = fresh()
-    autopar.shard(model, {"experts": "expert"})
+    autopar.shard(model, {"experts": ("expert", ep) if ep < n else "expert"})
     if case == "ep_tp":
         autopar.shard(model, {"proj_in": "colwise", "proj_out": "rowwise"})
     got = train(model, slice(rank * GLOBAL // n, (rank + 1) * GLOBAL // n))

@@ -32,5 +32,23 @@ def stacked_experts(module: torch.nn.Module) -> bool:
     ``[num_experts, ...]``, called ``(hidden_states, top_k_index, top_k_weights)``): what expert parallelism splits."""
     stacked = [p for p in getattr(module, "_parameters", {}).values() if p is not None]
     experts = getattr(module, "num_experts", None)
-    return isinstance(module, torch.nn.Module) and isinstance(experts, int) and bool(stacked) and all(
-        p.dim() >= 2 and p.shape[0] == experts for p in stacked)
+    # (stacked weight matrices -- at least one 3-D -- not a router's [num_experts, hidden] weight)
+    return isinstance(module, torch.nn.Module) and isinstance(experts, int) and any(p.dim() >= 3 for p in stacked) \
+        and all(p.dim() >= 2 and p.shape[0] == experts for p in stacked)
+
+
+_TOKEN_WISE = (torch.nn.Linear, torch.nn.Embedding, torch.nn.LayerNorm, torch.nn.RMSNorm, torch.nn.Dropout,
+               torch.nn.modules.loss._Loss, *LAYOUT_TRANSPARENT)
+# transformers' own per-token modules, by the names every model file gives them (a norm over the last dimension; the
+# rotary table computed from the position ids it is given, global positions under a sequence split)
+_TOKEN_WISE_NAMES = ("RMSNorm", "LayerNorm", "RotaryEmbedding")
+
+
+def token_wise(module: torch.nn.Module) -> bool:
+    """Is ``module`` known to compute each token from that token alone (so it may run on a slice of the sequence)?
+    torch's linear, embedding, norm, dropout, activation and loss modules, transformers' norms and rotary tables.
+    A module of the user's own is not known: AUTO does not split the sequence around it."""
+    if isinstance(module, _TOKEN_WISE) or stacked_experts(module):
+        return True
+    cls = type(module)
+    return cls.__module__.startswith("transformers.") and cls.__name__.endswith(_TOKEN_WISE_NAMES)

@@ -13,8 +13,8 @@ it computes is the Switch Transformer / GShard router (Fedus et al. 2021; Lepikh
 - ``aux_loss = aux_loss_factor * expert_num * sum_e(fraction of first choices to e * mean router probability of e)``.
 
 The experts are one module of stacked weights (:class:`StackedExperts`, Hugging Face's form), so
-``expert_parallel = n`` (every rank) spreads them as ``autopar.shard(model, {"*.experts": "expert"})`` does
-(:mod:`autopar.parallel.tensor.experts`); the router and the capacity run on every rank's tokens as the layouts run
+``expert_parallel = ep`` spreads them over each group of ``ep`` consecutive ranks (``ep = n``: as
+``autopar.shard(model, {"*.experts": "expert"})`` does; :mod:`autopar.parallel.tensor.experts`); the router and the capacity run on every rank's tokens as the layouts run
 any operator, so dropping follows the global batch, as one process drops. Not checked against MindSpore itself.
 """
 from __future__ import annotations
@@ -142,7 +142,7 @@ class MoE(Cell):
 @dataclass
 class MoEParallelConfig:
     """``MoEParallelConfig(data_parallel=1, model_parallel=1, expert_parallel=1)``: ``expert_parallel`` spreads the
-    experts (1, or every rank); the data and model degrees are the layouts' business (strategies, dataset_strategy),
+    experts over groups of that many consecutive ranks (replicas of each other); the data and model degrees are the layouts' business (strategies, dataset_strategy),
     so values other than 1 are said once."""
 
     data_parallel: int = 1
@@ -171,7 +171,7 @@ def _spread(moe: MoE, ep: int) -> None:
     from autopar.ops.shard import split_experts
 
     world = world_size()
-    if ep != world:
-        raise ConfigError(f"expert_parallel={ep}: autopar spreads the experts over every rank ({world}); a smaller "
-                          "expert-parallel group is not built yet (give expert_parallel=1 or the world size)")
-    split_experts(moe.experts)
+    if world % ep:
+        raise ConfigError(f"expert_parallel={ep} does not divide the {world} ranks (each group of expert_parallel "
+                          "consecutive ranks holds every expert once)")
+    split_experts(moe.experts, ep)

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from autopar.errors import StrategyError
 from autopar.layout import spec as S
+from autopar.layout.leaves import stacked_experts
 from autopar.ops.math import ShardablePrimitive
 
 
@@ -237,6 +238,8 @@ def shard(module: Any, in_strategy: Any, out_strategy: Any = None) -> Any:
         return _shard_by_names(module, in_strategy)
     if type(in_strategy).__name__ == "PrepareModuleInput":
         return _prepare_input(module, in_strategy)
+    if isinstance(in_strategy, tuple) and len(in_strategy) == 2 and in_strategy[0] == "expert":
+        return split_experts(module, in_strategy[1])  # ("expert", ep): over groups of ep consecutive ranks
     style = _style_of(in_strategy)
     if style == "expert":
         return split_experts(module)
@@ -323,18 +326,17 @@ def split_leaf(module: Any, split: Any) -> Any:
     return module
 
 
-def split_experts(module: Any) -> Any:
+def split_experts(module: Any, degree: int | None = None) -> Any:
     """Mark a module of stacked expert weights (Hugging Face's ``MixtralExperts``: parameters ``[num_experts, ...]``,
-    ``forward(hidden_states, top_k_index, top_k_weights)``) to keep only its rank's experts; the runtime is
-    :mod:`autopar.parallel.tensor.experts`."""
-    stacked = [p for p in getattr(module, "_parameters", {}).values() if p is not None]
-    experts = getattr(module, "num_experts", None)
-    if not isinstance(module, torch.nn.Module) or not isinstance(experts, int) or not stacked \
-            or any(p.dim() < 2 or p.shape[0] != experts for p in stacked):
+    ``forward(hidden_states, top_k_index, top_k_weights)``) to keep only its rank's experts, spread over groups of
+    ``degree`` consecutive ranks (every rank where None); the runtime is :mod:`autopar.parallel.tensor.experts`."""
+    if not stacked_experts(module):
         raise StrategyError(f"autopar.shard: 'expert' splits a module of stacked expert weights (num_experts and "
                             f"parameters [num_experts, ...], as transformers' MixtralExperts), not a "
                             f"{type(module).__name__}")
-    module._autopar_experts = True
+    if degree is not None and (isinstance(degree, bool) or not isinstance(degree, int) or degree < 1):
+        raise StrategyError(f"autopar.shard: an expert-parallel degree must be a positive integer, got {degree!r}")
+    module._autopar_experts = degree or True
     return module
 
 

@@ -175,6 +175,9 @@ def _dispatch(state: ParallelState, network, loss_fn, optimizer, sample, ctx, sa
         for target, strategy in state.plan.strategies():
             shard(target, strategy)
     cp = state.plan.context_parallel if mode is ParallelMode.AUTO_PARALLEL and state.plan is not None else 1
+    if mode is ParallelMode.AUTO_PARALLEL and cp == 1 and ctx.context_parallel_algo != "all_gather":
+        _warn_once("context_parallel_algo", f"autopar: context_parallel_algo={ctx.context_parallel_algo!r} is not "
+                   "applied: AUTO_PARALLEL's plan does not split the sequence")
     if cp > 1 or (has_strategies(network, loss_fn) if mode is ParallelMode.AUTO_PARALLEL
                   else lays_out(network, loss_fn, ctx)):
         _attach_layouts(state, network, loss_fn, optimizer, ctx, zero, cp)
@@ -257,7 +260,8 @@ def _check_context_parallel(ctx, mode) -> None:
         raise ConfigError(f"dataset_strategy={ctx.dataset_strategy} splits the sequence (context parallelism), which "
                           f"runs in parallel_mode='semi_auto_parallel' (now {mode.value}): each rank would attend "
                           "only within its own slice")
-    if ctx.context_parallel_algo != "all_gather" and not splits_the_sequence(ctx):
+    if ctx.context_parallel_algo != "all_gather" and not splits_the_sequence(ctx) and \
+            mode is not ParallelMode.AUTO_PARALLEL:  # (AUTO may split the sequence itself: said after its plan)
         _warn_once("context_parallel_algo", f"autopar: context_parallel_algo={ctx.context_parallel_algo!r} is not "
                    "applied: no dataset_strategy splits the sequence (e.g. ((dp, cp), (dp, cp)))")
 

@@ -35,7 +35,9 @@ def split_modules(network: torch.nn.Module) -> list[str]:
         elif isinstance(m, ShardablePrimitive) and m.strategy is not None and not name.endswith("_autopar_op"):
             out.append(f"{name} ({type(m).__name__}) {_spelled(m.strategy)}")
         elif getattr(m, "_autopar_experts", False):
-            out.append(f"{name} ({type(m).__name__}) {_spelled('expert')}")
+            degree = m._autopar_experts
+            over = "" if degree is True else f" over groups of {degree} ranks"
+            out.append(f"{name} ({type(m).__name__.removeprefix('ExpertParallel')}) {_spelled('expert')}{over}")
     return out
 
 

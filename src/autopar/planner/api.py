@@ -128,8 +128,12 @@ def decision_path(plan: Plan) -> Path:
     from autopar.planner.machine import cache_path
 
     backend = management.backend() if management.is_initialized() else "gloo"
+    ctx = _context.auto_parallel_context()
+    # (the variants a decision may be: "cp/ep" since sequence and expert splits are weighed, so that a decision made
+    # before them is not read back as if they had lost)
     key = json.dumps([[node.name, node.kind, [list(s) for s in node.shapes], str(node.fixed)]
-                      for node in plan.graph.nodes] + [plan.device_num, backend, plan.search_mode, plan.graph.batch],
+                      for node in plan.graph.nodes] + [plan.device_num, backend, plan.search_mode, plan.graph.batch,
+                                                       "cp/ep", ctx.context_parallel_algo, ctx.full_batch],
                      default=str)  # not the memory limit: the free memory it defaults to moves; fits() is checked
     digest = hashlib.sha1(key.encode()).hexdigest()[:16]
     return cache_path(backend, plan.device_num).parent / f"plan-{backend}-n{plan.device_num}-{digest}.json"

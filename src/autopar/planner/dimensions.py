@@ -33,13 +33,33 @@ def _divides(graph: Graph, n: int) -> int:
     return n if graph.batch % n == 0 else 1
 
 
-def context_degrees(graph: Graph, n: int) -> list[int]:
-    """The ``cp`` degrees a sequence split can take here (empty where it cannot run)."""
+def context_degrees(graph: Graph, n: int, algo: str = "all_gather") -> list[int]:
+    """The ``cp`` degrees a sequence split can take here (empty where it cannot run): the world mesh must hold the
+    ``(n/cp, cp)`` matrix (one axis per prime factor of n, the split on the trailing ones), and DeepSpeed-Ulysses
+    (``algo``) needs heads the group divides."""
     if n < 2 or not graph.attention or graph.mixes_tokens or not graph.sequence:
         return []
-    heads_split = all(len(q) == 4 for q, *_ in graph.attention)  # (batch, heads, sequence, head_dim)
-    return [cp for cp in range(2, n + 1) if n % cp == 0 and graph.sequence % cp == 0
-            and graph.batch % (n // cp) == 0 and heads_split]
+    if not all(len(q) == 4 and len(k) == 4 for q, k, *_ in graph.attention):  # (batch, heads, sequence, head_dim)
+        return []
+    out = []
+    for cp in range(2, n + 1):
+        if n % cp or graph.sequence % cp or graph.batch % (n // cp) or not _lies_on_mesh((n // cp, cp), n):
+            continue
+        if algo != "all_gather" and any(q[1] % cp or k[1] % cp for q, k, *_ in graph.attention):
+            continue
+        out.append(cp)
+    return out
+
+
+def _lies_on_mesh(matrix: tuple[int, ...], n: int) -> bool:
+    from autopar.errors import StrategyError
+    from autopar.layout.axes import axes_of_device_matrix, mesh_shape_for
+
+    try:
+        axes_of_device_matrix(matrix, mesh_shape_for(n))
+    except StrategyError:
+        return False
+    return True
 
 
 def _layout_overheads(machine: MachineModel, n: int, grads: list[float], kept: float, dispatch: float) -> tuple:
@@ -63,14 +83,15 @@ def context_totals(graph: Graph, machine: MachineModel, dp_totals, n: int, cp: i
     extra, comm = _layout_overheads(machine, n, grads, sum(grads), dispatch)
     compute = dp_totals.compute * share + extra
     gathered = 0.0
-    for q, k, v, item, causal in graph.attention:  # keys and values gathered forward, gradients reduce-scattered
-        kv = (math.prod(k) + math.prod(v)) * item / (n // cp)  # this data-parallel group's, whole sequence
-        comm += machine.collective("all_gather", kv, cp) + machine.collective("reduce_scatter", kv, cp)
+    for q, k, v, item, causal, blockwise in graph.attention:  # keys and values gathered forward, gradients
+        kv = (math.prod(k) + math.prod(v)) * item / (n // cp)  # reduce-scattered: this data-parallel group's, whole
+        comm += machine.collective("all_gather", kv, cp) + machine.collective("reduce_scatter", kv, cp)  # sequence
         gathered += kv * (cp - 1) / cp  # kept for the backward beside the local slices
-        if causal:  # the last slice's queries see every key: it computes cp - 1/2 of the cp x cp blocks, the first
-            # 1/2 (no load balancing); the step waits for the last
+        if causal:  # the last slice's queries see every key: on the CPU's blockwise kernel it computes cp - 1/2 of
+            # the cp x cp blocks, the first 1/2 (no load balancing); elsewhere the masked kernel computes all cp of
+            # them; the step waits for the last
             whole = 3 * 4 * math.prod(q) * k[-2]  # forward + backward FLOPs of the unmasked product, whole batch
-            last = whole / (n // cp) * (cp - 0.5) / cp**2
+            last = whole / (n // cp) * ((cp - 0.5) if blockwise else cp) / cp**2
             compute += machine.compute("attention", last) - share * machine.compute("attention", whole / 2 / (
                 _divides(graph, n)))
     memory = state + max(0.0, dp_totals.memory - state) * share + gathered
@@ -79,7 +100,7 @@ def context_totals(graph: Graph, machine: MachineModel, dp_totals, n: int, cp: i
 
 def expert_parallel_ok(graph: Graph, n: int) -> bool:
     """Every module of stacked experts splits over the ``n`` ranks (experts and tokens)."""
-    return n > 1 and bool(graph.experts) and all(
+    return n > 1 and _lies_on_mesh((n,), n) and bool(graph.experts) and all(
         experts % n == 0 and math.prod(hidden[:-1]) % n == 0 for _, _, hidden, _, experts in graph.experts)
 
 

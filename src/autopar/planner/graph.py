@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 from autopar.labels import call_loss
 
 # (importing the runtime also installs its operator executor, which the tracer stacks its own on top of)
-from autopar.layout.leaves import LAYOUT_TRANSPARENT, mixes_tokens, stacked_experts
+from autopar.layout.leaves import LAYOUT_TRANSPARENT, mixes_tokens, stacked_experts, token_wise
 from autopar.layout.spec import OpSpec
 from autopar.ops import primitive as _primitive
 from autopar.ops.comm import _CommPrimitive
@@ -86,9 +86,11 @@ class Graph:
     # of the producer is summed (all-reduced to whole) before it, whatever layout the consumer asks for
     edge_resolved: frozenset = frozenset()
     # what context and expert parallelism are weighed on (autopar.planner.dimensions): every SDPA call's (query,
-    # key, value) shapes, itemsize and whether it is causal; every module of stacked experts as (module, parameter bytes, hidden-state
-    # shape, itemsize, experts); whether a module combines positions along the sequence (a convolution, an RNN:
-    # no sequence split then); the inputs' common dimension 1 (None where they have none)
+    # key, value) shapes, itemsize, whether it is causal and whether the CPU's blockwise kernel takes it (CPU
+    # tensors, as many key as query heads); every module of stacked experts as (module, parameter bytes,
+    # hidden-state shape, itemsize, experts); whether a module may combine positions along the sequence (a
+    # convolution, an RNN, or any leaf module not known to be token-wise: no sequence split then); the inputs'
+    # common dimension 1 (None where they have none)
     attention: tuple = ()
     experts: tuple = ()
     mixes_tokens: bool = False
@@ -345,9 +347,11 @@ class Tracer:
                 self._set(out, self._src(out) if isinstance(out, torch.Tensor) else DP, True)
             return
         if func is torch.nn.functional.scaled_dot_product_attention and len(tensors) >= 3:
+            q, k = tensors[0], tensors[1]
             causal = bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False))
-            self.attention.append((tuple(tensors[0].shape), tuple(tensors[1].shape), tuple(tensors[2].shape),
-                                   tensors[0].element_size(), causal))
+            blockwise = q.device.type == "cpu" and q.dim() == 4 and k.dim() == 4 and q.shape[1] == k.shape[1]
+            self.attention.append((tuple(q.shape), tuple(k.shape), tuple(tensors[2].shape), q.element_size(), causal,
+                                   blockwise))
         first = self._src(tensors[0])
         name = getattr(func, "__name__", "")
         linear = name in _LINEAR or (name in _SCALED and len(tensors) == 1 and not any(
@@ -412,7 +416,8 @@ class Tracer:
     def run(self, fn, *inputs, **kwargs) -> Any:
         for module in self.network.modules():
             if isinstance(module, ShardablePrimitive) or not (
-                    isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)) or not any(True for _ in module.children())):
+                    isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)) or not any(True for _ in module.children())
+                    or stacked_experts(module)):  # (transformers' MixtralExperts holds its activation as a child)
                 continue
             self.handles.append(module.register_forward_pre_hook(self._module_pre))
             self.handles.append(module.register_forward_hook(self._module_post))
@@ -458,7 +463,8 @@ def capture(network: torch.nn.Module, loss_fn: torch.nn.Module | None, inputs: t
     return Graph(tracer.nodes, tracer.edges, tracer.edge_dims, tracer.joins, tracer.other_flops, tracer.other_bytes, batch,
                  time.perf_counter() - start, tracer.elementwise_bytes, tracer.tensor_calls + len(tracer.nodes),
                  frozenset(tracer.edge_resolved), tuple(tracer.attention), tuple(tracer.experts),
-                 any(mixes_tokens(m) for m in root.modules()),
+                 any(mixes_tokens(m) or not (any(True for _ in m.children()) or token_wise(m))
+                     for m in network.modules()),
                  lengths.pop() if len(lengths) == 1 else None)
 
 

@@ -458,7 +458,7 @@ def plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, samp
                              sample_kwargs, data_parallel_step)
     # the rest of planning: costing the candidates, inside a job by measuring them (operators, redistributions, the
     # optimizer, the whole step, ZeRO) -- the part of planning a user waits for most, so it is said
-    if not any(node.fixed is not None for node in plan.graph.nodes):
+    if search_mode != "sharding_propagation" and not any(node.fixed is not None for node in plan.graph.nodes):
         _weigh_dimensions(plan, network, memory_limit)
     plan.cost_seconds = max(0.0, time.perf_counter() - start - plan.graph.seconds - plan.search_seconds)
     plan.memory_limit = memory_limit
@@ -589,13 +589,16 @@ def _weigh_dimensions(plan: Plan, network: torch.nn.Module, memory_limit: float 
     from autopar.planner import dimensions
 
     n, graph, d = plan.device_num, plan.graph, plan.dp_totals
-    if d is None or plan.pipeline is not None or n < 2:
+    if d is None or plan.pipeline is not None or n < 2 or _divided_by_the_user(network):
         return
+    ctx = _context.auto_parallel_context()
     in_experts = {id(p) for module, *_ in graph.experts for p in module.parameters()}
     sizes = {id(p): float(p.numel() * p.element_size()) for p in network.parameters() if p.requires_grad}
     grads = [b for k, b in sizes.items() if k not in in_experts]
     machine, dispatch = plan.problem.machine, dispatch_of(plan.problem)
-    for cp in dimensions.context_degrees(graph, n):
+    degrees = [] if ctx.dataset_strategy != "data_parallel" or _attention_dropout(network) else \
+        dimensions.context_degrees(graph, n, ctx.context_parallel_algo)
+    for cp in degrees:
         label = f"context parallel {cp}" + (f" x data parallel {n // cp}" if n // cp > 1 else "")
         plan.variants[label] = (cp, False, dimensions.context_totals(graph, machine, d, n, cp, list(sizes.values()),
                                                                      dispatch))
@@ -614,6 +617,24 @@ def _weigh_dimensions(plan: Plan, network: torch.nn.Module, memory_limit: float 
         plan.reason = f"{label} ({totals.step * 1e3:.1f} ms per step); without it: {plan.reason}, which {why}"
         plan.choice, plan.totals, plan.pure_data_parallel, plan.zero_level = plan.problem.dp_choice(), totals, True, None
         plan.context_parallel, plan.expert_parallel = cp, ep
+
+
+def _divided_by_the_user(network: torch.nn.Module) -> bool:
+    """Did the user split a module's sequence or experts already (``autopar.shard``)? Then theirs is kept."""
+    return any(getattr(m, "_autopar_experts", False) or getattr(m, "_autopar_split", None) is not None
+               for m in network.modules())
+
+
+def _attention_dropout(network: torch.nn.Module) -> bool:
+    """Does an attention module train with dropout on its weights (``attention_dropout`` / ``attn_dropout`` /
+    nanoGPT's ``dropout`` beside its projections)? A sequence split refuses it (its draws cannot be one
+    process's); the trace, in eval mode, does not see it."""
+    for m in network.modules():
+        for attr in ("attention_dropout", "attn_dropout", "dropout_p", "dropout"):
+            value = getattr(m, attr, None)
+            if isinstance(value, float) and value > 0 and "att" in (type(m).__name__ + attr).lower():
+                return True
+    return False
 
 
 def _as_totals(option: PipelineOption) -> Totals:

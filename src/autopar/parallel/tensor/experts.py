@@ -4,9 +4,12 @@ A module of stacked expert weights -- Hugging Face's ``MixtralExperts`` / ``Qwen
 form: parameters ``[num_experts, ...]``, ``forward(hidden_states, top_k_index, top_k_weights)`` returning the
 weighted sum of each token's chosen experts -- marked ``autopar.shard(model, {"*.experts": "expert"})`` keeps, on
 each of the n ranks, experts ``[r * E/n, (r + 1) * E/n)``: its weights are stored split on the expert dimension.
+With a degree ``ep`` < n (MindSpore's ``MoEParallelConfig(expert_parallel=ep)``) each group of ``ep`` consecutive
+ranks holds every expert once, rank r experts ``[(r mod ep) * E/ep, ...)``; the groups are data-parallel replicas of
+each other, their experts' gradients summed over the groups.
 
-A call is Megatron-LM's all-gather token dispatcher (``moe_token_dispatcher_type="allgather"``): every rank's tokens,
-with their routing, are gathered; each rank runs the module's own forward over them with only its experts (a token
+A call is Megatron-LM's all-gather token dispatcher (``moe_token_dispatcher_type="allgather"``): every rank's tokens
+in the group, with their routing, are gathered; each rank runs the module's own forward over them with only its experts (a token
 routed elsewhere takes the forward's "no expert" slot, so it adds nothing here) and its weights; the partial sums
 are reduce-scattered back to the tokens' ranks. The backward is the mirror (each expert's weight gradient whole on
 its rank, the tokens' gradient summed over the experts that saw them). Exact: each token gets the same terms as in
@@ -17,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from autopar.comm.topology import world_mesh, world_size
 from autopar.errors import StrategyError
@@ -26,19 +29,51 @@ from autopar.parallel.tensor import placements as P
 
 
 def is_experts(module: torch.nn.Module) -> bool:
-    return getattr(module, "_autopar_experts", False)
+    return bool(getattr(module, "_autopar_experts", False))
+
+
+def degree_of(module: torch.nn.Module) -> int:
+    """Over how many consecutive ranks the module's experts are spread (each group of them holds every expert once:
+    ``n / degree`` groups, data-parallel replicas of each other)."""
+    mark, n = getattr(module, "_autopar_experts", True), world_size()
+    return n if mark is True else int(mark)
 
 
 def expert_layout(name: str, module: torch.nn.Module, param: torch.Tensor) -> Layout:
-    """A stacked expert weight split on its expert dimension over every rank."""
-    n, experts = world_size(), getattr(module, "num_experts", param.shape[0])
+    """A stacked expert weight split on its expert dimension over its expert-parallel group, replicated over the
+    groups."""
+    n, experts, ep = world_size(), getattr(module, "num_experts", param.shape[0]), degree_of(module)
     if param.dim() < 2 or param.shape[0] != experts:
         raise StrategyError(f"expert parallelism splits module '{name}' on its experts, but its parameter of shape "
                             f"{tuple(param.shape)} is not stacked by expert ({experts} experts)")
-    if experts % n:
-        raise StrategyError(f"expert parallelism over {n} ranks: module '{name}' has {experts} experts, which the ranks "
-                            f"do not divide (give a number of experts that is a multiple of {n})")
-    return Layout((n,), (0,) + (-1,) * (param.dim() - 1), tuple(param.shape))
+    if n % ep:
+        raise StrategyError(f"expert parallelism over groups of {ep} ranks: the {n} ranks do not divide into them "
+                            f"(give a degree that divides {n})")
+    if experts % ep:
+        raise StrategyError(f"expert parallelism over {ep} ranks: module '{name}' has {experts} experts, which the ranks "
+                            f"do not divide (give a number of experts that is a multiple of {ep})")
+    if ep == n:
+        return Layout((n,), (0,) + (-1,) * (param.dim() - 1), tuple(param.shape))
+    return Layout((n // ep, ep), (1,) + (-1,) * (param.dim() - 1), tuple(param.shape))
+
+
+_GROUPS: dict[tuple[int, int], object] = {}
+
+
+def _group(ep: int):
+    """This rank's expert-parallel group: ``ep`` consecutive ranks (every rank calls this alike: each group is made
+    by all of them, once)."""
+    n = world_size()
+    if ep == n:
+        return dist.group.WORLD
+    if (n, ep) not in _GROUPS:
+        mine = None
+        for first in range(0, n, ep):
+            group = dist.new_group(list(range(first, first + ep)))
+            if first <= dist.get_rank() < first + ep:
+                mine = group
+        _GROUPS[(n, ep)] = mine
+    return _GROUPS[(n, ep)]
 
 
 def _tokens_split(t: DTensor, mesh) -> DTensor:
@@ -54,25 +89,30 @@ def _waited(t: torch.Tensor) -> torch.Tensor:
 
 
 def run(module: torch.nn.Module, forward, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
-    """The module's ``forward`` over every rank's tokens with this rank's experts; the tokens' results back where
-    their hidden states came from."""
+    """The module's ``forward`` over its expert-parallel group's tokens with this rank's experts; the tokens'
+    results back where their hidden states came from."""
     mesh = world_mesh()
     hidden = hidden_states if isinstance(hidden_states, DTensor) else P.to_dtensor_replicated(hidden_states)
     if hidden.shape[0] % world_size():
         raise StrategyError(f"expert parallelism over {world_size()} ranks: {hidden.shape[0]} tokens do not divide "
                             "over the ranks (give a batch whose tokens they divide)")
-    group = dist.group.WORLD
+    ep = degree_of(module)
+    group = _group(ep)
 
-    def gathered(t):  # every rank's tokens, in rank order; the backward reduce-scatters the gradient
-        if not isinstance(t, DTensor):
-            return t  # made alike on every rank
+    groups = world_size() // ep
+    mine = (dist.get_rank() if dist.is_initialized() else 0) // ep
+
+    def gathered(t):  # the group's tokens, in rank order; the backward reduce-scatters the gradient
+        if not isinstance(t, DTensor):  # made alike on every rank: the group's rows of it
+            rows = t.shape[0] // groups
+            return t if groups == 1 else t[mine * rows:(mine + 1) * rows]
         local = _tokens_split(t, mesh).to_local()
         return _waited(funcol.all_gather_tensor_autograd(local, gather_dim=0, group=group))
 
     h, index, weights = gathered(hidden), gathered(top_k_index), gathered(top_k_weights)
-    experts, n = module.num_experts, world_size()
-    per = experts // n
-    start = (dist.get_rank() if dist.is_initialized() else 0) * per
+    experts = module.num_experts
+    per = experts // ep
+    start = ((dist.get_rank() if dist.is_initialized() else 0) % ep) * per
     mine = (index >= start) & (index < start + per)
     local = torch.where(mine, index - start, torch.full_like(index, per))
     # another rank's expert adds nothing here whatever the implementation does with the "no expert" slot
@@ -84,7 +124,12 @@ def run(module: torch.nn.Module, forward, hidden_states, top_k_index, top_k_weig
     before = getattr(module, "_is_expert_parallel", None)
     try:
         for attr, p in stacked.items():
-            module._parameters[attr] = p.to_local()
+            # at its layout (ZeRO stores it split over the groups too); the groups' gradients are partial sums over
+            # the replicas of each expert
+            target = tuple(expert_layout(attr, module, p).placements())
+            at = p if tuple(p.placements) == target else p.redistribute(p.device_mesh, target)
+            module._parameters[attr] = at.to_local(grad_placements=[Partial() if isinstance(q, Replicate) else q
+                                                                    for q in target])
         module.num_experts = per
         if flagged:
             module._is_expert_parallel = True

@@ -39,7 +39,8 @@ def dataset_layout(entry: Any, local_shape: tuple[int, ...]) -> Layout:
 def resplit_sequence(batch: DTensor, cp: int) -> DTensor:
     """A batch as data parallel loads it (rows split, or whole) re-split as ``dataset_strategy=((n/cp, cp), ...)``
     would have loaded it: rows over ``n/cp`` ranks, the sequence (dimension 1) over ``cp`` -- AUTO's context
-    parallelism, where the user's loader stays as it is. A tensor without a sequence keeps its rows split."""
+    parallelism, where the user's loader stays as it is. A tensor without a sequence has its rows over the ``n/cp``
+    data-parallel ranks, whole over the ``cp`` ranks of each."""
     n = world_size()
     entry = (n // cp, cp) + (1,) * (batch.dim() - 2) if batch.dim() >= 2 else (n // cp,) * batch.dim()
     split_dims = [d for d, v in enumerate(entry) if v > 1]

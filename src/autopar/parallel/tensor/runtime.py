@@ -116,6 +116,21 @@ def _expert_parallel(module: torch.nn.Module) -> None:
     module.__class__ = _EXPERT_CLASSES[cls]
 
 
+def _whole_value(module, output):
+    """A loss module's value on this rank's rows made the whole batch's (``full_batch``: every rank fed the whole
+    batch and gets one process's outputs back) -- its mean (or sum) over the ranks' equal shares, one scalar
+    all-reduce -- while its gradient stays this rank's part, which the layouts' gradient sums expect."""
+    reduction = getattr(module, "reduction", "mean")
+    if not isinstance(output, torch.Tensor) or isinstance(output, DTensor) or output.dim() or \
+            reduction not in ("mean", "sum"):
+        return output
+    total = output.detach().clone()
+    dist.all_reduce(total)
+    if reduction == "mean":
+        total /= dist.get_world_size()
+    return output + (total - output.detach())
+
+
 class SemiAutoRuntime(ParameterPlacement):
     def __init__(self, gradients_mean: bool, full_batch: bool = False, parameter_broadcast: bool = False,
                  strategy_save_file: str | None = None, strategy_load_file: str | None = None,
@@ -312,14 +327,9 @@ class SemiAutoRuntime(ParameterPlacement):
         # (a batch that does not divide over the ranks -- ``full_batch`` with fewer rows than ranks -- is computed
         # whole on every rank: its outputs are whole, its parameters' gradients too)
         n = self.device_num
-        # a loss module under full_batch: on the whole batch on every rank (its value is then one process's, not this
-        # rank's rows' -- a loss is cheap beside the network)
-        whole = self.full_batch and self._is_loss(module)
-        self.loss_was_global = self.loss_was_global or whole  # its gradients are the whole batch's: not averaged
-        batched = not whole and any(isinstance(t, DTensor) and (t.dim() == 0 or t.shape[0] % n == 0 and t.shape[0] >= n)
-                                    for t in tree_flatten((args,))[0])
-        local = tree_map(lambda t: (t.full_tensor() if whole else P.to_data_parallel_local(t))
-                         if isinstance(t, DTensor) else t, args)
+        batched = any(isinstance(t, DTensor) and (t.dim() == 0 or t.shape[0] % n == 0 and t.shape[0] >= n)
+                      for t in tree_flatten((args,))[0])
+        local = tree_map(lambda t: P.to_data_parallel_local(t) if isinstance(t, DTensor) else t, args)
         local_batch = next((a.shape[0] for a, t in zip(tree_flatten((local,))[0], tree_flatten((args,))[0])
                             if isinstance(t, DTensor) and t.dim() >= 1), None)
         self._leaf_batched.setdefault(id(module), []).append((batched, local_batch))
@@ -362,6 +372,8 @@ class SemiAutoRuntime(ParameterPlacement):
         batched = self._leaf_batched.get(id(module))
         batched, local_batch = batched.pop() if batched else (True, None)
         n = self.device_num
+        if self.full_batch and batched and n > 1 and self._is_loss(module):
+            return _whole_value(module, output)
 
         def wrap(t):
             if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.dim() >= 1:
