@@ -75,9 +75,7 @@ def context_totals(graph: Graph, machine: MachineModel, dp_totals, n: int, cp: i
                    dispatch: float):
     """The step of a ``dp x cp`` sequence split, from data parallel's (``dp_totals``: the batch split as
     :func:`_divides` says). ``grads``: the bytes of each trainable parameter; ``dispatch``: a layout's DTensor
-    dispatch per step (:func:`autopar.planner.plan.dispatch_of`)."""
-    from autopar.planner.plan import Totals
-
+    dispatch per step (:func:`autopar.planner.plan.dispatch_of`). Returns (compute, communication, memory)."""
     share = _divides(graph, n) / n  # of data parallel's per-device work, what a token split leaves each device
     state = sum(grads) * (2 + OPTIMIZER_SLOTS)
     extra, comm = _layout_overheads(machine, n, grads, sum(grads), dispatch)
@@ -95,7 +93,7 @@ def context_totals(graph: Graph, machine: MachineModel, dp_totals, n: int, cp: i
             compute += machine.compute("attention", last) - share * machine.compute("attention", whole / 2 / (
                 _divides(graph, n)))
     memory = state + max(0.0, dp_totals.memory - state) * share + gathered
-    return Totals(compute, comm, memory)
+    return compute, comm, memory
 
 
 def expert_parallel_ok(graph: Graph, n: int) -> bool:
@@ -108,9 +106,7 @@ def expert_totals(graph: Graph, machine: MachineModel, dp_totals, n: int, grads:
                   expert_grads: list[float], dispatch: float):
     """Data parallel with every module of stacked experts split by expert over the ``n`` ranks, from data
     parallel's step; ``grads``: the bytes of every trainable parameter outside the experts, ``expert_grads``: of
-    those inside."""
-    from autopar.planner.plan import Totals
-
+    those inside. Returns (compute, communication, memory)."""
     expert_bytes = sum(expert_grads)
     extra, comm = _layout_overheads(machine, n, grads, sum(grads) + expert_bytes / n, dispatch)
     # (the experts' gradients are this rank's own: no all-reduce -- their share of the fused step is taken off)
@@ -121,4 +117,4 @@ def expert_totals(graph: Graph, machine: MachineModel, dp_totals, n: int, grads:
         comm += 2 * (machine.collective("all_gather", tokens, n) + machine.collective("reduce_scatter", tokens, n))
         gathered += tokens * (n - 1) / n
     saved = expert_bytes * (2 + OPTIMIZER_SLOTS) * (n - 1) / n
-    return Totals(dp_totals.compute + extra, comm, dp_totals.memory - saved + gathered)
+    return dp_totals.compute + extra, comm, dp_totals.memory - saved + gathered
