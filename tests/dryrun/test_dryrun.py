@@ -95,7 +95,17 @@ def test_auto_plans_for_the_cluster_it_is_told(procs, tmp_path):
 def test_a_6_6b_gpt_on_1024_ranks_fits_with_zero3_and_not_with_data_parallel(procs, tmp_path):
     """GPT, 32 layers, hidden 4096, vocabulary 32000, sequence 2048 (6.6e9 parameters), one sequence per rank."""
     big = ("32", "4096", "32000", "2048", "1")
-    reports = {mode: _dry(procs, tmp_path, 1024, mode, *big)[1] for mode in ("zero3", "dp")}
+    # the two dry runs side by side (one simulated rank each: one core each)
+    jobs = {}
+    for mode in ("zero3", "dp"):
+        logs = tmp_path / f"dry1024_{mode}"
+        jobs[mode] = (logs, procs.start(autopar_cmd("launch", "--dry-run", "-n", "1024", "--log-dir", str(logs),
+                                                    str(SCRIPTS / "dryrun_gpt.py"), mode, *big),
+                                        env=procs.env(**ENV), log=tmp_path / f"dry1024_{mode}.out"))
+    reports = {}
+    for mode, (logs, popen) in jobs.items():
+        assert popen.wait(timeout=300) == 0, (tmp_path / f"dry1024_{mode}.out").read_text()
+        reports[mode] = json.loads((logs / "dryrun.json").read_text())
     z, d = (reports[m]["ranks"]["0"]["steady"] for m in ("zero3", "dp"))
     params = 4 * 6.6e9
     assert d["parameters"] == pytest.approx(params, rel=0.02) and d["optimizer"] == pytest.approx(2 * params, rel=0.02)
