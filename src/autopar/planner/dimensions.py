@@ -76,7 +76,8 @@ def context_totals(graph: Graph, machine: MachineModel, dp_totals, n: int, cp: i
     """The step of a ``dp x cp`` sequence split, from data parallel's (``dp_totals``: the batch split as
     :func:`_divides` says). ``grads``: the bytes of each trainable parameter; ``dispatch``: a layout's DTensor
     dispatch per step (:func:`autopar.planner.plan.dispatch_of`). Returns (compute, communication, memory)."""
-    share = _divides(graph, n) / n  # of data parallel's per-device work, what a token split leaves each device
+    parts = _divides(graph, n)
+    share = parts / n  # of data parallel's per-device work, what a token split leaves each device
     state = sum(grads) * (2 + OPTIMIZER_SLOTS)
     extra, comm = _layout_overheads(machine, n, grads, sum(grads), dispatch)
     compute = dp_totals.compute * share + extra
@@ -90,8 +91,7 @@ def context_totals(graph: Graph, machine: MachineModel, dp_totals, n: int, cp: i
             # them; the step waits for the last
             whole = 3 * 4 * math.prod(q) * k[-2]  # forward + backward FLOPs of the unmasked product, whole batch
             last = whole / (n // cp) * ((cp - 0.5) if blockwise else cp) / cp**2
-            compute += machine.compute("attention", last) - share * machine.compute("attention", whole / 2 / (
-                _divides(graph, n)))
+            compute += machine.compute("attention", last) - share * machine.compute("attention", whole / 2 / parts)
     memory = state + max(0.0, dp_totals.memory - state) * share + gathered
     return compute, comm, memory
 

@@ -211,7 +211,7 @@ class Tracer:
         # one (the trace runs without autograd, so it follows them itself)
         self.grads: set[int] = set()
         self._node_grad: dict[int, bool] = {}  # node index -> does its output carry a gradient
-        self.attention: list[tuple] = []  # SDPA calls: (query, key, value shapes, itemsize, causal)
+        self.attention: list[tuple] = []  # SDPA calls: (query, key, value shapes, itemsize, causal, blockwise)
         self.experts: list[tuple] = []  # stacked experts modules: (module, parameter bytes, hidden shape, itemsize, E)
 
     # -- sources ----------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch
 from autopar import context as _context
 from autopar.errors import StrategyError
 from autopar.layout.layout import Layout
+from autopar.ops.shard import has_strategies
 from autopar.planner.costs import OPTIMIZER_SLOTS, NodeCosts, graph_costs, spread_between
 from autopar.planner.fsdp_timer import fsdp_seconds, zero_groups
 from autopar.planner.graph import Graph, capture
@@ -589,7 +590,8 @@ def _weigh_dimensions(plan: Plan, network: torch.nn.Module, memory_limit: float 
     from autopar.planner import dimensions
 
     n, graph, d = plan.device_num, plan.graph, plan.dp_totals
-    if d is None or plan.pipeline is not None or n < 2 or _divided_by_the_user(network):
+    # (strategies, sequence or expert marks the user gave are kept: theirs, not a variant)
+    if d is None or plan.pipeline is not None or n < 2 or has_strategies(network):
         return
     ctx = _context.auto_parallel_context()
     in_experts = {id(p) for module, *_ in graph.experts for p in module.parameters()}
@@ -617,12 +619,6 @@ def _weigh_dimensions(plan: Plan, network: torch.nn.Module, memory_limit: float 
         plan.reason = f"{label} ({totals.step * 1e3:.1f} ms per step); without it: {plan.reason}, which {why}"
         plan.choice, plan.totals, plan.pure_data_parallel, plan.zero_level = plan.problem.dp_choice(), totals, True, None
         plan.context_parallel, plan.expert_parallel = cp, ep
-
-
-def _divided_by_the_user(network: torch.nn.Module) -> bool:
-    """Did the user split a module's sequence or experts already (``autopar.shard``)? Then theirs is kept."""
-    return any(getattr(m, "_autopar_experts", False) or getattr(m, "_autopar_split", None) is not None
-               for m in network.modules())
 
 
 def _attention_dropout(network: torch.nn.Module) -> bool:

@@ -29,11 +29,16 @@ def dataset_layout(entry: Any, local_shape: tuple[int, ...]) -> Layout:
     product = math.prod(entry)
     if product > n or n % product:
         raise StrategyError(f"dataset_strategy entry {entry} does not divide the {n} devices")
+    return _entry_layout(entry, tuple(s * v for s, v in zip(local_shape, entry)))
+
+
+def _entry_layout(entry: tuple[int, ...], full_shape: tuple[int, ...]) -> Layout:
+    """The layout of a tensor of ``full_shape`` split as ``entry`` says, the devices beyond the splits' product
+    replicas on the first axis."""
     split_dims = [d for d, v in enumerate(entry) if v > 1]
-    matrix = (n // product,) + tuple(entry[d] for d in split_dims)
+    matrix = (world_size() // math.prod(entry),) + tuple(entry[d] for d in split_dims)
     tmap = tuple(split_dims.index(d) + 1 if d in split_dims else -1 for d in range(len(entry)))
-    full = tuple(s * v for s, v in zip(local_shape, entry))
-    return Layout(matrix, tmap, full)
+    return Layout(matrix, tmap, full_shape)
 
 
 def resplit_sequence(batch: DTensor, cp: int) -> DTensor:
@@ -43,10 +48,7 @@ def resplit_sequence(batch: DTensor, cp: int) -> DTensor:
     data-parallel ranks, whole over the ``cp`` ranks of each."""
     n = world_size()
     entry = (n // cp, cp) + (1,) * (batch.dim() - 2) if batch.dim() >= 2 else (n // cp,) * batch.dim()
-    split_dims = [d for d, v in enumerate(entry) if v > 1]
-    matrix = (n // math.prod(entry),) + tuple(entry[d] for d in split_dims)
-    tmap = tuple(split_dims.index(d) + 1 if d in split_dims else -1 for d in range(len(entry)))
-    placements = Layout(matrix, tmap, tuple(batch.shape)).placements()
+    placements = _entry_layout(entry, tuple(batch.shape)).placements()
     return batch if tuple(batch.placements) == tuple(placements) else batch.redistribute(world_mesh(), placements)
 
 
