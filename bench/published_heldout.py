@@ -36,6 +36,11 @@ MLM = ("NVIDIA/Megatron-LM README.md @d98e8a64, 'Weak Scaling Results' table (im
 TT = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md @b5bcd76c (Llama 3.1, H100 96 GB HBM2e at 500 W; "
       "sequence 8192 from the train configs' default at the benchmarked commit 9dec370a)")
 TT_ASYNC = "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md @b5bcd76c, 'Vanilla TP' column"
+# torchtitan's micro-batches: its "local batch size" is a data-parallel rank's batch, run whole without gradient
+# accumulation (global batch = local x FSDP degree in every table); under pipelines split into as many micro-batches as
+# stages by default (torchtitan @9dec370a, ``experimental.pipeline_parallel_microbatches``: "The default value will be
+# the number of pipeline stages"): 405B's local 32 as 8 of 4. Its tensor parallelism is Megatron's with the norms split
+# on the sequence (``apply_tp``: ``SequenceParallel()`` for the norms): ``--sp``
 DGXC24 = "NVIDIA/dgxc-benchmarking @35a9aecc (v24.11.1)"
 DGXC25 = "NVIDIA/dgxc-benchmarking @85380ffe (v25.04.01) README.md config and performance tables"
 NEMO = "NVIDIA/NeMo docs/source/performance/performance_summary.md @8e3d65dc (NeMo 24.07, DGX-H100, FP8)"
@@ -43,7 +48,8 @@ NEMO_CP = ("NVIDIA/NeMo docs/source/performance/performance_long_sequence.md @82
            "24.03.01, DGX-H100)")
 BRIDGE = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md @067f987d (DGX-H100, FP8 current scaling)"
 LLAMA3 = ("Llama 3 Herd of Models, arXiv 2407.21783, Table 4 (405B pre-training on H100 80 GB, RoCE 400 Gb/s a GPU; "
-          "FSDP; the 8K stage without activation checkpointing)")
+          "the 8K stage without activation checkpointing; sec. 3.3.2: 'Our use of FSDP for Llama 3 shards the optimizer "
+          "states and gradients, but for model shards we do not reshard after forward computation': ZeRO-2)")
 FOUNDRY = ("mosaicml/llm-foundry scripts/train/benchmarking/README.md @49521837 (MPT, PyTorch FSDP FULL_SHARD, flash "
            "attention; MFU counts no recomputation)")
 
@@ -104,19 +110,19 @@ RUNS = [
      {"tp": 1, "pp": 1, "cp": 2, "zero": 3, "micro_batch": 1, "recompute": True}, "fp8",
      ("tokens_per_s_per_gpu", 2540), "500 W H100"),
     ("torchtitan Llama 3.1 70B FSDP 32 x TP 8, fp8", TT + ", Table 4 (local batch 16, full AC): '| 2D | 829 | 71.9 |'",
-     LLAMA31_70B, 256, H96, 512, {"tp": 8, "pp": 1, "zero": 3, "recompute": True}, "fp8",
+     LLAMA31_70B, 256, H96, 512, {"tp": 8, "sp": True, "pp": 1, "zero": 3, "micro_batch": 16, "recompute": True}, "fp8",
      ("tokens_per_s_per_gpu", 829), "500 W H100"),
     ("torchtitan Llama 3.1 405B FSDP 8 x TP 8 x PP 8, 1F1B, fp8", TT + ", Table 5 (full AC): '| 1F1B | 100 | 82.5 |'",
-     LLAMA31_405B, 512, H96, 256, {"tp": 8, "pp": 8, "zero": 3, "recompute": True, "vpp": 1}, "fp8",
+     LLAMA31_405B, 512, H96, 256, {"tp": 8, "sp": True, "pp": 8, "zero": 3, "micro_batch": 4, "recompute": True, "vpp": 1}, "fp8",
      ("tokens_per_s_per_gpu", 100), "500 W H100; async TP"),
     ("torchtitan Llama 3.1 405B FSDP 8 x TP 8 x PP 8, interleaved, fp8", TT + ", Table 5: '| Interleaved 1F1B | 128 | "
-     "72.7 |'", LLAMA31_405B, 512, H96, 256, {"tp": 8, "pp": 8, "zero": 3, "recompute": True}, "fp8",
+     "72.7 |'", LLAMA31_405B, 512, H96, 256, {"tp": 8, "sp": True, "pp": 8, "zero": 3, "micro_batch": 4, "recompute": True}, "fp8",
      ("tokens_per_s_per_gpu", 128), "500 W H100; async TP; virtual stages unstated (searched)"),
     ("torchtitan Llama 3 70B FSDP 32 x TP 8, bf16", TT_ASYNC + ", '70b on 256 H100s ... full AC, local batch size 16': "
-     "'| None (bfloat16) | 597.3 |'", LLAMA31_70B, 256, H96, 512, {"tp": 8, "pp": 1, "zero": 3, "recompute": True},
-     "bf16", ("tokens_per_s_per_gpu", 597.3), "500 W H100"),
+     "'| None (bfloat16) | 597.3 |'", LLAMA31_70B, 256, H96, 512,
+     {"tp": 8, "sp": True, "pp": 1, "zero": 3, "micro_batch": 16, "recompute": True}, "bf16", ("tokens_per_s_per_gpu", 597.3), "500 W H100"),
     ("torchtitan Llama 3 8B FSDP 8 x TP 8, bf16", TT_ASYNC + ", '8b on 64 H100s ... per op SAC, local batch size 12': "
-     "'| None (bfloat16) | 4378 |'", LLAMA31_8B, 64, H96, 96, {"tp": 8, "pp": 1, "zero": 3}, "bf16",
+     "'| None (bfloat16) | 4378 |'", LLAMA31_8B, 64, H96, 96, {"tp": 8, "sp": True, "pp": 1, "zero": 3, "micro_batch": 12}, "bf16",
      ("tokens_per_s_per_gpu", 4378), "500 W H100"),
     ("dgxc Llama 3.1 8B CP 2, 8 GPUs", DGXC24 + " llama3.1/README_8b.md '(TP=1, PP=1, CP=2, MBS=1, GA=32) ... (GBS=128)': "
      "step 12.91 s", LLAMA31_8B, 8, "h100-ib", 128,
@@ -196,14 +202,14 @@ RUNS = [
      "1536 | 1 | 8192 | 0 | 8 | 8 | 2 | 8 | n/a | 311 | 784 |'", LLAMA31_405B, 1024, "h100-ib", 1536,
      {"tp": 8, "pp": 8, "cp": 2, "vpp": 8, "micro_batch": 1}, "fp8", ("tokens_per_s_per_gpu", 311), ""),
     ("Llama 3 405B, 8,192 GPUs", LLAMA3 + ": '8,192 8 1 16 64 8,192 32 16M 430 43%'", LLAMA31_405B, 8192, "h100-ib",
-     2048, {"tp": 8, "pp": 16, "cp": 1, "zero": 3, "recompute": False}, "bf16", ("model_tflops_per_gpu", 430),
+     2048, {"tp": 8, "pp": 16, "cp": 1, "zero": 2, "recompute": False}, "bf16", ("model_tflops_per_gpu", 430),
      "uneven interleaving with V unstated: planned plain 1F1B (searched V needs 126 layers divisible)"),
     ("Llama 3 405B, 16,384 GPUs", LLAMA3 + ": '16,384 8 1 16 128 8,192 16 16M 400 41%'", LLAMA31_405B, 16384,
-     "h100-ib", 2048, {"tp": 8, "pp": 16, "cp": 1, "zero": 3, "recompute": False}, "bf16",
+     "h100-ib", 2048, {"tp": 8, "pp": 16, "cp": 1, "zero": 2, "recompute": False}, "bf16",
      ("model_tflops_per_gpu", 400), "as above"),
     ("Llama 3 405B at 128K, CP 16, 16,384 GPUs", LLAMA3 + ": '16,384 8 16 16 8 131,072 16 16M 380 38%' (DP 8; one "
      "stored copy reads 4)", LLAMA31_405B[:-1] + (131072,), 16384, "h100-ib", 128,
-     {"tp": 8, "pp": 16, "cp": 16, "zero": 3}, "bf16", ("model_tflops_per_gpu", 380),
+     {"tp": 8, "pp": 16, "cp": 16, "zero": 2}, "bf16", ("model_tflops_per_gpu", 380),
      "all-gather context parallelism planned as a ring"),
     ("llm-foundry MPT-70B, 128 H100s", FOUNDRY + ", H100 >= 128 GPUs: '| 70b | 2048 | 128 | h100_80gb | 43.36 | 57.81 | "
      "428 | 8 | 1 | 1024 | 66 | 135490 | 1058 |'", mpt(80, 8192, 64), 128, "h100-ib", 1024,
@@ -282,7 +288,8 @@ def main() -> None:
         out.update(planned=True, predicted=round(guess, 3), error_pct=round(100 * (guess - value) / value, 1),
                    predicted_step_s=round(c.step, 4),
                    plan={"mesh": c.mesh(), "micro_batch": c.b, "zero": c.zero, "recompute": c.recompute_name,
-                         "memory_gib": round(c.memory / 2**30, 1), "mfu": round(plan.mfu(), 3)},
+                         "memory_gib": round(c.memory / 2**30, 1), "mfu": round(plan.mfu(), 3),
+                         "memory_tight": plan.tight},
                    predicted_per_device=per_device(metric, guess, row), published_per_device=per_device(
                        metric, value, row), plan_seconds=round(time.perf_counter() - start, 2))
         if name in MEMORY_GIB:
@@ -370,7 +377,8 @@ def table(rows: list[dict]) -> str:
         plan = r["plan"]
         lines.append(f"| {r['run']} | {r['gpus']} | {r['dtype']} | {pins} | {r['published']} {unit[r['metric']]} | "
                      f"{r['predicted']:.4g} | {r['error_pct']:+.1f}% | {plan['mesh']}, micro {plan['micro_batch']}, "
-                     f"ZeRO {plan['zero']}, recompute {plan['recompute']} |")
+                     f"ZeRO {plan['zero']}, recompute {plan['recompute']}"
+                     + (f", {plan['memory_gib']} GiB (tight)" if plan.get("memory_tight") else "") + " |")
     return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+from autopar.planner.cluster.memory import MAIN_GRAD_BYTES
 from autopar.planner.machine import RING
 
 # NCCL's ring latencies per protocol (src/graph/tuning.cc, github.com/NVIDIA/nccl): baseLat, once a collective
@@ -59,25 +60,31 @@ def collective_seconds(spec, kind: str, nbytes: float, size: int, stride: int = 
 
 
 def data_parallel_sync(spec, zero: int, m: int, grads: float, unit: float, layers: int, micro: float, replicas: int,
-                       stride: int) -> float:
+                       stride: int, staged: bool = False, itemsize: int = 2) -> float:
     """Seconds a step spends on the data-parallel group's collectives that the backward does not hide: ``grads``
     bytes of a stage's gradients over ``replicas`` ranks ``stride`` apart, ``m`` micro-batches of ``micro`` seconds.
 
-    ZeRO 0 all-reduces them under the last backward; 1 reduce-scatters there and all-gathers the updated weights; 2
+    ZeRO 0 all-reduces them under the last backward, and 1 reduce-scatters there and all-gathers the updated weights,
+    as Megatron-LM does -- its gradients in fp32 (``memory.MAIN_GRAD_BYTES``: twice a bf16 gradient's bytes); 2
     reduce-scatters every micro-batch; 3 is FSDP: every layer's weights (``unit`` bytes) gathered for its forward
     and again for its backward, its gradients scattered, every micro-batch -- one collective a layer each, so
     thousands of ranks pay thousands of hops a layer; the next layer's prefetched under this one's compute, but the
-    first gather and the last scatter of a micro-batch have nothing to hide behind."""
+    first gather and the last scatter of a micro-batch have nothing to hide behind. ``staged``: ZeRO-3 inside
+    pipeline stages is FSDP as torchtitan runs it there (``memory.weight_state_bytes``): each layer gathered once a
+    step, under the first micro-batch's forward, and scattered once, under the last one's backward."""
     ar = lambda kind, nbytes: spec.collective(kind, nbytes, replicas, stride)[0]  # noqa: E731
     backward_last = micro * 2 / 3
+    main = grads / itemsize * MAIN_GRAD_BYTES
     if zero == 0:
-        return max(0.0, ar("all_reduce", grads) - backward_last)
+        return max(0.0, ar("all_reduce", main) - backward_last)
     if zero == 1:
-        return max(0.0, ar("reduce_scatter", grads) - backward_last) + ar("all_gather", grads)
-    if zero == 2:
-        return m * max(0.0, ar("reduce_scatter", grads) - backward_last) + ar("all_gather", grads)
+        return max(0.0, ar("reduce_scatter", main) - backward_last) + ar("all_gather", grads)
     rest = max(0.0, grads - layers * unit)  # the embedding and the head: a unit each
     gathers = layers * ar("all_gather", unit) + ar("all_gather", rest)
     scatters = layers * ar("reduce_scatter", unit) + ar("reduce_scatter", rest)
     exposed = ar("all_gather", unit) + ar("reduce_scatter", unit)
+    if staged and zero == 3:
+        return max(0.0, gathers - micro / 3) + max(0.0, scatters - backward_last) + exposed
+    if zero == 2:
+        return m * max(0.0, ar("reduce_scatter", grads) - backward_last) + ar("all_gather", grads)
     return m * (max(0.0, 2 * gathers + scatters - micro) + exposed)

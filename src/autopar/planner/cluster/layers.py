@@ -13,7 +13,7 @@ import torch
 
 from autopar.errors import StrategyError
 from autopar.planner.cluster.attention import attention_core, scores_shaped, with_context_parallel
-from autopar.planner.cluster.memory import kept_twice, whole_on_every_device
+from autopar.planner.cluster.memory import kept_twice, loss_peak_bytes, whole_on_every_device
 from autopar.planner.cluster.spec import ClusterSpec
 from autopar.planner.costs import NodeCosts, graph_costs
 from autopar.planner.gpt import GPTConfig, GPTHead, TokenLoss, make_layer
@@ -161,6 +161,10 @@ class LayerPlanner:
             x = torch.empty(b, c.seq // cp, c.hidden, dtype=self.torch_dtype, device="meta")
             y = torch.empty(b, c.seq // cp, dtype=torch.long, device="meta")
             graph = self._graph("head", b, cp, self.head_module, TokenLoss(), (x, y))
-            self._heads[(t, b, cp, sp)] = plan_module(self.head_module, TokenLoss(), (x, y), t, self.spec, self.dtype,
-                                                      graph, sp)
+            plan = plan_module(self.head_module, TokenLoss(), (x, y), t, self.spec, self.dtype, graph, sp)
+            # the logits (the projection's output, as the plan keeps them) give way to the fp32 loss's peak
+            logits = sum(plan.costs[n].choices[plan.choice[n]].out_bytes
+                         for n, node in enumerate(plan.graph.nodes) if node.name == "out")
+            self._heads[(t, b, cp, sp)] = dataclasses.replace(
+                plan, activation_bytes=plan.activation_bytes - logits + loss_peak_bytes(logits, self.itemsize))
         return self._heads[(t, b, cp, sp)]

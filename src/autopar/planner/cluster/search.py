@@ -107,6 +107,9 @@ class MeshPlan:
     too_big: int
     seconds: float
     memory_limit: float
+    # nothing fitted the search's headroom (memory.MEMORY_HEADROOM of the device), so the plans are those that fit the
+    # device's whole memory: a published run may well have run there; the plan says it is tight
+    tight: bool = False
 
     @property
     def model_flops(self) -> float:
@@ -146,6 +149,7 @@ class MeshPlan:
                               "recompute_layers": c.recompute_layers,
                               "attention": self.config.attention, "cp": c.cp, "sp": c.sp},
             "not_run_by_autopar": c.not_run_by_autopar(),
+            "memory_tight": self.tight,
             "breakdown_s": dict(c.parts),
             "memory_breakdown_gib": {k: v / gib for k, v in c.memory_parts.items()},
         }
@@ -185,6 +189,10 @@ class MeshPlan:
             lines.append(f"context parallelism: ring attention over {c.cp} ranks, {cfg.seq // c.cp} tokens each (two "
                          f"mirrored chunks); key/value ring not hidden by the attention: "
                          f"{layer.context_ring * 1e3:.2f} ms a layer")
+        if self.tight:
+            lines.append(f"note: no plan fits the {self.memory_limit / gib:.1f} GiB the search keeps free of workspace and "
+                         f"fragmentation; this one needs {c.memory / gib:.1f} of the device's "
+                         f"{self.spec.memory / gib:.1f} GiB and may not run")
         if c.not_run_by_autopar():
             lines.append(f"note: autopar's runtime does not run {' or '.join(c.not_run_by_autopar())} yet: this "
                          "predicts another system's run")
@@ -224,6 +232,11 @@ def evaluate(planner: LayerPlanner, k: Candidate) -> None:
     cfg, spec, itemsize = planner.config, planner.spec, planner.itemsize
     layer, head = planner.layer(k.t, k.b, k.cp, k.sp), planner.head(k.t, k.b, k.cp, k.sp)
     per_stage, last_stage = math.ceil(cfg.layers / k.p), cfg.layers // k.p
+    # layers that do not divide into the stages: the first and the last stage a layer lighter, the rest in the middle
+    # (Llama 3, arXiv 2407.21783 sec. 3.3.2: "we reduce one Transformer layer each from the first and the last
+    # stages"; Megatron-LM's --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers)
+    balanced = k.p > 2 and cfg.layers % k.p and cfg.layers - 2 * last_stage <= (k.p - 2) * per_stage
+    first_stage = last_stage if balanced else per_stage
     boundary = k.b * (cfg.seq // k.cp) * cfg.hidden * itemsize
     replicas = k.d * k.cp  # the weights are the same on the data- and context-parallel ranks
     # the token embedding is vocabulary-parallel over the tensor group (an all-reduce of its output), a lookup
@@ -233,18 +246,21 @@ def evaluate(planner: LayerPlanner, k: Candidate) -> None:
     layer_time = layer.time + (layer.core_forward if k.recompute == "selective" else layer.forward
                                if k.recompute is True else 0.0)
     kept = layer.activation_bytes - (layer.core_activation_bytes if k.recompute == "selective" else 0.0)
-    first = per_stage * layer_time + block * layer.forward + embed_time + (head.time if k.p == 1 else 0.0)
+    first = first_stage * layer_time + min(block, first_stage) * layer.forward + embed_time + (
+        head.time if k.p == 1 else 0.0)
     last = last_stage * layer_time + min(block, last_stage) * layer.forward + head.time if k.p > 1 else first
-    micro = max(first, last)
+    middle = per_stage * layer_time + block * layer.forward if balanced else 0.0
+    micro = max(first, last, middle)
     p2p = 0.0
     if k.p > 1:  # activation forward, its gradient back; split over the tensor group (scatter-gather)
         p2p = 2 * spec.collective("all_gather", 2 * boundary / k.t, 2, k.t * replicas)[0]
     pipeline = schedule_seconds(k.m, k.p, k.v, cfg.layers, micro, p2p)
     # parameters of the largest stage on one device
-    stage_params = max(per_stage * layer.param_count + embed_params + (head.param_count if k.p == 1 else 0),
+    stage_params = max(first_stage * layer.param_count + embed_params + (head.param_count if k.p == 1 else 0),
+                       per_stage * layer.param_count if balanced else 0.0,
                        last_stage * layer.param_count + head.param_count)
     dp = data_parallel_sync(spec, k.zero, k.m, stage_params * itemsize, layer.param_count * itemsize, per_stage,
-                            micro, replicas, k.t)
+                            micro, replicas, k.t, staged=k.p > 1, itemsize=itemsize)
     tied = spec.collective("all_reduce", cfg.vocab * cfg.hidden / k.t * itemsize, 2,
                            k.t * replicas * (k.p - 1))[0] if k.p > 1 and not cfg.llama else 0.0  # Llama: untied
     optimizer = stage_params / (replicas if k.zero >= 1 else 1) * ADAM_TRAFFIC / spec.memory_bandwidth
@@ -254,14 +270,18 @@ def evaluate(planner: LayerPlanner, k: Candidate) -> None:
     k.step = sum(k.parts.values())
     # memory of the largest stage; ZeRO shards over the data- and context-parallel ranks (Megatron's distributed
     # optimizer)
-    state = weight_state_bytes(k.zero, stage_params, replicas, itemsize, layer.param_count)
+    state = weight_state_bytes(k.zero, stage_params, replicas, itemsize, layer.param_count, staged=k.p > 1)
     flight = in_flight(k.p, k.m, k.v)
-    if k.recompute is True:
-        acts = flight * per_stage * layer.input_bytes + layer.activation_bytes
-    else:  # block: those layers keep their input, and one of them is rebuilt whole at a time
-        acts = flight * ((per_stage - block) * kept + block * layer.input_bytes) + (
-            layer.activation_bytes if block else 0.0)
-    acts += head.activation_bytes if k.p == 1 else 0.0
+
+    def stage_acts(layers: int, flight: int) -> float:
+        if k.recompute is True:
+            return flight * layers * layer.input_bytes + layer.activation_bytes
+        own = min(block, layers)  # block: those layers keep their input, and one of them is rebuilt whole at a time
+        return flight * ((layers - own) * kept + own * layer.input_bytes) + (layer.activation_bytes if own else 0.0)
+
+    acts = stage_acts(first_stage, flight) + (head.activation_bytes if k.p == 1 else 0.0)
+    if balanced:  # the second stage: a micro-batch fewer in flight, a layer more
+        acts = max(acts, stage_acts(per_stage, max(1, flight - 1)))
     own = min(block, last_stage)
     last_acts = head.activation_bytes + (layer.activation_bytes if k.recompute is True else (last_stage - own) * kept
                                          + own * layer.input_bytes + (layer.activation_bytes if own else 0.0))
@@ -405,7 +425,7 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
     spec.peak(dtype)
     limit = memory_limit or spec.memory * MEMORY_HEADROOM
     planner = LayerPlanner(config, spec, dtype)
-    fitting, smallest, considered = [], None, 0
+    fitting, on_device, smallest, considered = [], [], None, 0
     # every divisor of a node, and one step across nodes (two nodes' worth), for the cost model to reject
     tp_options = [t for t in list(range(1, spec.devices_per_node + 1)) + [2 * spec.devices_per_node]
                   if (t > spec.devices_per_node or spec.devices_per_node % t == 0) and (devices // cp) % t == 0
@@ -443,12 +463,18 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
                                 smallest = k
                             if k.memory <= limit:
                                 fitting.append(k)
+                            elif memory_limit is None and k.memory <= spec.memory:
+                                on_device.append(k)
     if smallest is None:
         pinned = "".join(f", {k} {v}" for k, v in fixed.items() if v is not None)
         raise ConfigError(f"no plan of {devices} devices for global batch {global_batch}{pinned}: the data-parallel "
                           f"degree must divide the batch, tensor parallelism the key/value heads ({config.kv_groups}) and one "
                           f"node ({spec.devices_per_node}), pp at most the layers ({config.layers}), cp the devices; "
                           f"interleaving (vpp) needs the micro-batches divisible by pp and at least pp x vpp layers")
+    too_big = considered - len(fitting)
+    tight = not fitting and bool(on_device)
+    if tight:  # the search's headroom is a margin of its own, not the device's: a pinned published run may fit
+        fitting = on_device
     if not fitting:
         remedy = _what_would_fit(config, spec, devices, global_batch, dtype, memory_limit, max_micro_batch,
                                  fixed) if _remedy else ""
@@ -460,4 +486,4 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
     fitting.sort(key=lambda k: (k.step, k.memory))
     best = fitting[0]
     return MeshPlan(config, spec, devices, global_batch, dtype, best, fitting, planner, considered,
-                    considered - len(fitting), time.perf_counter() - start, limit)
+                    too_big, time.perf_counter() - start, limit, tight)
