@@ -252,3 +252,23 @@ def test_tied_parameters_stay_tied_when_materialised_whole():
     autopar.load_param_into_net(lazy, {"emb.weight": torch.ones(10, 4), "head.weight": torch.ones(10, 4)})
     assert deferred.materialize_pending() >= 1
     assert lazy.head.weight is lazy.emb.weight and torch.equal(lazy.emb.weight, torch.ones(10, 4))
+
+
+def test_what_a_checkpoint_will_fill_is_never_computed_and_what_it_missed_is_named():
+    """``resume_from=``: the tensors a checkpoint holds are left for it (unset, never replayed); one it then did not
+    fill is named in one line."""
+    torch.manual_seed(0)
+    net = autopar.deferred_init(lambda: torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)))
+    computed = []
+    value = deferred.full_value
+    try:
+        deferred.full_value = lambda t: computed.append(tuple(t.shape)) or value(t)
+        marked = deferred.expect_loaded(net, {"0.weight", "1.weight"})
+        deferred.make_whole(net)
+    finally:
+        deferred.full_value = value
+    assert sorted(marked) == ["0.weight", "1.weight"] and sorted(computed) == [(2,), (8,)]  # the biases only
+    with torch.no_grad():
+        net[0].weight.copy_(torch.ones(8, 4))  # the checkpoint filled one of them
+    with pytest.raises(ConfigError, match=r"ckpt-1 did not fill 1\.weight: the network was built on the meta device"):
+        deferred.check_loaded(net, marked, "ckpt-1")

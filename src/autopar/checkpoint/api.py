@@ -339,10 +339,76 @@ def resolve_rank_path(directory: str | os.PathLike) -> Path:
 
 
 def resume_state(directory: str | os.PathLike, network: torch.nn.Module, optimizer=None,
-                 prefix: str | None = None) -> CheckpointMeta | None:
+                 prefix: str | None = None, found: store.Found | None | bool = False) -> CheckpointMeta | None:
     """Load the newest checkpoint (of ``prefix``, if given) that *every* rank has completed in its ``directory``
     (``{rank}`` in the path is replaced by the rank). Returns its meta (the position to continue from), or None
-    when there is none yet."""
+    when there is none yet. ``found``: what :func:`find_resume` chose already (None: nothing to resume)."""
+    directory = resolve_rank_path(directory)
+    chosen = find_resume(directory, prefix) if found is False else found
+    if chosen is None:
+        return None
+    meta = store.read_meta(chosen.path)
+    if meta.world_size != _world():
+        raise CheckpointError(f"{chosen.path} was saved by {meta.world_size} ranks but this job has {_world()}: "
+                              f"reshard it with load_distributed_checkpoint (all ranks' slices) or merge it first")
+    if store.is_sliced(chosen.path):
+        if meta.layouts:
+            from autopar.parallel.api import apply_layouts
+
+            apply_layouts(network, {k: v for k, v in meta.layouts.items() if any(a >= 0 for a in v["tensor_map"])})
+        if meta.rank != _rank():
+            raise CheckpointError(f"{chosen.path} holds the slices of rank {meta.rank}, but rank {_rank()} reads it: "
+                                  f"resume each rank from its own directory ('{{rank}}' in resume_from)")
+        store.load_sliced_into([chosen.path], network, optimizer, own_slices_only=True)
+        _whole_from_peers(network, chosen.path)
+        store.set_rng_state(torch.load(chosen.path / store.RNG_FILE, weights_only=False))
+    else:
+        obj = store.read_integrated(chosen.path)
+        store.load_integrated_into(obj, network, optimizer)
+        rngs = obj.get("rng") or []
+        store.set_rng_state(rngs[_rank()] if _rank() < len(rngs) else (rngs[0] if rngs else None))
+    return meta
+
+
+def _whole_from_peers(network: torch.nn.Module, path: Path) -> None:
+    """A tensor whole on every rank now whose checkpoint each rank holds only a part of: ZeRO beside the layouts
+    stores what the strategy leaves whole split over the ranks after the first step, and saves it so; resumed before
+    that split exists, each rank reads its own part. Every element is taken from the lowest rank that read it
+    (exact: a sum with zeros elsewhere); an element no rank read is an error."""
+    if _world() == 1:
+        return
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from autopar.checkpoint.merged_reader import MergedReader
+
+    saved = MergedReader([path], require_complete=False).read_metadata().state_dict_metadata
+    tensors = [(n, t) for n, t in [*network.named_parameters(), *network.named_buffers()] if not _is_dtensor(t)]
+    chunks = {}
+    for name, t in tensors:
+        entry = saved.get(f"model.{name}")
+        if isinstance(entry, TensorStorageMetadata) and tuple(entry.size) == tuple(t.shape):
+            chunks[name] = [tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes)) for c in entry.chunks]
+    partial = torch.tensor([int(name in chunks and sum(t[r].numel() for r in chunks[name]) < t.numel())
+                            for name, t in tensors], dtype=torch.int32, device=tensors[0][1].device if tensors else None)
+    dist.all_reduce(partial, op=dist.ReduceOp.MAX)
+    for (name, t), flag in zip(tensors, partial.tolist()):
+        if not flag:
+            continue
+        owner = torch.full(t.shape, _world(), dtype=torch.int32, device=t.device)
+        for region in chunks.get(name, []):
+            owner[region] = _rank()
+        dist.all_reduce(owner, op=dist.ReduceOp.MIN)
+        if bool((owner == _world()).any()):
+            raise CheckpointError(f"resume from {path}: no rank's checkpoint holds all of '{name}'")
+        mine = torch.where(owner == _rank(), t.detach(), torch.zeros_like(t))
+        dist.all_reduce(mine)
+        with torch.no_grad():
+            t.copy_(mine)
+
+
+def find_resume(directory: str | os.PathLike, prefix: str | None = None) -> store.Found | None:
+    """The newest checkpoint (of ``prefix``) every rank has completed in its ``directory``, or None (every rank
+    calls it: the ranks compare what they hold)."""
     directory = resolve_rank_path(directory)
     found = {(f.epoch, f.step): f for f in store.list_checkpoints(directory, prefix)}
     keys = set(found)
@@ -359,27 +425,17 @@ def resume_state(directory: str | os.PathLike, network: torch.nn.Module, optimiz
                                   f"completed ({held}); nothing was loaded or removed -- restore the missing ones, "
                                   f"or move them all away to start over")
         return None
-    chosen = found[max(keys)]
-    meta = store.read_meta(chosen.path)
-    if meta.world_size != _world():
-        raise CheckpointError(f"{chosen.path} was saved by {meta.world_size} ranks but this job has {_world()}: "
-                              f"reshard it with load_distributed_checkpoint (all ranks' slices) or merge it first")
-    if store.is_sliced(chosen.path):
-        if meta.layouts:
-            from autopar.parallel.api import apply_layouts
+    return found[max(keys)]
 
-            apply_layouts(network, {k: v for k, v in meta.layouts.items() if any(a >= 0 for a in v["tensor_map"])})
-        if meta.rank != _rank():
-            raise CheckpointError(f"{chosen.path} holds the slices of rank {meta.rank}, but rank {_rank()} reads it: "
-                                  f"resume each rank from its own directory ('{{rank}}' in resume_from)")
-        store.load_sliced_into([chosen.path], network, optimizer, own_slices_only=True)
-        store.set_rng_state(torch.load(chosen.path / store.RNG_FILE, weights_only=False))
-    else:
-        obj = store.read_integrated(chosen.path)
-        store.load_integrated_into(obj, network, optimizer)
-        rngs = obj.get("rng") or []
-        store.set_rng_state(rngs[_rank()] if _rank() < len(rngs) else (rngs[0] if rngs else None))
-    return meta
+
+def sliced_names(found: store.Found | None) -> set[str]:
+    """The network's tensors a sliced checkpoint holds (none for an integrated one, or none at all)."""
+    if found is None or not store.is_sliced(found.path):
+        return set()
+    from autopar.checkpoint.merged_reader import MergedReader
+
+    keys = MergedReader([found.path], require_complete=False).read_metadata().state_dict_metadata
+    return {k[len("model."):] for k in keys if k.startswith("model.")}
 
 
 def _is_dtensor(t: Any) -> bool:

@@ -605,8 +605,50 @@ def local_slice(full: torch.Tensor, mesh: Any, placements: Any) -> torch.Tensor:
 
 def slice_of(t: torch.Tensor, mesh: Any, placements: Any) -> torch.Tensor:
     """This rank's piece of a recorded meta tensor laid out as ``placements`` on ``mesh``: its whole value made,
-    sliced, and let go (a copy of the slice is all that stays)."""
+    sliced, and let go (a copy of the slice is all that stays) -- or, for a tensor a checkpoint is about to fill
+    (:func:`expect_loaded`), the slice alone, unset."""
+    if t in _to_load:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, _ = compute_local_shape_and_global_offset(tuple(t.shape), mesh, tuple(placements))
+        return _unset(shape, t.dtype)
     return local_slice(full_value(t), mesh, placements).clone()
+
+
+# meta tensor -> True: a checkpoint read right after the network is laid out gives its value (``resume_from=``)
+_to_load = WeakIdKeyDictionary()
+
+
+def expect_loaded(module: torch.nn.Module, names: set[str]) -> list[str]:
+    """The floating-point meta parameters and buffers of ``module`` named in ``names`` will be read from a
+    checkpoint right after the network is laid out: each rank makes only its slice (or its whole tensor, where the
+    mode keeps it whole), filled with NaN -- never its initial value, no initialiser replayed, never whole where
+    the mode slices. :func:`check_loaded` then finds any the checkpoint did not fill. Returns the names marked."""
+    marked = []
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        if name in names and is_meta(t) and t.is_floating_point() and t not in _to_load:
+            _to_load[t] = True
+            marked.append(name)
+    return marked
+
+
+def check_loaded(module: torch.nn.Module, marked: list[str], source: str) -> None:
+    """Every tensor :func:`expect_loaded` marked holds what the checkpoint gave it (no NaN left of the fill)."""
+    from torch.distributed.tensor import DTensor
+
+    tensors = dict([*module.named_parameters(), *module.named_buffers()])
+    missed = [n for n in marked if n in tensors and bool(torch.isnan(
+        tensors[n].to_local() if isinstance(tensors[n], DTensor) else tensors[n]).any())]
+    for t in list(_to_load.keys()):
+        del _to_load[t]
+    if missed:
+        raise ConfigError(f"{source} did not fill {', '.join(missed[:5])}" + (" and more" if len(missed) > 5 else "")
+                          + ": the network was built on the meta device and these were left for the checkpoint -- "
+                          "build it eagerly, or save the checkpoint from this network")
+
+
+def _unset(shape, dtype) -> torch.Tensor:
+    return torch.full(tuple(shape), float("nan"), dtype=dtype)
 
 
 def has_meta(module: torch.nn.Module, recurse: bool = True) -> bool:
@@ -689,7 +731,7 @@ def materialize_module(module: torch.nn.Module, buffers_only: bool = False, recu
                     continue
                 if not is_meta(t) or (frozen_only and t.requires_grad):
                     continue
-                value = full_value(t)
+                value = _unset(t.shape, t.dtype) if t in _to_load else full_value(t)
                 made[id(t)] = table[attr] = _swap(t, value if device is None else value.to(device))
                 done += 1
     return done

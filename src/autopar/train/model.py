@@ -212,7 +212,23 @@ class Model:
         if not isinstance(epoch, int) or epoch < 1:
             raise ConfigError(f"epoch must be a positive integer, got {epoch!r}")
         dataset_steps = _steps_per_epoch(train_dataset)
+        cbs = list(callbacks) if isinstance(callbacks, (list, tuple)) else ([callbacks] if callbacks else [])
         auto = _context.auto_parallel_context().parallel_mode is _context.ParallelMode.AUTO_PARALLEL
+        found = marked = None
+        if resume_from is not None:
+            from autopar.checkpoint.api import find_resume, resolve_rank_path, sliced_names
+            from autopar.common import deferred
+            from autopar.train.checkpointing import ModelCheckpoint
+
+            where = resolve_rank_path(resume_from)
+            prefixes = {cb.prefix for cb in cbs if isinstance(cb, ModelCheckpoint)
+                        and resolve_rank_path(cb.directory).resolve() == where.resolve()}
+            prefix = prefixes.pop() if len(prefixes) == 1 else None
+            found = find_resume(where, prefix)
+            # a network built on the meta device: what the checkpoint holds is read straight into each rank's slices,
+            # never computed first (AUTO runs the whole network to measure it: its values are drawn)
+            marked = deferred.expect_loaded(self._network, sliced_names(found)) \
+                if self._prepared is None and not auto else []
         if self._prepared is None and auto:  # AUTO_PARALLEL plans on real shapes: give it the first batch
             self._prepare(next(_epoch_batches(train_dataset, 0)))
         prepared = self._prepare()
@@ -226,16 +242,13 @@ class Model:
         per_epoch = sink_size if dataset_sink_mode and sink_size and sink_size > 0 else dataset_steps
         if per_epoch < 1:
             raise ConfigError("the training dataset is empty (0 batches per epoch)")
-        cbs = list(callbacks) if isinstance(callbacks, (list, tuple)) else ([callbacks] if callbacks else [])
         start = initial_epoch * per_epoch
         if resume_from is not None:
-            from autopar.checkpoint.api import resolve_rank_path, resume_state
-            from autopar.train.checkpointing import ModelCheckpoint
+            from autopar.checkpoint.api import resume_state
 
-            where = resolve_rank_path(resume_from)
-            prefixes = {cb.prefix for cb in cbs if isinstance(cb, ModelCheckpoint)
-                        and resolve_rank_path(cb.directory).resolve() == where.resolve()}
-            meta = resume_state(where, self._network, self._optimizer, prefixes.pop() if len(prefixes) == 1 else None)
+            meta = resume_state(where, self._network, self._optimizer, prefix, found=found)
+            if marked:
+                deferred.check_loaded(self._network, marked, str(found.path))
             if meta is not None:
                 start = meta.global_step
                 self._micro_step = start
