@@ -35,6 +35,22 @@ def record(original: torch.Tensor, replacement: torch.Tensor) -> None:
     global _generation
     _replacement[original] = replacement
     _generation += 1
+    for ref in list(_carriers):
+        registry = ref()
+        if registry is None:
+            _carriers.remove(ref)
+        elif original in registry and replacement not in registry:
+            registry[replacement] = registry[original]
+
+
+_carriers: list = []  # weak references to registries whose entries follow a parameter to its replacement
+
+
+def carry(registry: WeakIdKeyDictionary) -> None:
+    """What ``registry`` (parameter -> value, weakly keyed) holds for a parameter it also holds for the parameter
+    that replaces it: a parallel mode's names of the parameters it will lay out still find one materialised in its
+    place (a meta parameter made whole for a checkpoint read before the network's first call)."""
+    _carriers.append(weakref.ref(registry))
 
 
 def resolve(param: torch.Tensor) -> torch.Tensor:

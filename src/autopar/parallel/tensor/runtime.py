@@ -158,6 +158,7 @@ class SemiAutoRuntime(ParameterPlacement):
         self.roots: list[torch.nn.Module] = []
         self.names: dict[int, str] = {}  # id(operator or module) -> qualified name
         self.param_names: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> name (old and converted)
+        _replaced.carry(self.param_names)  # and a parameter materialised in an old one's place
         self.owners: dict[str, list[tuple[torch.nn.Module, str]]] = {}
         # original parameter -> its DTensor parameter. Keyed by identity but weakly: a freed original's id is soon
         # reused by some new tensor (a constant like Tensor(0.1)), which a plain id-keyed dict took for the parameter.
