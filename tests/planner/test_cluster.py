@@ -475,6 +475,22 @@ def test_a_pinned_run_above_the_search_headroom_but_within_the_device_is_planned
         plan_gpt(PRESETS["llama3-8b"], h100, 8, 128, memory_limit=72 * 2**30, fixed=pin)
 
 
+def test_stages_over_layers_that_do_not_divide_make_the_first_and_last_a_layer_lighter():
+    """126 layers over 16 stages as Llama 3 split them: 7, fourteen stages of 8, 7 -- the first stage, which holds
+    the most micro-batches in flight, a layer lighter. Against 128 layers (8 a stage): the largest stage holds 8
+    layers without the embedding (18 bytes a parameter under Megatron's data parallelism), the step is the same, and
+    the activations are the second stage's 15 micro-batches of 8 layers instead of the first's 16."""
+    h100 = load_cluster("h100-ib")
+    pin = {"tp": 1, "pp": 16, "vpp": 1, "micro_batch": 1, "zero": 0, "recompute": False}
+    plans = {n: plan_gpt(GPTConfig(n, 1024, 8, seq=1024, vocab=1024), h100, 16, 64, fixed=pin).best for n in (126, 128)}
+    uneven, even = plans[126], plans[128]
+    embedding = 2 * 1024 * 1024 * 18  # tokens and positions, on the 128-layer model's first stage
+    assert uneven.memory_parts["weights+grads+optimizer"] == pytest.approx(
+        even.memory_parts["weights+grads+optimizer"] - embedding)
+    assert uneven.parts["pipeline"] == pytest.approx(even.parts["pipeline"], rel=0.02)  # (less its embedding)
+    assert uneven.memory_parts["activations"] == pytest.approx(even.memory_parts["activations"] * 15 / 16, rel=0.01)
+
+
 def test_the_loss_peaks_in_fp32_at_the_head():
     """Every stack computes the cross entropy in fp32 (autocast's fp32 list, torchtitan's ``pred.float()``,
     Megatron-core's vocab-parallel upcast); its backward holds the kept probabilities, their gradient and the logits'

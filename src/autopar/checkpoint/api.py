@@ -388,19 +388,22 @@ def _whole_from_peers(network: torch.nn.Module, path: Path) -> None:
         entry = saved.get(f"model.{name}")
         if isinstance(entry, TensorStorageMetadata) and tuple(entry.size) == tuple(t.shape):
             chunks[name] = [tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes)) for c in entry.chunks]
+    from autopar.comm import management
+
+    on = management.device()  # the process group's: a CPU tensor cannot travel on NCCL
     partial = torch.tensor([int(name in chunks and sum(t[r].numel() for r in chunks[name]) < t.numel())
-                            for name, t in tensors], dtype=torch.int32, device=tensors[0][1].device if tensors else None)
-    dist.all_reduce(partial, op=dist.ReduceOp.MAX)
+                            for name, t in tensors], dtype=torch.int32, device=on)
+    dist.all_reduce(partial, op=dist.ReduceOp.MAX)  # (the same network, so the same tensors, on every rank)
     for (name, t), flag in zip(tensors, partial.tolist()):
         if not flag:
             continue
-        owner = torch.full(t.shape, _world(), dtype=torch.int32, device=t.device)
+        owner = torch.full(t.shape, _world(), dtype=torch.int32, device=on)
         for region in chunks.get(name, []):
             owner[region] = _rank()
         dist.all_reduce(owner, op=dist.ReduceOp.MIN)
         if bool((owner == _world()).any()):
             raise CheckpointError(f"resume from {path}: no rank's checkpoint holds all of '{name}'")
-        mine = torch.where(owner == _rank(), t.detach(), torch.zeros_like(t))
+        mine = torch.where(owner == _rank(), t.detach().to(on), torch.zeros((), dtype=t.dtype, device=on))
         dist.all_reduce(mine)
         with torch.no_grad():
             t.copy_(mine)

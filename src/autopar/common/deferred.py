@@ -633,18 +633,36 @@ def expect_loaded(module: torch.nn.Module, names: set[str]) -> list[str]:
 
 
 def check_loaded(module: torch.nn.Module, marked: list[str], source: str) -> None:
-    """Every tensor :func:`expect_loaded` marked holds what the checkpoint gave it (no NaN left of the fill)."""
+    """Every tensor :func:`expect_loaded` marked holds what the checkpoint gave it (no NaN left of the fill; a
+    checkpoint whose values are NaN -- a diverged run's -- reads as unfilled too). Every rank raises if any rank
+    found one, so that none goes on into a collective alone."""
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     tensors = dict([*module.named_parameters(), *module.named_buffers()])
     missed = [n for n in marked if n in tensors and bool(torch.isnan(
         tensors[n].to_local() if isinstance(tensors[n], DTensor) else tensors[n]).any())]
-    for t in list(_to_load.keys()):
-        del _to_load[t]
-    if missed:
-        raise ConfigError(f"{source} did not fill {', '.join(missed[:5])}" + (" and more" if len(missed) > 5 else "")
-                          + ": the network was built on the meta device and these were left for the checkpoint -- "
-                          "build it eagerly, or save the checkpoint from this network")
+    forget_loaded(module)
+    anywhere = len(missed)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        from autopar.comm import management
+
+        count = torch.tensor([len(missed)], device=management.device())
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        anywhere = int(count.item())
+    if anywhere:
+        names = ", ".join(missed[:5]) + (" and more" if len(missed) > 5 else "") if missed else "tensors on another rank"
+        raise ConfigError(f"{source} did not fill {names}: the network was built on the meta device and these were "
+                          "left for the checkpoint -- build it eagerly, or save the checkpoint from this network")
+
+
+def forget_loaded(module: torch.nn.Module | None = None) -> None:
+    """Drop the marks :func:`expect_loaded` left (``module``'s, or every one)."""
+    if module is None:
+        _to_load.clear()
+        return
+    for t in [*module.parameters(), *module.buffers()]:
+        _to_load.pop(t, None)
 
 
 def _unset(shape, dtype) -> torch.Tensor:

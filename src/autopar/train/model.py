@@ -95,6 +95,7 @@ class Model:
             raise ConfigError(f"grad_accumulation_steps must be a positive integer, got {steps!r}")
         self._accumulation = steps
         self._prepared = None
+        self._unloaded = False  # a failed resume_from= left a meta-built network without values
         self._micro_step = 0
 
     @refuses("Model._build_train_network", ACCUMULATE_INSTEAD)  # r1.3's Model_ACCU calls it
@@ -115,6 +116,9 @@ class Model:
 
     # -- preparation ----------------------------------------------------------------------------------------------
     def _prepare(self, sample: Any = None):
+        if self._unloaded:
+            raise ConfigError("this network was built on the meta device, and the resume_from= that failed left what "
+                              "it was to read without values: build the network again")
         if self._prepared is None:
             from autopar.parallel.api import prepare
 
@@ -226,29 +230,39 @@ class Model:
             prefix = prefixes.pop() if len(prefixes) == 1 else None
             found = find_resume(where, prefix)
             # a network built on the meta device: what the checkpoint holds is read straight into each rank's slices,
-            # never computed first (AUTO runs the whole network to measure it: its values are drawn)
+            # never computed first -- where the mode slices (AUTO runs the whole network to measure it, data
+            # parallel keeps it whole and compares the ranks' values: theirs are drawn)
+            ctx = _context.auto_parallel_context()
+            slices = ctx.parallel_mode is ParallelMode.SEMI_AUTO_PARALLEL or ctx.enable_parallel_optimizer
             marked = deferred.expect_loaded(self._network, sliced_names(found)) \
-                if self._prepared is None and not auto else []
-        if self._prepared is None and auto:  # AUTO_PARALLEL plans on real shapes: give it the first batch
-            self._prepare(next(_epoch_batches(train_dataset, 0)))
-        prepared = self._prepare()
-        rank = _comm.get_rank() if _comm.is_initialized() else 0
-        if dataset_sink_mode and not sinks(prepared.device):
-            dataset_sink_mode = False
-            if rank == 0:
-                _notice_once("sink", "autopar: dataset_sink_mode=True trains step by step on the CPU, as MindSpore does "
-                             "(\"The CPU cannot support dataset sink mode currently\"): every step reports, and "
-                             "sink_size has no effect (Dataset.take(n) shortens an epoch)")
-        per_epoch = sink_size if dataset_sink_mode and sink_size and sink_size > 0 else dataset_steps
-        if per_epoch < 1:
-            raise ConfigError("the training dataset is empty (0 batches per epoch)")
-        start = initial_epoch * per_epoch
-        if resume_from is not None:
-            from autopar.checkpoint.api import resume_state
+                if self._prepared is None and slices and not auto else []
+        try:
+            if self._prepared is None and auto:  # AUTO_PARALLEL plans on real shapes: give it the first batch
+                self._prepare(next(_epoch_batches(train_dataset, 0)))
+            prepared = self._prepare()
+            rank = _comm.get_rank() if _comm.is_initialized() else 0
+            if dataset_sink_mode and not sinks(prepared.device):
+                dataset_sink_mode = False
+                if rank == 0:
+                    _notice_once("sink", "autopar: dataset_sink_mode=True trains step by step on the CPU, as MindSpore "
+                                 "does (\"The CPU cannot support dataset sink mode currently\"): every step reports, "
+                                 "and sink_size has no effect (Dataset.take(n) shortens an epoch)")
+            per_epoch = sink_size if dataset_sink_mode and sink_size and sink_size > 0 else dataset_steps
+            if per_epoch < 1:
+                raise ConfigError("the training dataset is empty (0 batches per epoch)")
+            start = initial_epoch * per_epoch
+            if resume_from is not None:
+                from autopar.checkpoint.api import resume_state
 
-            meta = resume_state(where, self._network, self._optimizer, prefix, found=found)
-            if marked:
-                deferred.check_loaded(self._network, marked, str(found.path))
+                meta = resume_state(where, self._network, self._optimizer, prefix, found=found)
+                if marked:
+                    deferred.check_loaded(self._network, marked, str(found.path))
+        except BaseException:
+            if marked:  # what was left for the checkpoint holds no value: this network cannot train
+                deferred.forget_loaded()
+                self._unloaded = True
+            raise
+        if resume_from is not None:
             if meta is not None:
                 start = meta.global_step
                 self._micro_step = start

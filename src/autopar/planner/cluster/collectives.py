@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from autopar.planner.cluster.memory import MAIN_GRAD_BYTES
+from autopar.planner.cluster.memory import MAIN_GRAD_BYTES, REDUCE_BYTES
 from autopar.planner.machine import RING
 
 # NCCL's ring latencies per protocol (src/graph/tuning.cc, github.com/NVIDIA/nccl): baseLat, once a collective
@@ -83,7 +83,8 @@ def data_parallel_sync(spec, zero: int, m: int, grads: float, unit: float, layer
     gathers = layers * ar("all_gather", unit) + ar("all_gather", rest)
     scatters = layers * ar("reduce_scatter", unit) + ar("reduce_scatter", rest)
     exposed = ar("all_gather", unit) + ar("reduce_scatter", unit)
-    if staged and zero == 3:
+    if staged and zero == 3:  # the gradients reduced in torchtitan's fp32 (memory.REDUCE_BYTES)
+        scatters *= REDUCE_BYTES / itemsize
         return max(0.0, gathers - micro / 3) + max(0.0, scatters - backward_last) + exposed
     if zero == 2:
         return m * max(0.0, ar("reduce_scatter", grads) - backward_last) + ar("all_gather", grads)

@@ -164,7 +164,8 @@ class LayerPlanner:
             plan = plan_module(self.head_module, TokenLoss(), (x, y), t, self.spec, self.dtype, graph, sp)
             # the logits (the projection's output, as the plan keeps them) give way to the fp32 loss's peak
             logits = sum(plan.costs[n].choices[plan.choice[n]].out_bytes
-                         for n, node in enumerate(plan.graph.nodes) if node.name == "out")
+                         for n, node in enumerate(plan.graph.nodes) if node.name.split(".")[-1] == "out")
+            assert logits > 0, "the head's vocabulary projection ('out') was not captured"
             self._heads[(t, b, cp, sp)] = dataclasses.replace(
                 plan, activation_bytes=plan.activation_bytes - logits + loss_peak_bytes(logits, self.itemsize))
         return self._heads[(t, b, cp, sp)]

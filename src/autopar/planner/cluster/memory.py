@@ -52,8 +52,9 @@ def weight_state_bytes(zero: int, params: float, replicas: int, itemsize: int, u
     r = replicas
     if staged and zero == 3:
         return params * ((WEIGHT_GRAD_BYTES + OPTIMIZER_BYTES) / r + itemsize + REDUCE_BYTES)
-    return {0: params * (itemsize + MAIN_GRAD_BYTES + OPTIMIZER_BYTES),
-            1: params * (itemsize + MAIN_GRAD_BYTES + OPTIMIZER_BYTES / r),
+    optimizer = OPTIMIZER_BYTES if itemsize < 4 else OPTIMIZER_BYTES - 4  # fp32 training keeps no master copy
+    return {0: params * (itemsize + MAIN_GRAD_BYTES + optimizer),
+            1: params * (itemsize + MAIN_GRAD_BYTES + optimizer / r),
             2: params * (itemsize + (itemsize + OPTIMIZER_BYTES) / r),
             3: params * (WEIGHT_GRAD_BYTES + OPTIMIZER_BYTES) / r + 2 * unit_params * itemsize}[zero]
 

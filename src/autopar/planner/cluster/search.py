@@ -235,7 +235,7 @@ def evaluate(planner: LayerPlanner, k: Candidate) -> None:
     # layers that do not divide into the stages: the first and the last stage a layer lighter, the rest in the middle
     # (Llama 3, arXiv 2407.21783 sec. 3.3.2: "we reduce one Transformer layer each from the first and the last
     # stages"; Megatron-LM's --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers)
-    balanced = k.p > 2 and cfg.layers % k.p and cfg.layers - 2 * last_stage <= (k.p - 2) * per_stage
+    balanced = k.p > 2 and cfg.layers % k.p != 0 and cfg.layers - 2 * last_stage <= (k.p - 2) * per_stage
     first_stage = last_stage if balanced else per_stage
     boundary = k.b * (cfg.seq // k.cp) * cfg.hidden * itemsize
     replicas = k.d * k.cp  # the weights are the same on the data- and context-parallel ranks
@@ -280,8 +280,9 @@ def evaluate(planner: LayerPlanner, k: Candidate) -> None:
         return flight * ((layers - own) * kept + own * layer.input_bytes) + (layer.activation_bytes if own else 0.0)
 
     acts = stage_acts(first_stage, flight) + (head.activation_bytes if k.p == 1 else 0.0)
-    if balanced:  # the second stage: a micro-batch fewer in flight, a layer more
-        acts = max(acts, stage_acts(per_stage, max(1, flight - 1)))
+    if balanced:  # the second stage: a layer more, fewer in flight -- min(p - 1, m), interleaved p + (p - 3) / v
+        second = min(k.p - 1, k.m) if k.v == 1 else math.ceil(k.p + (k.p - 3) / k.v)
+        acts = max(acts, stage_acts(per_stage, second))
     own = min(block, last_stage)
     last_acts = head.activation_bytes + (layer.activation_bytes if k.recompute is True else (last_stage - own) * kept
                                          + own * layer.input_bytes + (layer.activation_bytes if own else 0.0))
@@ -322,7 +323,7 @@ def _what_would_fit(config, spec, devices, global_batch, dtype, memory_limit, ma
             continue
         b = plan.best
         fits.append(f"{what} it fits ({b.mesh()}, micro-batch {b.b}, ZeRO {b.zero}, recompute "
-                    f"{b.recompute_name}: {b.memory / 2**30:.1f} GiB)")
+                    f"{b.recompute_name}: {b.memory / 2**30:.1f} GiB" + (", tight" if plan.tight else "") + ")")
     return "; ".join(fits)
 
 
