@@ -99,11 +99,12 @@ def test_a_bad_nodelist_is_one_line_from_init(procs):
 
 
 def test_a_master_that_does_not_answer_is_named_within_the_timeout(procs):
-    # 192.0.2.0/24 is TEST-NET-1: reserved for documentation, never routed to a host
-    env = procs.env(**srun_env(1, SLURM_JOB_NODELIST="192.0.2.[7-8]"), AUTOPAR_CLUSTER_TIMEOUT="5")
+    # 203.0.113.0/24 is TEST-NET-3: reserved for documentation, never routed to a host (TEST-NET-1, 192.0.2.0/24,
+    # is some sandboxes' own subnet, where the address answers "no route to host" at once instead)
+    env = procs.env(**srun_env(1, SLURM_JOB_NODELIST="203.0.113.[7-8]"), AUTOPAR_CLUSTER_TIMEOUT="5")
     res = procs.run([PYTHON, str(SCRIPTS / "job.py")], env, timeout=60)
     assert res.returncode != 0 and "Traceback" not in res.stderr
-    assert "autopar: error: cannot reach rank 0 at 192.0.2.7:" in res.stderr, res.stderr
+    assert "autopar: error: cannot reach rank 0 at 203.0.113.7:" in res.stderr, res.stderr
 
 
 def test_a_rank_table_whose_first_server_does_not_answer(procs, tmp_path):
@@ -114,12 +115,12 @@ def test_a_rank_table_whose_first_server_does_not_answer(procs, tmp_path):
 
     servers = [{"server_id": sid, "device": [{"device_id": str(d), "device_ip": f"192.98.{k}.{d}",
                                              "rank_id": str(2 * k + d)} for d in range(2)]}
-               for k, sid in enumerate(["192.0.2.7", "192.0.2.9"])]
+               for k, sid in enumerate(["203.0.113.7", "203.0.113.9"])]
     table = tmp_path / "rank_table.json"
     table.write_text(json.dumps({"version": "1.0", "server_count": "2", "status": "completed", "server_list": servers}))
     env = procs.env(MASTER_PORT="29555", AUTOPAR_CLUSTER_TIMEOUT="5", JOB_STEPS="1")
-    res = procs.run(autopar_cmd("launch", "--rank-table", str(table), "--server-id", "192.0.2.9", "--log-dir",
+    res = procs.run(autopar_cmd("launch", "--rank-table", str(table), "--server-id", "203.0.113.9", "--log-dir",
                                 str(tmp_path / "logs"), str(SCRIPTS / "job.py")), env, timeout=90)
     assert res.returncode != 0
     log = (tmp_path / "logs" / "worker_2.log").read_text()
-    assert "autopar: error: cannot reach rank 0 at 192.0.2.7:29555 within 5 s" in log, log
+    assert "autopar: error: cannot reach rank 0 at 203.0.113.7:29555 within 5 s" in log, log
