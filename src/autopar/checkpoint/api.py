@@ -305,10 +305,16 @@ def _has_sliced_params(meta: CheckpointMeta) -> bool:
     return any(any(a >= 0 for a in lay.get("tensor_map", [])) for lay in meta.layouts.values())
 
 
-def _check_names(network: torch.nn.Module, paths: list[Path], strict: bool) -> None:
+def _saved_tensors(paths: list[Path], require_complete: bool = True) -> dict:
+    """The network's tensors the sliced checkpoints ``paths`` hold: name -> DCP's metadata (its chunks)."""
     from autopar.checkpoint.merged_reader import MergedReader
 
-    saved = {k[len("model."):] for k in MergedReader(paths).read_metadata().state_dict_metadata if k.startswith("model.")}
+    saved = MergedReader(paths, require_complete=require_complete).read_metadata().state_dict_metadata
+    return {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")}
+
+
+def _check_names(network: torch.nn.Module, paths: list[Path], strict: bool) -> None:
+    saved = set(_saved_tensors(paths))
     own = {k for k, _ in network.named_parameters()}
     missing = sorted(own - saved)
     extra = sorted(k for k in saved - own if not k.endswith("num_batches_tracked") and k not in dict(network.named_buffers()))
@@ -379,13 +385,11 @@ def _whole_from_peers(network: torch.nn.Module, path: Path) -> None:
         return
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from autopar.checkpoint.merged_reader import MergedReader
-
-    saved = MergedReader([path], require_complete=False).read_metadata().state_dict_metadata
+    saved = _saved_tensors([path], require_complete=False)
     tensors = [(n, t) for n, t in [*network.named_parameters(), *network.named_buffers()] if not _is_dtensor(t)]
     chunks = {}
     for name, t in tensors:
-        entry = saved.get(f"model.{name}")
+        entry = saved.get(name)
         if isinstance(entry, TensorStorageMetadata) and tuple(entry.size) == tuple(t.shape):
             chunks[name] = [tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes)) for c in entry.chunks]
     from autopar.comm import management
@@ -435,10 +439,7 @@ def sliced_names(found: store.Found | None) -> set[str]:
     """The network's tensors a sliced checkpoint holds (none for an integrated one, or none at all)."""
     if found is None or not store.is_sliced(found.path):
         return set()
-    from autopar.checkpoint.merged_reader import MergedReader
-
-    keys = MergedReader([found.path], require_complete=False).read_metadata().state_dict_metadata
-    return {k[len("model."):] for k in keys if k.startswith("model.")}
+    return set(_saved_tensors([found.path], require_complete=False))
 
 
 def _is_dtensor(t: Any) -> bool:

@@ -217,7 +217,8 @@ class Model:
             raise ConfigError(f"epoch must be a positive integer, got {epoch!r}")
         dataset_steps = _steps_per_epoch(train_dataset)
         cbs = list(callbacks) if isinstance(callbacks, (list, tuple)) else ([callbacks] if callbacks else [])
-        auto = _context.auto_parallel_context().parallel_mode is _context.ParallelMode.AUTO_PARALLEL
+        ctx = _context.auto_parallel_context()
+        auto = ctx.parallel_mode is _context.ParallelMode.AUTO_PARALLEL
         found = marked = None
         if resume_from is not None:
             from autopar.checkpoint.api import find_resume, resolve_rank_path, sliced_names
@@ -232,7 +233,6 @@ class Model:
             # a network built on the meta device: what the checkpoint holds is read straight into each rank's slices,
             # never computed first -- where the mode slices (AUTO runs the whole network to measure it, data
             # parallel keeps it whole and compares the ranks' values: theirs are drawn)
-            ctx = _context.auto_parallel_context()
             slices = ctx.parallel_mode is ParallelMode.SEMI_AUTO_PARALLEL or ctx.enable_parallel_optimizer
             marked = deferred.expect_loaded(self._network, sliced_names(found)) \
                 if self._prepared is None and slices and not auto else []
