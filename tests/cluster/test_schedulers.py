@@ -122,5 +122,8 @@ def test_a_rank_table_whose_first_server_does_not_answer(procs, tmp_path):
     res = procs.run(autopar_cmd("launch", "--rank-table", str(table), "--server-id", "203.0.113.9", "--log-dir",
                                 str(tmp_path / "logs"), str(SCRIPTS / "job.py")), env, timeout=90)
     assert res.returncode != 0
-    log = (tmp_path / "logs" / "worker_2.log").read_text()
-    assert "autopar: error: cannot reach rank 0 at 203.0.113.7:29555 within 5 s" in log, log
+    # the launcher's report is what the user reads; which worker it quotes depends on which gave up first (a
+    # slow host may stop the other before it has written a line), so the report is checked, not one worker's log
+    logs = {p.name: p.read_text() for p in (tmp_path / "logs").glob("worker_*.log")}
+    assert "cannot reach rank 0 at 203.0.113.7:29555 within 5 s" in res.stderr, (res.stderr, logs)
+    assert res.stderr.startswith("autopar: error: ") and "Traceback" not in res.stderr, res.stderr
