@@ -4,7 +4,8 @@ vocabulary 8192, sequence 1024, batch 1; tests/scripts/dryrun_gpt.py).
 - Sequence parallelism: Megatron's tensor parallelism on 2 and 4 simulated ranks under Megatron's data contract
   (every rank the same sequence: ``full_batch``), with and without the norms and dropouts split on the sequence
   (modes semi_megatron / semi_megatron_sp).
-- Context parallelism: the sequence split over 2 and 4 ranks (mode cp) against the same job on one rank.
+- Context parallelism: the sequence split over 2 and 4 ranks (mode cp: keys and values all-gathered; cp_ring: passed
+  round a ring) against the same job on one rank.
 
 Per case: rank 0's training-step peak and its parts. Deterministic (the tracker counts bytes), so one round.
 
@@ -40,7 +41,7 @@ def main() -> None:
     args = p.parse_args()
     rows = {}
     for mode, world in [("semi_megatron", 2), ("semi_megatron_sp", 2), ("semi_megatron", 4), ("semi_megatron_sp", 4),
-                        ("cp", 1), ("cp", 2), ("cp", 4)]:
+                        ("cp", 1), ("cp", 2), ("cp", 4), ("cp_ring", 2), ("cp_ring", 4)]:
         step = step_peak(mode, world)
         rows[f"{mode}@{world}"] = {k: step[k] for k in ("peak_bytes", "parameters", "gradients", "optimizer",
                                                          "activations", "other")}
@@ -55,6 +56,10 @@ def main() -> None:
         cp = rows[f"cp@{world}"]
         print(f"cp {world}: context parallelism keeps {cp['activations'] / one['activations']:.3f} of one rank's "
               f"activations, {cp['peak_bytes'] / one['peak_bytes']:.3f} of its step's peak")
+        ring = rows[f"cp_ring@{world}"]
+        print(f"cp {world}: as a ring, {ring['activations'] / one['activations']:.3f} of the activations, "
+              f"{ring['peak_bytes'] / one['peak_bytes']:.3f} of the peak ({ring['peak_bytes'] / cp['peak_bytes']:.3f}"
+              f" of the all-gather's)")
     if args.out:
         json.dump({"gpt": dict(zip(("n_layer", "n_embd", "vocab", "block", "batch"), map(int, GPT[:5]))),
                    "cases": rows}, open(args.out, "w"), indent=1)

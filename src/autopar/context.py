@@ -96,7 +96,8 @@ class _AutoParallelContext:
     comm_fusion: dict = field(default_factory=dict)  # {"allreduce": {"mode": "size", "config": 32}, ...}
     # context parallelism (dataset_strategy splitting the sequence): how attention meets the other ranks' tokens --
     # "all_gather" (keys and values gathered, Llama 3's form) or "ulysses" (all-to-all onto a split of the heads,
-    # DeepSpeed-Ulysses; MindFormers' "ulysses_cp")
+    # DeepSpeed-Ulysses; MindFormers' "ulysses_cp") or "ring" (ring attention, causal work balanced; MindFormers'
+    # "colossalai_cp")
     context_parallel_algo: str = "all_gather"
 
 
@@ -200,11 +201,10 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
         elif key == "comm_fusion":
             value = check_comm_fusion(value)
         elif key == "context_parallel_algo":
-            value = {"ulysses_cp": "ulysses"}.get(value, value)
-            if value not in ("all_gather", "ulysses"):
-                raise ConfigError(f"context_parallel_algo must be 'all_gather' or 'ulysses' ('ulysses_cp'), got "
-                                  f"{value!r}" + (" (ring attention is not built: all_gather computes the same)"
-                                                  if value in ("colossalai_cp", "ring") else ""))
+            value = {"ulysses_cp": "ulysses", "colossalai_cp": "ring"}.get(value, value)
+            if value not in ("all_gather", "ulysses", "ring"):
+                raise ConfigError(f"context_parallel_algo must be 'all_gather', 'ulysses' ('ulysses_cp') or 'ring' "
+                                  f"('colossalai_cp'), got {value!r}")
         elif key not in valid:
             raise ConfigError(
                 f"set_auto_parallel_context got an unknown key {key!r}; valid keys: {', '.join(sorted(valid))}"

@@ -26,10 +26,11 @@ SPLIT = {"llama": {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj
 def test_transformers_models_train_exactly_in_every_mode(procs, tmp_path):
     # wrapped_pipe: a user's wrapper returning .logits, pipelined (its stages pass a strided mask and RoPE tables);
     # cp: context parallelism -- each rank loads half of every sequence (input_ids and labels), RoPE's positions,
-    # the causal mask and the shifted labels of the loss inside forward taken at their global places
+    # the causal mask and the shifted labels of the loss inside forward taken at their global places (cp_ring: the
+    # keys and values passed round a ring, the causal work balanced over mirrored chunks)
     # mixtral: a mixture of experts -- its experts spread over the ranks (ep), with ZeRO-3, with attention by names
     cases = [[m, mode] for m in MODELS for mode in MODES] + [[m, x] for x in ("wrapped_pipe", "cp")
-                                                             for m in ("llama", "gpt2")] + [
+                                                             for m in ("llama", "gpt2")] + [["llama", "cp_ring"]] + [
         ["mixtral", mode] for mode in ("data", "ep", "ep_zero3", "ep_names")]
     for rank, case, r in train_cases(procs, tmp_path, cases):
         model, mode = case.split("/")
@@ -45,7 +46,7 @@ def test_transformers_models_train_exactly_in_every_mode(procs, tmp_path):
         elif mode.startswith("ep"):  # each rank keeps half of every layer's experts
             assert {f"model.layers.{k}.mlp.experts.{w}" for k in (0, 1) for w in ("gate_up_proj", "down_proj")} <= \
                 set(r["split"]), (rank, case, r["split"])
-        elif mode in ("data", "semi", "cp"):  # whole parameters (ZeRO stores slices; AUTO chooses)
+        elif mode in ("data", "semi", "cp", "cp_ring"):  # whole parameters (ZeRO stores slices; AUTO chooses)
             assert not r["split"], (rank, case, r["split"])
         elif mode == "auto_tight":  # under the limit weights are stored as slices: the planner's ZeRO-3, or a
             # layout of the operators that fits and measured faster in the round (BERT's did)

@@ -1,7 +1,7 @@
 """Context parallelism on a nanoGPT-style GPT in float64, 2 and 4 ranks, one launch each
 (tests/scripts/context_parallel.py): the inputs' sequence split by ``dataset_strategy``, every token-wise module on
 its slice, attention over the gathered keys and values -- over every rank, dp x cp (4 ranks), with ZeRO-1 and
-ZeRO-3, the optimizer made after the first forward, DeepSpeed-Ulysses' all-to-all, and a per-sample mask made
+ZeRO-3, the optimizer made after the first forward, DeepSpeed-Ulysses' all-to-all, ring attention with the causal work balanced (dp x cp, ZeRO-1/3), and a per-sample mask made
 inside the network; each equal to one process after 3 AdamW steps with
 clipping. What a user gets wrong is one line. (Hugging Face's Llama and GPT-2: tests/models/test_hf_transformers.py.)"""
 import json
@@ -10,15 +10,16 @@ import pytest
 
 from procutil import SCRIPTS, autopar_cmd
 
-TRAINED = {2: ["cp", "cp_zero1", "cp_optimizer_after", "cp_ulysses", "cp_mask"],
+TRAINED = {2: ["cp", "cp_zero1", "cp_optimizer_after", "cp_ulysses", "cp_mask", "cp_ring", "cp_ring_zero3"],
            4: ["cp", "dp_cp", "cp_zero3", "dp_cp_zero1", "cp_ulysses", "dp_cp_ulysses", "dp_cp_mask",
-               "dp_cp_ulysses_mask"]}
+               "dp_cp_ulysses_mask", "cp_ring", "dp_cp_ring_zero1"]}
 MISTAKES = {
     "sequence_indivisible": ("StrategyError", "context parallelism: the ranks loaded slices of"),
     "attention_dropout": ("StrategyError", "context parallelism: attention dropout differs from one process's draws"),
     "ulysses_heads": ("StrategyError", "context_parallel_algo='ulysses' splits the heads over the"),
     "data_parallel_split": ("ConfigError", "splits the sequence (context parallelism), which runs in "
                                            "parallel_mode='semi_auto_parallel' (now data_parallel)"),
+    "ring_odd_chunks": ("StrategyError", "context_parallel_algo='ring' balances the causal work by giving each of"),
 }
 TOL = 1e-9
 SEQ = 16  # the script's GPT block size

@@ -1,7 +1,7 @@
 """Expert parallelism on a mixture-of-experts network as its users write one (top-2 router, experts stacked in
 Hugging Face's form, the load-balancing loss inside ``forward``), float64, 2 and 4 ranks, one launch each
 (tests/scripts/expert_parallel.py): 8 experts spread over the ranks, with routing skewed so that one expert takes
-a third of the tokens and two take none -- alone, with ZeRO-3, and with tensor parallelism beside it, and MindSpore's ``nn.transformer.MoE`` with ``MoEConfig`` and
+a third of the tokens and two take none, each token sent only to its experts' ranks (all-to-all) -- alone, with ZeRO-3, and with tensor parallelism beside it, and MindSpore's ``nn.transformer.MoE`` with ``MoEConfig`` and
 ``expert_parallel`` (tokens over capacity dropped as one process drops them); each equal to
 one process after 3 AdamW steps with clipping, and the sliced checkpoint read back whole into one process. Experts the ranks do not divide, and ``"expert"`` on a module not
 stacked by expert, are one line. (Hugging Face's Mixtral: tests/models/test_hf_transformers.py.)"""
@@ -43,3 +43,7 @@ def test_expert_parallelism_trains_exactly(procs, tmp_path, n):
             r = out[case]
             assert r["raised"] == "StrategyError" and message.format(n=n, e=2 * n + 1) in r["message"], (rank, case, r)
             assert "\n" not in r["message"]
+    # the all-to-all dispatcher: a token goes only to the ranks of the experts it chose (top-2: at most two of
+    # them), where gathering would give every rank all GLOBAL x SEQ = 32 of them (on 4 ranks, 128 in all)
+    received = [json.load(open(tmp_path / f"out.{rank}"))["ep"]["received"] for rank in range(n)]
+    assert sum(received) <= 2 * 32, received

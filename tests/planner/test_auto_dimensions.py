@@ -15,13 +15,14 @@ from autopar.planner.machine import MachineModel
 from autopar.planner.plan import plan_network
 from procutil import SCRIPTS, autopar_cmd
 
-CASES = ["cp_plan", "ep_plan", "cp_module_loss", "cp_auto", "ep_auto"]
+CASES = ["cp_plan", "ep_plan", "cp_module_loss", "cp_auto", "ep_auto", "cp_ring_plan"]
 TOL = 1e-9
 
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_auto_weighs_and_runs_context_and_expert_parallelism_exactly(procs, tmp_path, n):
-    cases = CASES if n == 2 else CASES[:2]  # (the suite's minutes: the loss module and the user's path on 2)
+    # (the suite's minutes: the loss module and the user's path on 2, the ring on 4)
+    cases = CASES[:-1] if n == 2 else CASES[:2] + CASES[-1:]
     res = procs.run(autopar_cmd("launch", "-n", str(n), "--log-dir", str(tmp_path / "logs"),
                                 str(SCRIPTS / "auto_dimensions.py"), str(tmp_path / "out"), json.dumps(cases)),
                     env=procs.env(AUTOPAR_CACHE_DIR=str(tmp_path / "cache")), timeout=400)
@@ -60,6 +61,28 @@ def test_a_causal_sdpa_network_is_weighed_split_on_its_sequence(n):
     assert "data parallel" in [describe(c) for c in round_]
     for c in round_:  # the runners-up divide the batch as data parallel does unless they are the variant
         assert (c.context_parallel > 1) == describe(c).startswith("context parallel")
+
+
+def test_each_context_parallel_algorithm_is_costed_as_it_runs():
+    """The variant AUTO weighs runs with the user's ``context_parallel_algo``: the ring keeps two key-value blocks
+    where the all-gather keeps the whole sequence's, and it balances the causal work the all-gather leaves to the
+    last rank; Ulysses needs heads the group divides."""
+    import autopar
+
+    sample = (torch.randn(4, 256, 64), torch.randn(4, 256, 64))
+    block = LlamaBlock(64, 4, 4, 128, 256, causal=True)
+    totals = {}
+    try:
+        for algo in ("all_gather", "ring", "ulysses"):
+            autopar.set_auto_parallel_context(context_parallel_algo=algo)
+            totals[algo] = _plan(block, sample, 4).variants["context parallel 4"][2]
+        heads = _plan(LlamaBlock(64, 2, 2, 128, 256, causal=True), sample, 4).variants  # (still ulysses)
+    finally:
+        autopar.reset_auto_parallel_context()
+    assert totals["ring"].memory < totals["all_gather"].memory
+    assert totals["ulysses"].memory < totals["all_gather"].memory
+    assert totals["ring"].compute < totals["all_gather"].compute  # the last rank's extra causal blocks
+    assert "context parallel 2 x data parallel 2" in heads and "context parallel 4" not in heads
 
 
 def test_experts_are_weighed_split_and_networks_that_cannot_split_are_not():

@@ -5,6 +5,7 @@ Cases:
 - ``cp_plan`` / ``ep_plan``: the variant applied as AUTO applies a plan it chose (``prepare(..., plan=...)``, as the
   measured round and the job do) -- the nanoGPT-style GPT under ``full_batch`` with one sequence (a batch the ranks
   cannot split: the sequence is split instead), the MoE block (autopar.models.MoEBlock) with its experts split;
+- ``cp_ring_plan``: ``cp_plan`` with ``context_parallel_algo="ring"`` (the variant costed, and run, as a ring);
 - ``cp_module_loss``: the sequence split of a Llama-style block (causal SDPA) whose loss is a module beside it;
 - ``cp_auto`` / ``ep_auto``: the user's path (``parallelize`` in auto_parallel), whatever the measured round keeps:
   the plan must list the variant, and training is exact whichever won (plain data parallel: the parameters; each
@@ -121,6 +122,8 @@ def run(case: str) -> dict:
     autopar.reset_auto_parallel_context()
     autopar.set_auto_parallel_context(parallel_mode="auto_parallel", gradients_mean=True,
                                       full_batch=case.startswith("cp"))
+    if case.startswith("cp_ring"):
+        autopar.set_auto_parallel_context(context_parallel_algo="ring")
     model = gpt() if case.startswith("cp") else Squared(moe())
     batches, call = batches_of(case), (GPT_CALL if case.startswith("cp") else MOE_CALL)
     sample = list(batches[0]) if case.startswith("cp") else [batches[0]]

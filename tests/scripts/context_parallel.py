@@ -5,9 +5,11 @@ token-wise runs on that slice, attention gathers the keys and values.
 
 Cases: ``cp`` (the sequence over every rank), ``dp_cp`` (4 ranks: dp 2 x cp 2), ``cp_zero1`` / ``cp_zero3``
 (``enable_parallel_optimizer``), ``cp_optimizer_after`` (the optimizer made after the first forward), ``cp_ulysses``
-(``context_parallel_algo="ulysses"``: all-to-all onto the heads), ``..._mask`` (a per-sample mask made inside the
+(``context_parallel_algo="ulysses"``: all-to-all onto the heads), ``cp_ring`` (ring attention, the causal work
+balanced over mirrored chunks), ``..._mask`` (a per-sample mask made inside the
 network instead of ``is_causal``, split with the batch); and the mistakes -- a sequence the ranks do not
-divide, attention dropout, Ulysses with heads the ranks do not divide, a sequence split in data_parallel.
+divide, attention dropout, Ulysses with heads the ranks do not divide, a sequence split in data_parallel, a
+sequence the ring cannot give each rank two equal chunks of.
 
 argv: OUT_PREFIX CASES_JSON. Writes {case: {...}} to OUT_PREFIX.<rank>.
 """
@@ -65,6 +67,8 @@ def set_mode(case: str) -> None:
                                       dataset_strategy=((dp, cp), (dp, cp)))
     if "ulysses" in case:
         autopar.set_auto_parallel_context(context_parallel_algo="ulysses")
+    if "ring" in case:  # MindFormers' spelling on 4 ranks, autopar's on 2
+        autopar.set_auto_parallel_context(context_parallel_algo="colossalai_cp" if n == 4 else "ring")
     if "zero" in case:
         autopar.set_auto_parallel_context(enable_parallel_optimizer=True,
                                           parallel_optimizer_config={"optimizer_level": f"level{case[-1]}"})
@@ -118,7 +122,7 @@ def run(case: str) -> dict:
 
 
 def mistake(case: str) -> dict:
-    set_mode("cp_ulysses" if case == "ulysses_heads" else "cp")
+    set_mode({"ulysses_heads": "cp_ulysses", "ring_odd_chunks": "cp_ring"}.get(case, "cp"))
     if case == "data_parallel_split":
         autopar.set_auto_parallel_context(parallel_mode="data_parallel")
     model = fresh()
@@ -128,14 +132,15 @@ def mistake(case: str) -> dict:
     if case == "attention_dropout":
         for block in model.transformer.h:
             block.attn.dropout = 0.1
+    seq = {"sequence_indivisible": CFG.block_size - 1, "ring_odd_chunks": 2 * n + n}.get(case, CFG.block_size)
     try:
-        model(*local_batch(0, "cp", seq=CFG.block_size - 1 if case == "sequence_indivisible" else CFG.block_size))
+        model(*local_batch(0, "cp", seq=seq))
     except Exception as exc:  # noqa: BLE001 - the message is what is checked
         return {"raised": type(exc).__name__, "message": str(exc)}
     return {"raised": None}
 
 
-MISTAKES = ("sequence_indivisible", "attention_dropout", "ulysses_heads", "data_parallel_split")
+MISTAKES = ("sequence_indivisible", "attention_dropout", "ulysses_heads", "data_parallel_split", "ring_odd_chunks")
 autopar.reset_auto_parallel_context()
 with autopar.context.managed():  # one process on the global batches
     reference = fresh()

@@ -1,6 +1,6 @@
 """A nanoGPT-style training script as its user writes it, in the mode argv[1] names -- dp, zero1, zero2, zero3,
 semi_megatron (Megatron strategies by ``autopar.shard``), semi_megatron_sp (and sequence parallelism), cp (each rank
-loads its slice of every sequence: context parallelism), pipeline (2
+loads its slice of every sequence: context parallelism; cp_ring: attention as a ring), pipeline (2
 stages, ``PipelineParallel``), auto -- for the dry run's tests: the same script is run simulated (``autopar launch
 --dry-run``) and for real on gloo ranks.
 argv: MODE [n_layer n_embd vocab block batch [eager|deferred [full_batch]]] (a tiny GPT by default, built eagerly;
@@ -34,7 +34,7 @@ opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95))
 runner = None
 if mode == "pipeline":
     runner = autopar.PipelineParallel(model, None, micro_batches=2, split_points=[f"transformer.h.{n_layer // 2}"])
-tokens = block // n if mode == "cp" else block  # context parallelism: this rank's slice of each sequence
+tokens = block // n if mode.startswith("cp") else block  # context parallelism: this rank's slice of each sequence
 for step in range(3):
     x = torch.randint(0, vocab, (batch, tokens))
     y = torch.randint(0, vocab, (batch, tokens))

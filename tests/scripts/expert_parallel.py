@@ -42,7 +42,10 @@ class Experts(torch.nn.Module):
         self.gate_up = torch.nn.Parameter(torch.randn(num_experts, 2 * HIDDEN, D) * 0.2)
         self.down = torch.nn.Parameter(torch.randn(num_experts, D, HIDDEN) * 0.2)
 
+    received: list[int] = []  # the tokens each call ran over (on this rank)
+
     def forward(self, hidden, top_k_index, top_k_weights):
+        Experts.received.append(hidden.shape[0])
         out = torch.zeros_like(hidden)
         mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)  # + a "no expert" slot
         for e in range(self.num_experts):
@@ -148,9 +151,11 @@ def run(case: str) -> dict:
     autopar.shard(model, {"experts": ("expert", ep) if ep < n else "expert"})
     if case == "ep_tp":
         autopar.shard(model, {"proj_in": "colwise", "proj_out": "rowwise"})
+    Experts.received.clear()
     got = train(model, slice(rank * GLOBAL // n, (rank + 1) * GLOBAL // n))
     local = model.experts.gate_up.to_local().shape[0] if isinstance(model.experts.gate_up, DTensor) else None
-    result = {"param": max((got[k] - REF[k]).abs().max().item() for k in REF), "local_experts": local}
+    result = {"param": max((got[k] - REF[k]).abs().max().item() for k in REF), "local_experts": local,
+              "received": Experts.received[0]}
     if case == "ep":  # each rank's slices saved, read back whole into one process
         autopar.save_checkpoint(model, f"{out_prefix}.{case}_{rank}", integrated_save=False)
         torch.distributed.barrier()

@@ -196,11 +196,12 @@ def set_mode(mode: str) -> None:
     if mode.startswith("zero") or mode.startswith("ep_zero"):
         autopar.set_auto_parallel_context(enable_parallel_optimizer=True,
                                           parallel_optimizer_config={"optimizer_level": f"level{mode[-1]}"})
-    SEQUENCE_PARTS[:] = [n, rank] if mode == "cp" else []
+    SEQUENCE_PARTS[:] = [n, rank] if mode.startswith("cp") else []
     if mode.startswith("ep"):  # expert parallelism (ep_zero1: and ZeRO-1; ep_names: and the attention by names)
         autopar.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
-    if mode == "cp":  # context parallelism: input_ids and labels split on the sequence
-        autopar.set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy=((1, n), (1, n)))
+    if mode.startswith("cp"):  # context parallelism: input_ids and labels split on the sequence (cp_ring: a ring)
+        autopar.set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy=((1, n), (1, n)),
+                                          context_parallel_algo="ring" if mode == "cp_ring" else "all_gather")
 
 
 # Megatron's plan per model: the first projection of attention and MLP split by columns (output features), the
@@ -268,7 +269,7 @@ def run(model_name: str, mode: str, ref: dict) -> dict:
         train(model_name, model, micro_step=pipelined(model_name, model, wrapped=mode == "wrapped_pipe"))
         ref = reference(model_name, summed=True)
     else:
-        train(model_name, model, *((1, 0) if mode == "cp" else (n, rank)))
+        train(model_name, model, *((1, 0) if mode.startswith("cp") else (n, rank)))
     got = full(model)
     worst = max((got[k] - ref[k]).abs().max().item() for k in ref)
     sd = model.state_dict()

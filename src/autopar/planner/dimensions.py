@@ -9,8 +9,8 @@ Neither is a choice of one operator's layout, so neither is in the operator sear
   gathers its keys and values over the ``cp`` ranks and reduce-scatters their gradients
   (:mod:`autopar.parallel.tensor.context`). Weighed where the network's attention is SDPA, nothing in it mixes
   positions otherwise (a convolution, an RNN), and its inputs share a sequence dimension the ranks divide;
-- *expert parallelism*: each module of stacked experts keeps ``E/n`` experts, its tokens all-gathered in and their
-  results reduce-scattered back (:mod:`autopar.parallel.tensor.experts`); the experts' gradients need no
+- *expert parallelism*: each module of stacked experts keeps ``E/n`` experts, each token sent to its experts' ranks
+  and its results back by all-to-alls (:mod:`autopar.parallel.tensor.experts`); the experts' gradients need no
   all-reduce, and their weights and optimizer state take ``1/n`` of the memory.
 
 Their predictions start from data parallel's step (measured whole in a job, where it was) and add what the
@@ -35,8 +35,8 @@ def _divides(graph: Graph, n: int) -> int:
 
 def context_degrees(graph: Graph, n: int, algo: str = "all_gather") -> list[int]:
     """The ``cp`` degrees a sequence split can take here (empty where it cannot run): the world mesh must hold the
-    ``(n/cp, cp)`` matrix (one axis per prime factor of n, the split on the trailing ones), and DeepSpeed-Ulysses
-    (``algo``) needs heads the group divides."""
+    ``(n/cp, cp)`` matrix (one axis per prime factor of n, the split on the trailing ones), DeepSpeed-Ulysses
+    (``algo``) needs heads the group divides, and the ring two equal chunks of the sequence per rank."""
     if n < 2 or not graph.attention or graph.mixes_tokens or not graph.sequence:
         return []
     if not all(len(q) == 4 and len(k) == 4 for q, k, *_ in graph.attention):  # (batch, heads, sequence, head_dim)
@@ -45,7 +45,9 @@ def context_degrees(graph: Graph, n: int, algo: str = "all_gather") -> list[int]
     for cp in range(2, n + 1):
         if n % cp or graph.sequence % cp or graph.batch % (n // cp) or not _lies_on_mesh((n // cp, cp), n):
             continue
-        if algo != "all_gather" and any(q[1] % cp or k[1] % cp for q, k, *_ in graph.attention):
+        if algo == "ulysses" and any(q[1] % cp or k[1] % cp for q, k, *_ in graph.attention):
+            continue
+        if algo == "ring" and graph.sequence % (2 * cp):
             continue
         out.append(cp)
     return out
@@ -72,34 +74,52 @@ def _layout_overheads(machine: MachineModel, n: int, grads: list[float], kept: f
 
 
 def context_totals(graph: Graph, machine: MachineModel, dp_totals, n: int, cp: int, grads: list[float],
-                   dispatch: float):
+                   dispatch: float, algo: str = "all_gather"):
     """The step of a ``dp x cp`` sequence split, from data parallel's (``dp_totals``: the batch split as
-    :func:`_divides` says). ``grads``: the bytes of each trainable parameter; ``dispatch``: a layout's DTensor
-    dispatch per step (:func:`autopar.planner.plan.dispatch_of`). Returns (compute, communication, memory)."""
+    :func:`_divides` says), attention met as ``algo`` (``context_parallel_algo``) says. ``grads``: the bytes of each
+    trainable parameter; ``dispatch``: a layout's DTensor dispatch per step
+    (:func:`autopar.planner.plan.dispatch_of`). Returns (compute, communication, memory)."""
     parts = _divides(graph, n)
     share = parts / n  # of data parallel's per-device work, what a token split leaves each device
     state = sum(grads) * (2 + OPTIMIZER_SLOTS)
     extra, comm = _layout_overheads(machine, n, grads, sum(grads), dispatch)
     compute = dp_totals.compute * share + extra
-    gathered = 0.0
-    for q, k, v, item, causal, blockwise in graph.attention:  # keys and values gathered forward, gradients
-        kv = (math.prod(k) + math.prod(v)) * item / (n // cp)  # reduce-scattered: this data-parallel group's, whole
-        comm += machine.collective("all_gather", kv, cp) + machine.collective("reduce_scatter", kv, cp)  # sequence
-        gathered += kv * (cp - 1) / cp  # kept for the backward beside the local slices
-        if causal:  # the last slice's queries see every key: on the CPU's blockwise kernel it computes cp - 1/2 of
-            # the cp x cp blocks, the first 1/2 (no load balancing); elsewhere the masked kernel computes all cp of
-            # them; the step waits for the last
-            whole = 3 * 4 * math.prod(q) * k[-2]  # forward + backward FLOPs of the unmasked product, whole batch
-            last = whole / (n // cp) * ((cp - 0.5) if blockwise else cp) / cp**2
+    kept = 0.0
+    for q, k, v, item, causal, blockwise in graph.attention:
+        kv = (math.prod(k) + math.prod(v)) * item / (n // cp)  # this data-parallel group's keys and values, whole
+        local = (math.prod(q) * item / (n // cp) + kv) / cp  # this rank's query, keys and values
+        whole = 3 * 4 * math.prod(q) * k[-2]  # forward + backward FLOPs of the unmasked product, whole batch
+        last = whole / (n // cp) / cp  # this rank's share of them, every key
+        if algo == "ring":  # cp - 1 hops of a key-value block forward, as many back and cp of their gradients
+            # (hidden behind the blocks' attention they pass beside); causal: half of each rank's tokens moved to
+            # the mirrored chunks and back (query, keys, values and the output, forward and backward)
+            hops = (3 * cp - 2) * machine.collective("all_to_all", 2 * kv / cp, 2)  # (a pair's exchange: one block)
+            last /= 2 if causal else 1
+            comm += hops - machine.hidden(hops, machine.compute("attention", last))
+            if causal:
+                comm += 2 * machine.collective("all_to_all", local + math.prod(q) * item / (n // cp) / cp, 2)
+            kept += 2 * kv / cp  # the block in hand and the one arriving
+        elif algo == "ulysses":  # query, keys, values and the output onto a split of the heads and back, both ways
+            comm += 2 * machine.collective("all_to_all", local + math.prod(q) * item / (n // cp) / cp, cp)
+            last /= 2 if causal else 1
+            kept += local  # the head-split copies attention keeps for its backward
+        else:  # keys and values gathered forward, their gradients reduce-scattered
+            comm += machine.collective("all_gather", kv, cp) + machine.collective("reduce_scatter", kv, cp)
+            kept += kv * (cp - 1) / cp  # kept for the backward beside the local slices
+            if causal:  # the last slice's queries see every key: on the CPU's blockwise kernel it computes cp - 1/2
+                # of the cp x cp blocks, the first 1/2 (no load balancing); elsewhere the masked kernel computes all
+                # cp of them; the step waits for the last
+                last *= ((cp - 0.5) if blockwise else cp) / cp
+        if causal:  # data parallel's share of the causal half replaced by this rank's
             compute += machine.compute("attention", last) - share * machine.compute("attention", whole / 2 / parts)
-    memory = state + max(0.0, dp_totals.memory - state) * share + gathered
+    memory = state + max(0.0, dp_totals.memory - state) * share + kept
     return compute, comm, memory
 
 
 def expert_parallel_ok(graph: Graph, n: int) -> bool:
     """Every module of stacked experts splits over the ``n`` ranks (experts and tokens)."""
     return n > 1 and _lies_on_mesh((n,), n) and bool(graph.experts) and all(
-        experts % n == 0 and math.prod(hidden[:-1]) % n == 0 for _, _, hidden, _, experts in graph.experts)
+        experts % n == 0 and math.prod(hidden[:-1]) % n == 0 for _, _, hidden, _, experts, _ in graph.experts)
 
 
 def expert_totals(graph: Graph, machine: MachineModel, dp_totals, n: int, grads: list[float],
@@ -112,9 +132,11 @@ def expert_totals(graph: Graph, machine: MachineModel, dp_totals, n: int, grads:
     # (the experts' gradients are this rank's own: no all-reduce -- their share of the fused step is taken off)
     extra -= expert_bytes / machine.optimizer_rate("fused")
     gathered = 0.0
-    for _, _, hidden, item, _ in graph.experts:  # tokens gathered in, results reduce-scattered back; both backward
-        tokens = math.prod(hidden) * item
-        comm += 2 * (machine.collective("all_gather", tokens, n) + machine.collective("reduce_scatter", tokens, n))
-        gathered += tokens * (n - 1) / n
+    for _, _, hidden, item, _, chosen in graph.experts:  # each token sent to the ranks of its experts (at most
+        # min(k, n) of them, spread evenly: the planner does not know the routing) and its result back, both
+        # backward; a rank runs its experts over about min(k, n)/n of the tokens
+        sent = math.prod(hidden) * item / n * min(chosen, n)  # this rank's tokens, as many times as they go out
+        comm += 4 * machine.collective("all_to_all", sent, n)
+        gathered += sent * 2  # what it received and the results it sends back, kept for the backward
     saved = expert_bytes * (2 + OPTIMIZER_SLOTS) * (n - 1) / n
     return dp_totals.compute + extra, comm, dp_totals.memory - saved + gathered

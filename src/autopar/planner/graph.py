@@ -88,7 +88,7 @@ class Graph:
     # what context and expert parallelism are weighed on (autopar.planner.dimensions): every SDPA call's (query,
     # key, value) shapes, itemsize, whether it is causal and whether the CPU's blockwise kernel takes it (CPU
     # tensors, as many key as query heads); every module of stacked experts as (module, parameter bytes,
-    # hidden-state shape, itemsize, experts); whether a module may combine positions along the sequence (a
+    # hidden-state shape, itemsize, experts, experts each token chooses); whether a module may combine positions along the sequence (a
     # convolution, an RNN, or any leaf module not known to be token-wise: no sequence split then); the inputs'
     # common dimension 1 (None where they have none)
     attention: tuple = ()
@@ -212,7 +212,8 @@ class Tracer:
         self.grads: set[int] = set()
         self._node_grad: dict[int, bool] = {}  # node index -> does its output carry a gradient
         self.attention: list[tuple] = []  # SDPA calls: (query, key, value shapes, itemsize, causal, blockwise)
-        self.experts: list[tuple] = []  # stacked experts modules: (module, parameter bytes, hidden shape, itemsize, E)
+        self.experts: list[tuple] = []  # stacked experts modules: (module, parameter bytes, hidden shape, itemsize, E,
+        # experts chosen per token)
 
     # -- sources ----------------------------------------------------------------------------------------------
     def _src(self, t: torch.Tensor) -> Any:
@@ -305,9 +306,10 @@ class Tracer:
             return
         self._set(out, DP, self._flows(tensors, module))
         if stacked_experts(module) and tensors:
+            chosen = tensors[1].shape[-1] if len(tensors) > 1 and tensors[1].dim() > 1 else 1  # top-k
             self.experts.append((module,
                                  float(sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))),
-                                 tuple(tensors[0].shape), tensors[0].element_size(), module.num_experts))
+                                 tuple(tensors[0].shape), tensors[0].element_size(), module.num_experts, chosen))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.other_flops += 4.0 * t.numel()  # normalisation / pooling: a few operations per element

@@ -602,8 +602,8 @@ def _weigh_dimensions(plan: Plan, network: torch.nn.Module, memory_limit: float 
         dimensions.context_degrees(graph, n, ctx.context_parallel_algo)
     for cp in degrees:
         label = f"context parallel {cp}" + (f" x data parallel {n // cp}" if n // cp > 1 else "")
-        plan.variants[label] = (cp, False, Totals(*dimensions.context_totals(graph, machine, d, n, cp,
-                                                                             list(sizes.values()), dispatch)))
+        plan.variants[label] = (cp, False, Totals(*dimensions.context_totals(
+            graph, machine, d, n, cp, list(sizes.values()), dispatch, ctx.context_parallel_algo)))
     if dimensions.expert_parallel_ok(graph, n):
         experts = [b for k, b in sizes.items() if k in in_experts]
         plan.variants[f"data parallel + expert parallel {n}"] = (

@@ -202,6 +202,20 @@ def _batch_first(func, t: DTensor, args: tuple, kwargs: dict) -> DTensor:
     return t.redistribute(t.device_mesh, [moved if m in axes else p for m, p in enumerate(t.placements)])
 
 
+def _beside_empty(tensors) -> DTensor | None:
+    """The one tensor split on its sequence that a ``torch.cat`` joins to legacy empty ones (shape ``(0,)``, which
+    cat skips), or None. A key-value cache's first update (Hugging Face's ``DynamicCache`` starts from
+    ``torch.tensor([])``) is such a cat, which DTensor would run by gathering the keys whole on every rank: a full
+    sequence's keys kept per layer, and none split for a ring or Ulysses to pass round. Its result is that tensor."""
+    if not isinstance(tensors, (list, tuple)):
+        return None
+    kept = [t for t in tensors if not (isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() == 0)]
+    if len(kept) == 1 and len(tensors) > 1 and isinstance(kept[0], DTensor) and _sequence_axes(kept[0]) and \
+            all(torch.promote_types(t.dtype, kept[0].dtype) == kept[0].dtype for t in tensors):
+        return kept[0]
+    return None
+
+
 def check_equal_slices(args, kwargs) -> None:
     """Every rank of a context-parallel group loads an equal slice of one sequence; a sequence the group does not
     divide gives slices of different lengths, which no layout describes. Checked at every call (one all-gather of a
@@ -298,12 +312,21 @@ class _SequenceToHeads(torch.autograd.Function):
 class SequenceAttention(TorchFunctionMode):
     def __init__(self, algo: str = "all_gather"):
         super().__init__()
-        self.attend = ulysses if algo == "ulysses" else attention
+        if algo == "ring":
+            from autopar.parallel.tensor.ring import ring  # (it builds on this module)
+
+            self.attend = ring
+        else:
+            self.attend = ulysses if algo == "ulysses" else attention
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _SDPA and args and isinstance(args[0], DTensor) and _sequence_axes(args[0]):
             return self.attend(*args, **kwargs)
+        if func is torch.cat and args and "out" not in kwargs:
+            alone = _beside_empty(args[0])
+            if alone is not None:
+                return alone.clone()
         if func in _RESHAPES and args and isinstance(args[0], DTensor):
             args = (_batch_first(func, args[0], args, kwargs), *args[1:])
         return func(*args, **kwargs)

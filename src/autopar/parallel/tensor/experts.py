@@ -8,9 +8,11 @@ With a degree ``ep`` < n (MindSpore's ``MoEParallelConfig(expert_parallel=ep)``)
 ranks holds every expert once, rank r experts ``[(r mod ep) * E/ep, ...)``; the groups are data-parallel replicas of
 each other, their experts' gradients summed over the groups.
 
-A call is Megatron-LM's all-gather token dispatcher (``moe_token_dispatcher_type="allgather"``): every rank's tokens
-in the group, with their routing, are gathered; each rank runs the module's own forward over them with only its experts (a token
-routed elsewhere takes the forward's "no expert" slot, so it adds nothing here) and its weights; the partial sums
+A call is Megatron-LM's all-to-all token dispatcher (``moe_token_dispatcher_type="alltoall"``, :func:`_dispatched`):
+each token goes, with its routing, only to the ranks of the experts it chose, and its results come back. Where the
+routing cannot be read (a dry run's fake tensors) or is not split with the tokens, it is the all-gather dispatcher
+(``"allgather"``): every rank's tokens in the group, with their routing, are gathered; each rank runs the module's own forward over them
+with only its experts (a token routed elsewhere takes the forward's "no expert" slot, so it adds nothing here) and its weights; the partial sums
 are reduce-scattered back to the tokens' ranks. The backward is the mirror (each expert's weight gradient whole on
 its rank, the tokens' gradient summed over the experts that saw them). Exact: each token gets the same terms as in
 one process, summed in another order. An expert no token chose computes nothing; uneven routing needs no capacity.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from autopar.comm.topology import world_mesh, world_size
@@ -109,10 +112,22 @@ def run(module: torch.nn.Module, forward, hidden_states, top_k_index, top_k_weig
         local = _tokens_split(t, mesh).to_local()
         return _waited(funcol.all_gather_tensor_autograd(local, gather_dim=0, group=group))
 
-    h, index, weights = gathered(hidden), gathered(top_k_index), gathered(top_k_weights)
     experts = module.num_experts
     per = experts // ep
     start = ((dist.get_rank() if dist.is_initialized() else 0) % ep) * per
+    if _sends_tokens(hidden, top_k_index, top_k_weights, ep):
+        return _dispatched(module, forward, hidden, top_k_index, top_k_weights, group, ep, start, *args, **kwargs)
+    h, index, weights = gathered(hidden), gathered(top_k_index), gathered(top_k_weights)
+    out = _local_experts(module, forward, h, index, weights, start, *args, **kwargs)
+    sums = _waited(funcol.reduce_scatter_tensor_autograd(out, "sum", scatter_dim=0, group=group))  # this rank's tokens
+    return _as_hidden(sums, hidden, mesh)
+
+
+def _local_experts(module, forward, h, index, weights, start: int, *args, **kwargs) -> torch.Tensor:
+    """The module's ``forward`` over tokens ``h`` with this rank's experts ``[start, start + per)`` only: a token's
+    choice of another rank's expert takes the "no expert" slot with weight zero."""
+    experts = module.num_experts
+    per = experts // degree_of(module)
     mine = (index >= start) & (index < start + per)
     local = torch.where(mine, index - start, torch.full_like(index, per))
     # another rank's expert adds nothing here whatever the implementation does with the "no expert" slot
@@ -140,7 +155,53 @@ def run(module: torch.nn.Module, forward, hidden_states, top_k_index, top_k_weig
             module._is_expert_parallel = before
         for attr, p in stacked.items():
             module._parameters[attr] = p
-    sums = _waited(funcol.reduce_scatter_tensor_autograd(out, "sum", scatter_dim=0, group=group))  # this rank's tokens
-    split = DTensor.from_local(sums, mesh, [Shard(0)] * mesh.ndim, run_check=False, shape=hidden.shape,
+    return out
+
+
+def _as_hidden(local: torch.Tensor, hidden: DTensor, mesh) -> DTensor:
+    """This rank's tokens' results, laid out as the hidden states came."""
+    split = DTensor.from_local(local, mesh, [Shard(0)] * mesh.ndim, run_check=False, shape=hidden.shape,
                                stride=hidden.stride())
     return split if tuple(split.placements) == tuple(hidden.placements) else split.redistribute(mesh, hidden.placements)
+
+
+def _sends_tokens(hidden, top_k_index, top_k_weights, ep: int) -> bool:
+    """Can the tokens go only to their experts' ranks (:func:`_dispatched`)? The routing must be split with the
+    tokens (each rank routes its own) and real (how many tokens go where is read from it: a dry run's fake tensors
+    have no values, and there the gather runs)."""
+    tensors = (hidden.to_local(), top_k_index, top_k_weights)
+    return (ep > 1 and all(isinstance(t, DTensor) for t in (top_k_index, top_k_weights))
+            and not any(is_fake(t.to_local() if isinstance(t, DTensor) else t) for t in tensors))
+
+
+def _dispatched(module, forward, hidden: DTensor, top_k_index: DTensor, top_k_weights: DTensor, group, ep: int,
+                start: int, *args, **kwargs) -> DTensor:
+    """Megatron-LM's all-to-all token dispatcher (``moe_token_dispatcher_type="alltoall"``, torchtitan's and
+    DeepSpeed's): each rank sends a token, with its routing, only to the ranks holding an expert it chose (a token
+    whose two experts live on one rank goes there once), each rank runs its experts over what it received, and an
+    all-to-all brings the results back, summed into their tokens. Against the gather, a rank receives about
+    k/ep of the group's tokens rather than all of them, and the traffic falls alike. The backward is the mirror
+    (``all_to_all_single_autograd``). Exact: each token gets the same terms as in one process."""
+    mesh = world_mesh()
+    h, index, weights = (_tokens_split(t, mesh).to_local() for t in (hidden, top_k_index, top_k_weights))
+    per = module.num_experts // ep
+    owner = torch.where(index < ep * per, index // per, torch.full_like(index, ep))  # (dropped: no rank)
+    picks = [(owner == d).any(-1).nonzero().squeeze(-1) for d in range(ep)]
+    sent = [len(p) for p in picks]
+    counts = torch.tensor(sent, dtype=torch.int64, device=h.device)
+    got = torch.empty_like(counts)
+    dist.all_to_all_single(got, counts, group=group)
+    received = got.tolist()
+    order = torch.cat(picks)
+
+    def exchange(t, out_split, in_split, grad=True):
+        move = funcol.all_to_all_single_autograd if grad else funcol.all_to_all_single
+        return _waited(move(t.contiguous(), out_split, in_split, group))
+
+    h_in = exchange(h[order], received, sent)
+    index_in = exchange(index[order], received, sent, grad=False)
+    weights_in = exchange(weights[order], received, sent, grad=weights.requires_grad)
+    out = _local_experts(module, forward, h_in, index_in, weights_in, start, *args, **kwargs)
+    back = exchange(out, sent, received)
+    local = torch.zeros_like(h, dtype=back.dtype).index_add(0, order, back)
+    return _as_hidden(local, hidden, mesh)
