@@ -1,6 +1,7 @@
 """Pipeline parallelism (pipeline_stages=2 with nn.PipelineCell and cell.pipeline_stage -- through Model, and inside
 value_and_grad -- and the PyTorch door's PipelineParallel with split points) on torch.distributed.pipelining:
-per-step losses and parameters after 5 steps equal one process on the global batch (MindSpore's door: the
+per-step losses and parameters after 5 steps equal one process on the global batch -- also built under
+``no_init_parameters``, each stage making only its own layers (MindSpore's door: the
 micro-batches' losses summed, as its PipelineCell; the PyTorch door: their mean), on 2 stages x 1 and 2 stages x 2 ranks, 1F1B and GPipe, and interleaved (two
 pieces per rank: MindSpore's pipeline_segment, or virtual_stages=2); a 2-stage checkpoint
 loads into one process (integrated) and onto 4 ranks (sliced); bad input is one line."""
@@ -31,7 +32,12 @@ def _check(results, n):
         assert "enable_parallel_optimizer is not applied inside pipeline stages" in errors["zero"], errors
         reload = r.pop("reload", None)
         assert reload is not None or n == 2, sorted(r)
-        assert len(r) == 9, sorted(r)
+        assert len(r) == 10, sorted(r)
+        # built under no_init_parameters: at the end of a step this rank had never made the other stage's layers
+        other = ("l3", "l4") if rank // (n // 2) == 0 else ("l1", "l2")
+        assert r["model/1f1b/AdamW/no_init"].get("never_made") == [f"{m}.{w}" for m in other
+                                                                    for w in ("bias", "weight")], r
+
         for key, case in r.items():
             assert "error" not in case, (rank, key, case.get("error"), case.get("trace"))
             assert case["loss_diff"] <= 1e-5 and case["param_diff"] <= 1e-5, (rank, key, case)

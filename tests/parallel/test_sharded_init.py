@@ -1,6 +1,7 @@
 """Networks built without their memory -- ``autopar.deferred_init`` (PyTorch door), ``nn.utils.no_init_parameters``
 (MindSpore door), a plain ``torch.device("meta")`` (FSDP2's idiom) -- start on 2 and 4 ranks with each rank holding
-only its slices under ZeRO-3 and Megatron layouts (whole under data parallel and AUTO), every parameter equal to one
+only its slices under ZeRO-3 and Megatron layouts, each stage of a 2-stage pipeline only its layers (whole under data
+parallel and AUTO), every parameter equal to one
 process's eager initial value bit for bit, then train as one process on the global batch (float64, AdamW with
 clipping, the optimizer made on the meta parameters before the first forward). No replay held more than twice the
 largest parameter. Values loaded with ``load_param_into_net`` before the first call are what the ranks slice; ranks
@@ -14,7 +15,8 @@ from procutil import SCRIPTS, autopar_cmd
 DOORS = {2: [("gpt", m) for m in ("zero3", "megatron", "data", "auto")]
          + [("llama", m) for m in ("zero3", "megatron")]
          + [("ms", m) for m in ("zero3", "megatron", "data")] + [("meta", m) for m in ("zero3", "megatron", "data")]
-         + [("loaded", "zero3"), ("loaded", "megatron"), ("seeds", "zero3"), ("seeds", "megatron")],
+         + [("loaded", "zero3"), ("loaded", "megatron"), ("seeds", "zero3"), ("seeds", "megatron")]
+         + [("gpt", "pipe"), ("meta", "pipe")],
          4: [("gpt", "zero3"), ("gpt", "megatron"), ("llama", "zero3"), ("ms", "megatron"), ("meta", "zero3")]}
 
 
@@ -40,6 +42,8 @@ def test_each_rank_materialises_only_its_slices_with_one_process_values(procs, t
                 assert len(r["sliced"]) >= 5, (key, r)
             else:
                 assert r["sliced"] == [], (key, r)
+            # a pipeline stage builds only its layers: the other stage's parameters are never made on this rank
+            assert bool(r["never_made"]) == (mode == "pipe"), (key, r)
 
 
 def test_a_resumed_network_reads_its_slices_straight_into_its_shards(procs, tmp_path):

@@ -11,7 +11,9 @@ module's ``reset_parameters()``, drawn from the seed set before the first call),
 ``deferred_init`` from another seed, then one process's initial values loaded with ``load_param_into_net`` before
 its first call: the loaded values are what each rank slices), seeds (the GPT under ``deferred_init`` with a
 different seed on every rank and ``parameter_broadcast=True``: every rank draws as rank 0 did). Modes: data, zero3, megatron
-(SEMI_AUTO, MindSpore tuples on the MLP: columns then rows; ZeRO-1 beside them), auto.
+(SEMI_AUTO, MindSpore tuples on the MLP: columns then rows; ZeRO-1 beside them), auto, pipe (2 ranks: a 2-stage
+``PipelineParallel(grads="stage")``, each stage building only its layers; ``never_made``: the other stage's
+parameters, still on the meta device after the first step).
 
 Per case, float64: the optimizer (AdamW + clipping) made before the first forward on the meta parameters; step 0
 runs at lr 0, after it every parameter must equal one process's initial value exactly (``init_diff``, 0.0); two more
@@ -109,11 +111,17 @@ def full(net) -> dict:
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in net.named_parameters()}
 
 
-def train(door: str, net, rows: slice, after_first=None) -> None:
+SPLITS = {"gpt": "transformer.h.1", "meta": "1"}  # a 2-stage pipeline's cut
+
+
+def train(door: str, net, rows: slice, after_first=None, pipe=None) -> None:
     opt = torch.optim.AdamW(net.parameters(), lr=0.0, weight_decay=0.1)  # before the first forward: on meta
     for step in range(STEPS):
-        loss_of(door, net, step, rows).backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        if pipe is not None:  # each stage keeps only its gradients: no clipping (its norm would be the stage's)
+            pipe.step(*((IDS[step, rows], IDS[step, rows]) if door == "gpt" else (X[step, rows], Y[step, rows])))
+        else:
+            loss_of(door, net, step, rows).backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step == 0 and after_first is not None:
@@ -148,7 +156,10 @@ def run(door: str, mode: str) -> dict:
     with autopar.context.managed():
         ref = build(door, lazy=False)
         start = full(ref)
-        train(door, ref, slice(None))
+        if mode == "pipe":  # (trained without clipping, as the stages are)
+            train(door, ref, slice(None), pipe=_OneProcess(door, ref))
+        else:
+            train(door, ref, slice(None))
         end = full(ref)
     net = build(door, lazy=True)
     if door == "loaded":
@@ -160,16 +171,36 @@ def run(door: str, mode: str) -> dict:
     seen = {}
 
     def check_init():
-        now = full(net)
-        seen["init_diff"] = max((now[k] - start[k]).abs().max().item() for k in start)
+        now = full(net)  # (a pipeline stage: its own parameters -- the other stage's are never made)
+        seen["init_diff"] = max((now[k] - start[k]).abs().max().item() for k in start if not now[k].is_meta)
         seen["sliced"] = sorted(k for k, p in net.named_parameters() if p.__class__.__name__ == "DTensor"
                                 and p.to_local().numel() < p.numel())
+        seen["never_made"] = sorted(k for k, p in net.named_parameters() if p.is_meta)
 
-    train(door, net, rows, check_init)
+    pipe = None
+    if mode == "pipe":  # 2 stages (2 ranks), each replica the whole batch; each stage builds only its layers
+        pipe = autopar.PipelineParallel(net, None if door == "gpt" else torch.nn.CrossEntropyLoss(), micro_batches=2,
+                                        split_points=[SPLITS[door]], grads="stage")
+        rows = slice(None)
+    train(door, net, rows, check_init, pipe=pipe)
+    if pipe is not None:
+        pipe.gather_parameters()  # every stage's parameters, for the comparison
     now = full(net)
     return {**seen, "diff": max((now[k] - end[k]).abs().max().item() for k in end),
             "largest_held": max((r.largest_held for r in recordings), default=0),
             "largest_param": max(p.numel() * 8 for p in ref.parameters())}
+
+
+class _OneProcess:
+    """One process's step for the pipeline's reference: the mean of the two micro-batches' losses, no clipping."""
+
+    def __init__(self, door, net):
+        self.door, self.net = door, net
+
+    def step(self, x, y):
+        for xs, ys in zip(x.tensor_split(2), y.tensor_split(2)):
+            out = self.net(xs, ys)[1] if self.door == "gpt" else F.cross_entropy(self.net(xs), ys)
+            (out / 2).backward()
 
 
 results = {}

@@ -755,6 +755,50 @@ def materialize_module(module: torch.nn.Module, buffers_only: bool = False, recu
     return done
 
 
+def take(network: torch.nn.Module) -> None:
+    """A parallel runtime materialises ``network`` itself (a pipeline: each stage only its own pieces' tensors): its
+    modules no longer wait for the first call's whole materialisation."""
+    for module in network.modules():
+        _pending.discard(module)
+    if not _pending:
+        _remove_hook()
+
+
+def materialize_named(network: torch.nn.Module, names: set[str], device: torch.device | None = None) -> int:
+    """The meta parameters and buffers of ``network`` named in ``names`` made real and whole (a pipeline stage's:
+    the rest never is); tied ones stay one tensor. Returns how many."""
+    done, made = 0, {}
+    for kind, named in (("_parameters", network.named_parameters(remove_duplicate=False)),
+                        ("_buffers", network.named_buffers(remove_duplicate=False))):
+        for name, t in list(named):
+            if name not in names or not (is_meta(t) or id(t) in made):
+                continue
+            owner, _, attr = name.rpartition(".")
+            table = getattr(network.get_submodule(owner) if owner else network, kind)
+            if id(t) not in made:
+                value = _unset(t.shape, t.dtype) if t in _to_load else full_value(t)
+                made[id(t)] = _swap(t, value if device is None else value.to(device))
+                done += 1
+            table[attr] = made[id(t)]
+    return done
+
+
+def allocate(module: torch.nn.Module, device: torch.device | None = None) -> int:
+    """Storage for every meta parameter and buffer of ``module``, its values left unset (never computed): what is
+    about to be overwritten whole -- a pipeline stage receiving the other stages' tensors. Returns how many."""
+    done, made = 0, {}
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for attr, t in list(table.items()):
+                if t is None or not (is_meta(t) or id(t) in made):
+                    continue
+                if id(t) not in made:
+                    made[id(t)] = _swap(t, torch.empty(tuple(t.shape), dtype=t.dtype, device=device or _CPU))
+                    done += 1
+                table[attr] = made[id(t)]
+    return done
+
+
 def make_whole(module: torch.nn.Module, device: torch.device | None = None) -> int:
     """What of ``module`` is still on the meta device made real and whole, on ``device`` (the CPU): a network not
     laid out by a mode that slices (data parallel, a save or load before the first call, a call no mode takes).

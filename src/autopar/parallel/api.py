@@ -142,12 +142,12 @@ def attach(network: torch.nn.Module, loss_fn: Any = None, optimizer: torch.optim
 def _dispatch(state: ParallelState, network, loss_fn, optimizer, sample, ctx, sample_kwargs, plan=None) -> None:
     mode = state.mode
     if ctx.pipeline_stages > 1:
-        _whole(network)
-        if mode is not ParallelMode.STAND_ALONE:
+        if mode is not ParallelMode.STAND_ALONE:  # (a network built on the meta device: each stage makes its own)
             from autopar.parallel.pipeline.cell import attach_pipeline_cell
 
             state.pipeline = attach_pipeline_cell(network, loss_fn, ctx, state.world)
             return
+        _whole(network)
         _warn_once("pipeline_stages", f"autopar: pipeline_stages={ctx.pipeline_stages} needs a parallel mode "
                    "(semi_auto_parallel, as MindSpore): stand_alone runs the network in one stage")
     if mode is ParallelMode.STAND_ALONE:

@@ -130,9 +130,10 @@ class PipelineParallel:
             raise ConfigError(f"the batch of {batch} does not split into micro_size={self.micro_batches} equal "
                               "micro-batches")
         example = tuple(t.tensor_split(self.micro_batches)[0] if isinstance(t, torch.Tensor) else t for t in inputs)
+        deferred_build = _deferred_build(self.network)
         try:
             # the trace calls the network: it must not parallelize itself meanwhile
-            with _context.managed(), _no_generation_cache(self.network):
+            with _context.managed(), _no_generation_cache(self.network), _stand_ins(self.network, deferred_build):
                 pipe = pipeline(self.network, mb_args=example,
                                 split_spec={name: SplitPoint.BEGINNING for name in self.split_points})
         except Exception as exc:  # noqa: BLE001 - torch.export's many failure types, said in one line
@@ -147,6 +148,10 @@ class PipelineParallel:
         mine = list(range(self.stage_index, pieces, self.num_stages))  # this rank's pieces (one unless interleaved)
         self._pieces, users = pieces_of(pipe, self.network, set(mine))
         self.owner = {name: {k % self.num_stages for k in ks} for name, ks in users.items()}
+        if deferred_build:  # grads="stage": this stage's parameters and buffers made real, only they; "full" steps
+            # every parameter on every rank, so there the network is made whole
+            _materialize_stage(self.network, {name for name, ks in users.items() if ks & set(mine)}
+                               if self.grads == "stage" else None, [self._pieces[k] for k in mine])
         modules = [self._pieces[k] for k in mine]
         self.stage_module = modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
         shapes = _static_shapes(pipe, example) if _fake_group(self.pp_group) else {}
@@ -304,6 +309,9 @@ class PipelineParallel:
         ``grads="full"`` every rank stepped every parameter already: only the buffers travel."""
         if self.stage_module is None or self.num_stages == 1:
             return
+        from autopar.common import deferred
+
+        deferred.allocate(self.network, device=_device())  # (a stage's own build: the others' get storage here)
         state = dict(self.network.named_buffers())
         if self.grads == "stage":
             state.update(self.network.named_parameters())
@@ -329,6 +337,72 @@ def _no_generation_cache(network: torch.nn.Module):
         yield
     finally:
         config.use_cache = True
+
+
+def _device() -> torch.device:
+    from autopar.comm import management as _comm
+
+    return _comm.device()
+
+
+def _deferred_build(network: torch.nn.Module) -> bool:
+    """Is ``network`` built on the meta device (``deferred_init``, ``no_init_parameters``, ``torch.device("meta")``)?
+    Then its initialisers are recorded (a plain meta build's), the ranks' draws checked alike, and the first call's
+    whole materialisation called off: each stage makes only its own tensors (:func:`_materialize_stage`)."""
+    from autopar.common import deferred
+    from autopar.parallel.api import _same_draws_everywhere
+
+    if not deferred.has_meta(network):
+        return False
+    deferred.record_initialisers(network)
+    _same_draws_everywhere(network, _context.auto_parallel_context().parameter_broadcast)
+    deferred.take(network)
+    return True
+
+
+@contextlib.contextmanager
+def _stand_ins(network: torch.nn.Module, active: bool):
+    """While the trace runs, each meta tensor of ``network`` replaced by a stand-in on the host that costs one
+    element (a zero expanded to its shape): the trace reads shapes, never values, and a meta tensor would bake the
+    meta device into what the network makes in its forward (``torch.arange(t, device=idx.device)``)."""
+    if not active:
+        yield
+        return
+    from autopar.common import deferred
+
+    swapped, stand = [], {}
+    for module in network.modules():
+        for table in (module._parameters, module._buffers):
+            for attr, t in list(table.items()):
+                if t is None or not deferred.is_meta(t):
+                    continue
+                if id(t) not in stand:
+                    zero = torch.zeros((), dtype=t.dtype).expand(t.shape)
+                    stand[id(t)] = torch.nn.Parameter(zero, t.requires_grad) if isinstance(
+                        t, torch.nn.Parameter) else zero
+                swapped.append((table, attr, t))
+                table[attr] = stand[id(t)]
+    try:
+        yield
+    finally:
+        for table, attr, t in swapped:
+            table[attr] = t
+
+
+def _materialize_stage(network: torch.nn.Module, names: set[str] | None, pieces: list) -> None:
+    """The network's tensors this rank's pieces use (``names``; None: all), made real and whole on its device, the
+    pieces holding them; the other stages' stay on the meta device, never computed."""
+    from autopar.common import deferred
+    from autopar.comm import management as _comm
+
+    from .split import _use_network_parameters
+
+    if names is None:
+        deferred.make_whole(network, device=_comm.device())
+    else:
+        deferred.materialize_named(network, names, device=_comm.device())
+    for piece in pieces:
+        _use_network_parameters(piece.graph_module, network)
 
 
 def pipeline_of(network: torch.nn.Module) -> PipelineParallel | None:
