@@ -392,8 +392,8 @@ def _stand_ins(network: torch.nn.Module, active: bool):
 def _materialize_stage(network: torch.nn.Module, names: set[str] | None, pieces: list) -> None:
     """The network's tensors this rank's pieces use (``names``; None: all), made real and whole on its device, the
     pieces holding them; the other stages' stay on the meta device, never computed."""
-    from autopar.common import deferred
     from autopar.comm import management as _comm
+    from autopar.common import deferred
 
     from .split import _use_network_parameters
 
