@@ -6,7 +6,7 @@ token-wise runs on that slice, attention gathers the keys and values.
 Cases: ``cp`` (the sequence over every rank), ``dp_cp`` (4 ranks: dp 2 x cp 2), ``cp_zero1`` / ``cp_zero3``
 (``enable_parallel_optimizer``), ``cp_optimizer_after`` (the optimizer made after the first forward), ``cp_ulysses``
 (``context_parallel_algo="ulysses"``: all-to-all onto the heads), ``cp_ring`` (ring attention, the causal work
-balanced over mirrored chunks), ``..._mask`` (a per-sample mask made inside the
+balanced over mirrored chunks), ``..._tp`` (4 ranks: cp 2 x Megatron's tensor parallelism 2), ``..._mask`` (a per-sample mask made inside the
 network instead of ``is_causal``, split with the batch); and the mistakes -- a sequence the ranks do not
 divide, attention dropout, Ulysses with heads the ranks do not divide, a sequence split in data_parallel, a
 sequence the ring cannot give each rank two equal chunks of.
@@ -42,6 +42,8 @@ def fresh() -> GPT:
 
 
 def degrees(case: str) -> tuple[int, int]:
+    if case.endswith("_tp"):  # cp 2 x tp 2 (4 ranks): the inputs split on the sequence only
+        return 1, 2
     dp = 2 if case.startswith("dp_cp") and n == 4 else 1
     return dp, n // dp
 
@@ -110,6 +112,12 @@ def run(case: str) -> dict:
     gpt.F = MaskedAttention() if case.endswith("mask") else torch.nn.functional
     set_mode(case)
     model = fresh()
+    if case.endswith("_tp"):  # Megatron's tensor parallelism over the other 2 ranks, each input's sequence split kept
+        for name, module in model.named_modules():
+            if name.endswith(("attn.c_attn", "mlp.c_fc")):
+                autopar.shard(module, ((1, 2, 1), (2, 1)))
+            elif name.endswith(("attn.c_proj", "mlp.c_proj")):
+                autopar.shard(module, ((1, 2, 2), (1, 2)))
     seen = {}
     model.transformer.h[0].ln_1.register_forward_hook(  # runs before the runtime's (added at the first call)
         lambda m, a, out: seen.update(local=list(out.shape)))
@@ -117,8 +125,10 @@ def run(case: str) -> dict:
     got = full(model)
     ref_losses, ref = (REF_LOSSES_MASK, REF_MASK) if case.endswith("mask") else (REF_LOSSES, REF)
     gpt.F = torch.nn.functional
+    weight = model.transformer.h[0].attn.c_attn.weight
     return {"loss": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-            "param": max((got[k] - ref[k]).abs().max().item() for k in ref), "ln_1": seen}
+            "param": max((got[k] - ref[k]).abs().max().item() for k in ref), "ln_1": seen,
+            "c_attn": list((weight.to_local() if isinstance(weight, DTensor) else weight).shape)}
 
 
 def mistake(case: str) -> dict:

@@ -47,7 +47,7 @@ def context_degrees(graph: Graph, n: int, algo: str = "all_gather") -> list[int]
             continue
         if algo == "ulysses" and any(q[1] % cp or k[1] % cp for q, k, *_ in graph.attention):
             continue
-        if algo == "ring" and graph.sequence % (2 * cp):
+        if algo == "ring" and graph.sequence % (2 * cp) and any(causal for *_, causal, _ in graph.attention):
             continue
         out.append(cp)
     return out
@@ -90,20 +90,24 @@ def context_totals(graph: Graph, machine: MachineModel, dp_totals, n: int, cp: i
         local = (math.prod(q) * item / (n // cp) + kv) / cp  # this rank's query, keys and values
         whole = 3 * 4 * math.prod(q) * k[-2]  # forward + backward FLOPs of the unmasked product, whole batch
         last = whole / (n // cp) / cp  # this rank's share of them, every key
-        if algo == "ring":  # cp - 1 hops of a key-value block forward, as many back and cp of their gradients
-            # (hidden behind the blocks' attention they pass beside); causal: half of each rank's tokens moved to
-            # the mirrored chunks and back (query, keys, values and the output, forward and backward)
+        if algo == "ring" and blockwise:  # cp - 1 hops of a key-value block forward, as many back and cp of
+            # their gradients (hidden behind the blocks' attention they pass beside); causal: each rank's tokens
+            # moved to the mirrored chunks and back (query, keys, values and the output, forward and backward: on
+            # two ranks half of them, on more nearly all)
             hops = (3 * cp - 2) * machine.collective("all_to_all", 2 * kv / cp, 2)  # (a pair's exchange: one block)
             last /= 2 if causal else 1
             comm += hops - machine.hidden(hops, machine.compute("attention", last))
             if causal:
-                comm += 2 * machine.collective("all_to_all", local + math.prod(q) * item / (n // cp) / cp, 2)
-            kept += 2 * kv / cp  # the block in hand and the one arriving
+                moved = (local + math.prod(q) * item / (n // cp) / cp) * (1 if cp == 2 else 2)
+                comm += 2 * machine.collective("all_to_all", moved, 2)
+                kept += local  # the mirrored copies the ring keeps for its backward (the blocks in flight --
+                # the one in hand, the one arriving -- are one layer's at a time, not kept)
         elif algo == "ulysses":  # query, keys, values and the output onto a split of the heads and back, both ways
             comm += 2 * machine.collective("all_to_all", local + math.prod(q) * item / (n // cp) / cp, cp)
             last /= 2 if causal else 1
             kept += local  # the head-split copies attention keeps for its backward
-        else:  # keys and values gathered forward, their gradients reduce-scattered
+        else:  # keys and values gathered forward, their gradients reduce-scattered (the ring's call where it
+            # cannot run as one: a mask, not the CPU's kernel)
             comm += machine.collective("all_gather", kv, cp) + machine.collective("reduce_scatter", kv, cp)
             kept += kv * (cp - 1) / cp  # kept for the backward beside the local slices
             if causal:  # the last slice's queries see every key: on the CPU's blockwise kernel it computes cp - 1/2

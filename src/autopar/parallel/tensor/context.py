@@ -325,8 +325,8 @@ class SequenceAttention(TorchFunctionMode):
             return self.attend(*args, **kwargs)
         if func is torch.cat and args and "out" not in kwargs:
             alone = _beside_empty(args[0])
-            if alone is not None:
-                return alone.clone()
+            if alone is not None:  # (cat's result is contiguous; so is this copy)
+                return alone.clone(memory_format=torch.contiguous_format)
         if func in _RESHAPES and args and isinstance(args[0], DTensor):
             args = (_batch_first(func, args[0], args, kwargs), *args[1:])
         return func(*args, **kwargs)

@@ -167,10 +167,11 @@ def _as_hidden(local: torch.Tensor, hidden: DTensor, mesh) -> DTensor:
 
 def _sends_tokens(hidden, top_k_index, top_k_weights, ep: int) -> bool:
     """Can the tokens go only to their experts' ranks (:func:`_dispatched`)? The routing must be split with the
-    tokens (each rank routes its own) and real (how many tokens go where is read from it: a dry run's fake tensors
+    tokens (each rank routes its own), one row of k choices per token, and real (how many tokens go where is read from it: a dry run's fake tensors
     have no values, and there the gather runs)."""
     tensors = (hidden.to_local(), top_k_index, top_k_weights)
     return (ep > 1 and all(isinstance(t, DTensor) for t in (top_k_index, top_k_weights))
+            and hidden.dim() == top_k_index.dim() == 2  # (tokens, features) and (tokens, k), as transformers calls
             and not any(is_fake(t.to_local() if isinstance(t, DTensor) else t) for t in tensors))
 
 

@@ -10,16 +10,20 @@ sequence -- rank r chunks r and 2cp-1-r of 2cp) gives every rank the same causal
 
 The layouts keep each rank's contiguous slice (positions, RoPE, the shifted labels and the loss are computed on it
 as for the other algorithms), so the balance is made at attention: query, keys and values move from the contiguous
-slices to the mirrored chunks (half of each rank's tokens, point to point), and the output moves back.
+slices to the mirrored chunks (point to point: on two ranks half of each rank's tokens, on more nearly all), and
+the output moves back.
 
 The ring itself is torch's (``_templated_ring_attention`` and its backward, the loop ``context_parallel`` runs on
-GPUs) with the CPU flash kernel as its block operator; on other devices, or under the dry run's fake tensors, the
-all-gather form runs instead and says so once. Exact: every query's softmax runs over the same keys as in one
-process, merged in another order.
+GPUs) with the CPU flash kernel as its block operator (the dry run's fake tensors run it too, so it measures the
+ring's memory); on other devices, with a mask, or where the keys are not split as the queries are, the all-gather
+form runs instead and says so once. Grouped-query attention repeats the keys and values to the query heads first
+(the ring passes the repeated blocks). Exact: every query's softmax runs over the same keys as in one process,
+merged in another order.
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 import torch.distributed as dist
@@ -80,6 +84,8 @@ def _why_not(query: DTensor, key, value, attn_mask) -> str | None:
     if q.dim() != 4 or not q.dtype == key.dtype == value.dtype or \
             q.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         return "query, keys and values are not 4-dimensional tensors of one floating dtype"
+    if query.shape[-2] != key.shape[-2] or key.shape[-3] != value.shape[-3] or query.shape[-3] % key.shape[-3]:
+        return "the keys are not as many as the queries, or their heads do not divide the query heads"
     return None
 
 
@@ -89,13 +95,17 @@ def _options(balanced: bool, dtype: torch.dtype):
     all-gather), balanced where the call is causal, and the merge in fp32 only for half-precision blocks (a float64
     block stays float64)."""
     opts = _torch_cp._cp_options
-    saved = (opts.enable_load_balance, opts.rotate_method, opts.convert_to_f32)
-    opts.enable_load_balance, opts.rotate_method = balanced, _torch_cp._RotateMethod.ALL_TO_ALL
-    opts.convert_to_f32 = dtype in (torch.bfloat16, torch.float16)
-    try:
-        yield
-    finally:
-        opts.enable_load_balance, opts.rotate_method, opts.convert_to_f32 = saved
+    with _OPTIONS:  # (module-wide: one ring at a time per process)
+        saved = (opts.enable_load_balance, opts.rotate_method, opts.convert_to_f32)
+        opts.enable_load_balance, opts.rotate_method = balanced, _torch_cp._RotateMethod.ALL_TO_ALL
+        opts.convert_to_f32 = dtype in (torch.bfloat16, torch.float16)
+        try:
+            yield
+        finally:
+            opts.enable_load_balance, opts.rotate_method, opts.convert_to_f32 = saved
+
+
+_OPTIONS = threading.Lock()
 
 
 class _Ring(torch.autograd.Function):

@@ -65,12 +65,14 @@ class Candidate:
     def not_run_by_autopar(self) -> list[str]:
         """What of this plan autopar's runtime does not run yet: context and sequence parallelism are planned only
         where pinned (to predict another system's run; autopar runs sequence parallelism with tensor parallelism,
-        not inside pipeline stages, where layouts are not applied yet, and context parallelism with data parallel
-        and ZeRO, not yet in one plan with tensor or pipeline parallelism); ZeRO inside pipeline stages is searched, as
-        Megatron-LM's distributed optimizer runs it, and said."""
+        not inside pipeline stages, where layouts are not applied yet, and context parallelism with data parallel,
+        ZeRO and tensor parallelism, not yet with sequence parallelism or inside pipeline stages); ZeRO inside
+        pipeline stages is searched, as Megatron-LM's distributed optimizer runs it, and said."""
         out = []
-        if self.cp > 1 and (self.t > 1 or self.p > 1):
-            out.append("context parallelism with tensor or pipeline parallelism")
+        if self.cp > 1 and self.p > 1:
+            out.append("context parallelism inside pipeline stages")
+        if self.cp > 1 and self.sp:
+            out.append("sequence parallelism with context parallelism")
         if self.sp and self.p > 1:
             out.append("sequence parallelism inside pipeline stages")
         if self.p > 1 and self.zero >= 1:
