@@ -6,6 +6,7 @@ stages, ``PipelineParallel``), auto -- for the dry run's tests: the same script 
 argv: MODE [n_layer n_embd vocab block batch [eager|deferred [full_batch]]] (a tiny GPT by default, built eagerly;
 deferred: ``autopar.deferred_init``, each rank materialising only what it keeps; full_batch: every rank feeds the same
 ``batch`` rows, Megatron's tensor-parallel contract)."""
+import os
 import sys
 
 import torch
@@ -35,7 +36,7 @@ runner = None
 if mode == "pipeline":
     runner = autopar.PipelineParallel(model, None, micro_batches=2, split_points=[f"transformer.h.{n_layer // 2}"])
 tokens = block // n if mode.startswith("cp") else block  # context parallelism: this rank's slice of each sequence
-for step in range(3):
+for step in range(int(os.environ.get("DRYRUN_GPT_STEPS", "3"))):  # (2: the first with the optimizer state made)
     x = torch.randint(0, vocab, (batch, tokens))
     y = torch.randint(0, vocab, (batch, tokens))
     if runner is not None:
