@@ -392,15 +392,14 @@ def _stand_ins(network: torch.nn.Module, active: bool):
 def _materialize_stage(network: torch.nn.Module, names: set[str] | None, pieces: list) -> None:
     """The network's tensors this rank's pieces use (``names``; None: all), made real and whole on its device, the
     pieces holding them; the other stages' stay on the meta device, never computed."""
-    from autopar.comm import management as _comm
     from autopar.common import deferred
 
     from .split import _use_network_parameters
 
     if names is None:
-        deferred.make_whole(network, device=_comm.device())
+        deferred.make_whole(network, device=_device())
     else:
-        deferred.materialize_named(network, names, device=_comm.device())
+        deferred.materialize_named(network, names, device=_device())
     for piece in pieces:
         _use_network_parameters(piece.graph_module, network)
 
