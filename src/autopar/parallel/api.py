@@ -21,7 +21,6 @@ call; a network's first call in a parallel mode makes it by itself (:mod:`autopa
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from autopar.context import ParallelMode
 from autopar.errors import ConfigError, user_stacklevel
 from autopar.labels import call_loss
 from autopar.ops.shard import has_strategies, shard  # noqa: F401  (public: autopar.shard)
+from autopar.parallel.seeds import same_draws_everywhere
 from autopar.parallel.state import ParallelState, bind, state_of, state_within
 
 
@@ -204,38 +204,10 @@ def _prepare_deferred(network: torch.nn.Module, loss_fn: Any, ctx) -> None:
     for module in (network, loss_fn):
         if isinstance(module, torch.nn.Module) and deferred.has_meta(module):
             deferred.record_initialisers(module)
-            _same_draws_everywhere(module, ctx.parameter_broadcast)
+            same_draws_everywhere(module, ctx.parameter_broadcast)
             deferred.materialize_module(module, device=_device(), frozen_only=True)
     if isinstance(loss_fn, torch.nn.Module):
         _whole(loss_fn)
-
-
-def _same_draws_everywhere(network: torch.nn.Module, broadcast: bool) -> None:
-    """Every rank computes the slices it keeps from its own record of the build: the ranks must have drawn alike
-    (the same seed), or the slices would come from different networks. Collective. Where they did not:
-    ``parameter_broadcast=True`` makes every rank draw as rank 0 did (rank 0's network, as broadcasting its
-    parameters would); otherwise rank 0 warns, as data parallel does when replicas differ."""
-    import torch.distributed as dist
-
-    from autopar.common import deferred
-
-    if not _comm.is_initialized() or _comm.get_group_size() < 2:
-        return
-    for rec in deferred.recordings_of(network):
-        payload = rec.rng_payload()
-        digest = torch.tensor([int.from_bytes(hashlib.sha1(payload.numpy().tobytes()).digest()[:7],
-                                              "little"), payload.numel()], dtype=torch.int64)
-        gathered = [torch.empty_like(digest) for _ in range(_comm.get_group_size())]
-        dist.all_gather(gathered, digest)
-        if all(torch.equal(g, gathered[0]) for g in gathered):
-            continue
-        if broadcast and all(g[1] == gathered[0][1] for g in gathered):
-            dist.broadcast(payload, src=0)
-            rec.adopt_rng_payload(payload)
-        elif _comm.get_rank() == 0:
-            warnings.warn("autopar: the ranks built the network from different random states (no common seed): "
-                          "each rank's slices come from a different draw, not from one network. Seed every rank "
-                          "alike (autopar.set_seed) or set parameter_broadcast=True", stacklevel=user_stacklevel())
 
 
 def _whole(network: torch.nn.Module) -> None:

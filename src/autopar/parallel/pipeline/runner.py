@@ -350,12 +350,12 @@ def _deferred_build(network: torch.nn.Module) -> bool:
     Then its initialisers are recorded (a plain meta build's), the ranks' draws checked alike, and the first call's
     whole materialisation called off: each stage makes only its own tensors (:func:`_materialize_stage`)."""
     from autopar.common import deferred
-    from autopar.parallel.api import _same_draws_everywhere
+    from autopar.parallel.seeds import same_draws_everywhere
 
     if not deferred.has_meta(network):
         return False
     deferred.record_initialisers(network)
-    _same_draws_everywhere(network, _context.auto_parallel_context().parameter_broadcast)
+    same_draws_everywhere(network, _context.auto_parallel_context().parameter_broadcast)
     deferred.take(network)
     return True
 

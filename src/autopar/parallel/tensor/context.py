@@ -10,7 +10,8 @@ the same keys as in one process. Or (``context_parallel_algo="ulysses"``) DeepSp
 query, keys and values onto a split of the heads, attention runs whole over the sequence, and the output moves back. torch's own ``context_parallel`` has no CPU kernel rule (its ring dispatches the
 CUDA attention kernels), so this is built on ``F.scaled_dot_product_attention`` of the local tensors.
 
-Active (a torch function mode) while a layout runtime whose inputs split the sequence runs a forward pass.
+Active through :mod:`.sequence_attention` (a torch function mode) while a layout runtime whose inputs split the
+sequence runs a forward pass.
 """
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from autopar.errors import StrategyError
@@ -307,32 +307,3 @@ class _SequenceToHeads(torch.autograd.Function):
         seq = heads + 1
         return _exchange(grad, group, parts, rank, seq if back else heads, heads if back else seq), None, None, \
             None, None, None
-
-
-class SequenceAttention(TorchFunctionMode):
-    def __init__(self, algo: str = "all_gather"):
-        super().__init__()
-        if algo == "ring":
-            from autopar.parallel.tensor.ring import ring  # (it builds on this module)
-
-            self.attend = ring
-        else:
-            self.attend = ulysses if algo == "ulysses" else attention
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _SDPA and args and isinstance(args[0], DTensor) and _sequence_axes(args[0]):
-            return self.attend(*args, **kwargs)
-        if func is torch.cat and args and "out" not in kwargs:
-            alone = _beside_empty(args[0])
-            if alone is not None:  # (cat's result is contiguous; so is this copy)
-                return alone.clone(memory_format=torch.contiguous_format)
-        if func in _RESHAPES and args and isinstance(args[0], DTensor):
-            args = (_batch_first(func, args[0], args, kwargs), *args[1:])
-        return func(*args, **kwargs)
-
-
-def enter(algo: str = "all_gather") -> SequenceAttention:
-    mode = SequenceAttention(algo)
-    mode.__enter__()
-    return mode

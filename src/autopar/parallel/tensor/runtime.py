@@ -46,7 +46,7 @@ from autopar.ops.comm import _CommPrimitive
 from autopar.ops.primitive import Primitive
 from autopar.parallel.grads.layouts import LayoutGrads
 from autopar.parallel.state import state_of
-from autopar.parallel.tensor import context, experts, local_matmul, sequence
+from autopar.parallel.tensor import context, experts, local_matmul, sequence, sequence_attention
 from autopar.parallel.tensor import placements as P
 from autopar.parallel.tensor.attention import register_attention_rules
 from autopar.parallel.tensor.explain import fused_projection_split
@@ -252,7 +252,7 @@ class SemiAutoRuntime(ParameterPlacement):
             if len(world_mesh().shape) > 1:  # a dimension may be split over two mesh axes
                 self._matmul_mode = local_matmul.enter()
             if self.sequence_split:  # context parallelism: attention over the split sequence
-                self._attention_mode = context.enter(self.context_parallel_algo)
+                self._attention_mode = sequence_attention.enter(self.context_parallel_algo)
         self._depth += 1
         return True
 
