@@ -108,6 +108,7 @@ class _PsContext:
 
 _run = _RunContext()
 _auto = _AutoParallelContext()
+_given: set[str] = set()  # the auto-parallel keys the user set (given_by_user)
 _ps = _PsContext()
 
 # MindSpore keys with no meaning here: accepted (tutorial scripts pass them), ignored.
@@ -210,6 +211,7 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
                 f"set_auto_parallel_context got an unknown key {key!r}; valid keys: {', '.join(sorted(valid))}"
             )
         setattr(_auto, key, value)
+        _given.add(key)
     if _auto.parallel_mode is not ParallelMode.STAND_ALONE:
         for listener in list(_mode_listeners):
             listener()
@@ -358,8 +360,15 @@ def reset_auto_parallel_context() -> None:
     hooks) is removed. Networks parallelized before keep training as they were set up."""
     global _auto
     _auto = _AutoParallelContext()
+    _given.clear()
     for listener in list(_reset_listeners):
         listener()
+
+
+def given_by_user(key: str) -> bool:
+    """Was ``key`` set by ``set_auto_parallel_context`` (since the last reset)? Where a default leaves a choice open
+    (``context_parallel_algo``), AUTO_PARALLEL makes it; a value the user gave, even the default's, is kept."""
+    return key in _given
 
 
 def auto_parallel_context() -> _AutoParallelContext:

@@ -33,9 +33,17 @@ def test_auto_weighs_and_runs_context_and_expert_parallelism_exactly(procs, tmp_
             r = out[case]
             assert "error" not in r, (rank, case, r.get("error"), r.get("trace"))
             assert r["param"] <= TOL and (r["loss"] <= TOL or r["plain"]), (rank, case, r["loss"], r["param"])
-            variant = f"context parallel {n}" if case.startswith("cp") else f"data parallel + expert parallel {n}"
+            # (the ring's case gives its algorithm: one variant a degree; the others leave AUTO to weigh each)
+            variant = f"context parallel {n}" + ("" if case == "cp_ring_plan" else " (all_gather)") \
+                if case.startswith("cp") else f"data parallel + expert parallel {n}"
             assert variant in r["variants"], (case, r["variants"])
             assert variant in r["explain"], r["explain"]
+            if case == "cp_ring_plan":
+                assert r["ran_algo"] == "ring" and not any("(" in v for v in r["variants"]), r
+            elif case.startswith("cp"):  # the GPT's 4 heads: Ulysses on 2 and 4, the ring (CPU kernel) too
+                assert {f"context parallel {n} ({a})" for a in ("ulysses", "ring")} <= set(r["variants"]), r
+            if case == "cp_auto" and r["context_parallel"] > 1:  # the algorithm it ran is the one it chose
+                assert r["ran_algo"] == r["algo"], r
             if case == "cp_plan":  # the norms ran on this rank's slice of the one sequence
                 assert r["context_parallel"] == n and r["ln_1"]["local"] == [1, 32 // n, 16], r
             if case == "ep_plan":
@@ -53,14 +61,43 @@ def test_a_causal_sdpa_network_is_weighed_split_on_its_sequence(n):
     sample = (torch.randn(4, 64, 64), torch.randn(4, 64, 64))
     plan = _plan(LlamaBlock(64, 4, 2, 128, 64, causal=True), sample, n)
     assert plan.graph.attention and plan.graph.sequence == 64
-    expected = {f"context parallel {cp}" + (f" x data parallel {n // cp}" if n // cp > 1 else "")
-                for cp in (2, 4) if cp <= n}
+    # every algorithm at each degree: 4 heads (the key/value heads repeated to them before attention) that 2 and 4
+    # divide, and a sequence of 64 that holds two chunks a rank for the ring
+    expected = {f"context parallel {cp}" + (f" x data parallel {n // cp}" if n // cp > 1 else "") + f" ({algo})"
+                for cp in (2, 4) if cp <= n for algo in ("all_gather", "ring", "ulysses")}
     assert set(plan.variants) == expected, plan.variants
     round_ = alternatives(plan, within=1e9)
     assert {describe(c) for c in round_ if c.context_parallel > 1} == expected
     assert "data parallel" in [describe(c) for c in round_]
     for c in round_:  # the runners-up divide the batch as data parallel does unless they are the variant
         assert (c.context_parallel > 1) == describe(c).startswith("context parallel")
+        if c.context_parallel > 1:  # each runner-up runs the algorithm it was weighed with
+            assert describe(c).endswith(f"({c.context_parallel_algo})"), describe(c)
+
+
+def test_auto_chooses_the_context_parallel_algorithm_unless_the_user_gave_one():
+    """Left open, ``context_parallel_algo`` is AUTO's to choose: each algorithm that runs is weighed and the fastest
+    split is the plan's, the algorithm with it. A value the user gave -- even the default's -- is the only one
+    weighed."""
+    import autopar
+
+    sample = (torch.randn(1, 256, 64), torch.randn(1, 256, 64))
+    block = LlamaBlock(64, 4, 4, 128, 256, causal=True)
+    plan = _plan(block, sample, 2)
+    algos = {v.algo for v in plan.variants.values()}
+    assert algos == {"all_gather", "ulysses", "ring"}, plan.variants
+    best = min(plan.variants.values(), key=lambda v: v.totals.step)
+    if plan.context_parallel > 1:  # (one sequence: data parallel cannot split it, so the split is chosen)
+        assert (plan.context_parallel, plan.context_parallel_algo) == (best.cp, best.algo), plan.reason
+        assert f"({best.algo})" in plan.reason
+    try:
+        autopar.set_auto_parallel_context(context_parallel_algo="all_gather")
+        given = _plan(block, sample, 2)
+    finally:
+        autopar.reset_auto_parallel_context()
+    assert {v.algo for v in given.variants.values()} == {"all_gather"} and list(given.variants) == [
+        "context parallel 2"], given.variants
+    assert not autopar.context.given_by_user("context_parallel_algo")  # (a reset forgets it)
 
 
 def test_each_context_parallel_algorithm_is_costed_as_it_runs():
@@ -110,7 +147,7 @@ class _OwnRotary(torch.nn.Module):
 def test_a_sequence_split_is_not_weighed_around_modules_it_could_get_wrong():
     sample = (torch.randn(4, 64, 64), torch.randn(4, 64, 64))
     plain = LlamaBlock(64, 4, 2, 128, 64, causal=True)
-    assert "context parallel 2" in _plan(plain, sample).variants
+    assert "context parallel 2 (all_gather)" in _plan(plain, sample).variants
     own = torch.nn.Sequential(_OwnRotary(), LlamaBlock(64, 4, 2, 128, 64, causal=True))
     assert not _plan(own, sample).variants  # a leaf not known to be token-wise
     plain.attn_dropout = 0.1  # attention dropout: a sequence split refuses it (its draws are not one process's)

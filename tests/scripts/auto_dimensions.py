@@ -147,6 +147,8 @@ def run(case: str) -> dict:
     return {"loss": max(abs(a - b) for a, b in zip(losses, ref_losses)),
             "param": max((got[k] - ref[k]).abs().max().item() for k in ref), "ln_1": seen,
             "plain": plan.plain_data_parallel, "context_parallel": plan.context_parallel, "expert_parallel": plan.expert_parallel,
+            "algo": plan.context_parallel_algo,
+            "ran_algo": getattr(state_of(model).runtime, "context_parallel_algo", None),
             "variants": sorted(plan.variants), "trials": [t[0] for t in plan.trials], "explain": plan.explain()}
 
 

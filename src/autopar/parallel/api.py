@@ -180,7 +180,10 @@ def _dispatch(state: ParallelState, network, loss_fn, optimizer, sample, ctx, sa
                    "applied: AUTO_PARALLEL's plan does not split the sequence")
     if cp > 1 or (has_strategies(network, loss_fn) if mode is ParallelMode.AUTO_PARALLEL
                   else lays_out(network, loss_fn, ctx)):
-        _attach_layouts(state, network, loss_fn, optimizer, ctx, zero, cp)
+        # the user's context_parallel_algo where they gave one, else the one AUTO's plan weighed its split with
+        algo = state.plan.context_parallel_algo if cp > 1 and not _context.given_by_user("context_parallel_algo") \
+            else ctx.context_parallel_algo
+        _attach_layouts(state, network, loss_fn, optimizer, ctx, zero, cp, algo)
     elif zero:
         from autopar.parallel.data.replicas import equalize_replicas
         from autopar.parallel.zero.fsdp import ShardedGrads, shard_optimizer, shard_size_of
@@ -245,16 +248,18 @@ def splits_the_sequence(ctx) -> bool:
     return splits_sequence(ctx.dataset_strategy)
 
 
-def _attach_layouts(state, network, loss_fn, optimizer, ctx, zero, context_parallel: int = 1) -> None:
+def _attach_layouts(state, network, loss_fn, optimizer, ctx, zero, context_parallel: int = 1,
+                    algo: str | None = None) -> None:
     """``context_parallel``: AUTO's sequence split over this many ranks (the batch, loaded as for data parallel,
-    re-split on the way in)."""
+    re-split on the way in); ``algo``: how attention meets the split keys (AUTO's choice; else the context's
+    ``context_parallel_algo``)."""
     from autopar.parallel.tensor.runtime import SemiAutoRuntime
     from autopar.parallel.zero.fsdp import shard_size_of
 
     runtime = SemiAutoRuntime(
         gradients_mean=ctx.gradients_mean, full_batch=ctx.full_batch, parameter_broadcast=ctx.parameter_broadcast,
         strategy_save_file=ctx.strategy_ckpt_save_file, strategy_load_file=ctx.strategy_ckpt_load_file,
-        dataset_strategy=ctx.dataset_strategy, zero_level=zero, context_parallel_algo=ctx.context_parallel_algo,
+        dataset_strategy=ctx.dataset_strategy, zero_level=zero, context_parallel_algo=algo or ctx.context_parallel_algo,
         zero_shard_size=shard_size_of(ctx, state.world) if zero else None, context_parallel=context_parallel)
     state.runtime = runtime
     state.engines.append(runtime.grads)

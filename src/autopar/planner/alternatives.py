@@ -29,8 +29,9 @@ def describe(plan: Plan) -> str:
     """A short name for a plan: what a user would have written by hand."""
     if plan.pipeline is not None:
         return f"pipeline {plan.pipeline.stages} stages"
-    variant = next((label for label, (cp, ep, _) in plan.variants.items()
-                    if (cp, ep) == (plan.context_parallel, plan.expert_parallel)), None)
+    variant = next((label for label, (cp, ep, _, algo) in plan.variants.items()
+                    if (cp, ep) == (plan.context_parallel, plan.expert_parallel)
+                    and (cp == 1 or algo == plan.context_parallel_algo)), None)
     if variant is not None and (plan.context_parallel > 1 or plan.expert_parallel):
         return variant
     if plan.pure_data_parallel:
@@ -124,10 +125,12 @@ def alternatives(plan: Plan, layouts: int = 5, near: int = 2, within: float = WI
         out.append(dataclasses.replace(plan, choice=choice, totals=totals, pure_data_parallel=False,
                                        zero_level=None, reason="a runner-up of the searched plan" + (
                                            "" if close else ", a third of its layers apart")))
-    for label, (cp, ep, totals) in plan.variants.items():  # the batch divided otherwise: sequence, experts
-        if fits(totals) and (cp, ep) != (chosen.context_parallel, chosen.expert_parallel):
+    mine = (chosen.context_parallel, chosen.expert_parallel, chosen.context_parallel_algo)
+    for label, (cp, ep, totals, algo) in plan.variants.items():  # the batch divided otherwise: sequence, experts
+        if fits(totals) and (cp, ep, algo) != mine:
             out.append(dataclasses.replace(plan, choice=dp, totals=totals, pure_data_parallel=True, zero_level=None,
-                                           context_parallel=cp, expert_parallel=ep, reason=label))
+                                           context_parallel=cp, expert_parallel=ep, context_parallel_algo=algo,
+                                           reason=label))
     best = min(c.totals.step for c in out)
     first, rest = out[0], sorted(out[1:], key=lambda c: c.totals.step)
     # the baseline a plan must beat is always measured: data parallel, or -- where it does not fit -- the fastest
@@ -142,17 +145,19 @@ def alternatives(plan: Plan, layouts: int = 5, near: int = 2, within: float = WI
 def as_choice(plan: Plan) -> tuple:
     """What every rank needs to rebuild ``plan`` from its own copy of the problem (broadcast from rank 0)."""
     return (list(plan.choice), plan.pure_data_parallel, plan.zero_level, plan.totals.compute, plan.totals.comm,
-            plan.totals.memory, plan.reason, plan.pipeline is not None, plan.context_parallel, plan.expert_parallel)
+            plan.totals.memory, plan.reason, plan.pipeline is not None, plan.context_parallel, plan.expert_parallel,
+            plan.context_parallel_algo)
 
 
 def from_choice(plan: Plan, box: tuple) -> Plan:
     choice, pure, level, compute, comm, memory, reason = box[:7]
     piped = box[7] if len(box) > 7 else False  # (a decision kept by an earlier version has no pipeline flag)
     cp, ep = (int(box[8]), bool(box[9])) if len(box) > 9 else (1, False)  # (nor these)
+    algo = box[10] if len(box) > 10 else plan.context_parallel_algo  # (nor the algorithm AUTO chose)
     totals = Totals(compute, comm, memory)
     plain = pure and level is None and not piped and cp == 1 and not ep
     if plain and plan.dp_totals is not None:  # data parallel's step as now known (a
         totals = plan.dp_totals  # decision read back: its step as an earlier measured round timed it, where kept)
     return dataclasses.replace(plan, choice=choice, pure_data_parallel=pure, zero_level=level, totals=totals,
                                reason=reason, pipeline=plan.pipeline if piped else None, context_parallel=cp,
-                               expert_parallel=ep)
+                               expert_parallel=ep, context_parallel_algo=algo)

@@ -44,10 +44,10 @@ def make_plan(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sample:
                         sample_kwargs=kwargs, data_parallel_step=data_parallel_step)
     if dist.is_initialized() and n > 1:  # every rank runs rank 0's plan (one source of truth)
         box = [plan.choice if dist.get_rank() == 0 else None, plan.pure_data_parallel, plan.zero_level, plan.pipeline,
-               plan.context_parallel, plan.expert_parallel]
+               plan.context_parallel, plan.expert_parallel, plan.context_parallel_algo]
         dist.broadcast_object_list(box, src=0)
         (plan.choice, plan.pure_data_parallel, plan.zero_level, plan.pipeline, plan.context_parallel,
-         plan.expert_parallel) = box
+         plan.expert_parallel, plan.context_parallel_algo) = box
     return plan
 
 

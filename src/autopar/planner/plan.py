@@ -5,6 +5,7 @@ import copy
 import math
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -38,6 +39,16 @@ class Totals:
         return self.compute + self.comm
 
 
+class Variant(NamedTuple):
+    """A way of dividing the batch other than data parallel's (:mod:`autopar.planner.dimensions`): the sequence
+    split over ``cp`` ranks with attention met as ``algo`` (``context_parallel_algo``) says, or the stacked experts
+    split by expert (``ep``)."""
+    cp: int
+    ep: bool
+    totals: Totals
+    algo: str = "all_gather"
+
+
 @dataclass
 class Plan:
     graph: Graph
@@ -67,10 +78,12 @@ class Plan:
     cost_seconds: float = 0.0
     trial_seconds: float = 0.0
     # the batch divided otherwise (autopar.planner.dimensions): chosen -- the sequence split over this many ranks
-    # (1: none), the stacked experts split by expert -- and weighed: label -> (cp, experts split, Totals)
+    # (1: none) with attention met as ``context_parallel_algo`` says, the stacked experts split by expert -- and
+    # weighed: label -> Variant
     context_parallel: int = 1
     expert_parallel: bool = False
     variants: dict = field(default_factory=dict)
+    context_parallel_algo: str = "all_gather"
 
     @property
     def plain_data_parallel(self) -> bool:
@@ -153,7 +166,7 @@ class Plan:
                              f"{z.comm * 1e3:.1f}; memory {z.memory / 2**20:.1f} MiB per device")
         else:
             lines.append("data parallel: not possible for this network on this many devices")
-        for label, (_, _, v) in self.variants.items():
+        for label, (_, _, v, _) in self.variants.items():
             lines.append(f"{label}: step {v.step * 1e3:.1f} ms = compute {v.compute * 1e3:.1f} + communication "
                          f"{v.comm * 1e3:.1f}; memory {v.memory / 2**20:.1f} MiB per device")
         for option in self.pipelines:
@@ -598,27 +611,32 @@ def _weigh_dimensions(plan: Plan, network: torch.nn.Module, memory_limit: float 
     sizes = {id(p): float(p.numel() * p.element_size()) for p in network.parameters() if p.requires_grad}
     grads = [b for k, b in sizes.items() if k not in in_experts]
     machine, dispatch = plan.problem.machine, dispatch_of(plan.problem)
-    degrees = [] if ctx.dataset_strategy != "data_parallel" or _attention_dropout(network) else \
-        dimensions.context_degrees(graph, n, ctx.context_parallel_algo)
-    for cp in degrees:
-        label = f"context parallel {cp}" + (f" x data parallel {n // cp}" if n // cp > 1 else "")
-        plan.variants[label] = (cp, False, Totals(*dimensions.context_totals(
-            graph, machine, d, n, cp, list(sizes.values()), dispatch, ctx.context_parallel_algo)))
+    # the attention a sequence split meets: the user's context_parallel_algo where they gave one, else each that can
+    # run here (the ring only where its blocks run on the blockwise kernel: elsewhere it runs as the all-gather)
+    algos = [ctx.context_parallel_algo] if _context.given_by_user("context_parallel_algo") else \
+        ["all_gather", "ulysses"] + (["ring"] if any(blockwise for *_, blockwise in graph.attention) else [])
+    split = ctx.dataset_strategy == "data_parallel" and not _attention_dropout(network)
+    for algo in algos if split else ():
+        for cp in dimensions.context_degrees(graph, n, algo):
+            label = f"context parallel {cp}" + (f" x data parallel {n // cp}" if n // cp > 1 else "") + (
+                f" ({algo})" if len(algos) > 1 else "")
+            plan.variants[label] = Variant(cp, False, Totals(*dimensions.context_totals(
+                graph, machine, d, n, cp, list(sizes.values()), dispatch, algo)), algo)
     if dimensions.expert_parallel_ok(graph, n):
         experts = [b for k, b in sizes.items() if k in in_experts]
-        plan.variants[f"data parallel + expert parallel {n}"] = (
+        plan.variants[f"data parallel + expert parallel {n}"] = Variant(
             1, True, Totals(*dimensions.expert_totals(graph, machine, d, n, grads, experts, dispatch)))
     fitting = {k: v for k, v in plan.variants.items() if memory_limit is None or v[2].memory <= memory_limit}
     if not fitting:
         return
     label = min(fitting, key=lambda k: fitting[k][2].step)
-    cp, ep, totals = fitting[label]
+    cp, ep, totals, algo = fitting[label]
     chosen_fits = memory_limit is None or plan.totals.memory <= memory_limit
     if totals.step < plan.totals.step or not chosen_fits:
         why = "does not fit" if not chosen_fits else f"takes {plan.totals.step * 1e3:.1f} ms"
         plan.reason = f"{label} ({totals.step * 1e3:.1f} ms per step); without it: {plan.reason}, which {why}"
         plan.choice, plan.totals, plan.pure_data_parallel, plan.zero_level = plan.problem.dp_choice(), totals, True, None
-        plan.context_parallel, plan.expert_parallel = cp, ep
+        plan.context_parallel, plan.expert_parallel, plan.context_parallel_algo = cp, ep, algo
 
 
 def _attention_dropout(network: torch.nn.Module) -> bool:
