@@ -2,7 +2,7 @@
 ranks, one launch each (tests/scripts/sequence_parallel.py): torchtitan's plan with torch's own style objects, the
 same in autopar's strings, MindSpore's tuples with data x model parallel (``Cell.shard`` on a norm), with ZeRO-1 and
 ZeRO-3, and Megatron's data contract (every rank the whole batch of one) -- each equal to one process after 3 AdamW
-steps with clipping. The norms' outputs are split on the sequence; where tensor parallelism alone all-reduces a
+steps with clipping. nanoGPT's fused ``c_attn`` split by columns runs attention split by heads. The norms' outputs are split on the sequence; where tensor parallelism alone all-reduces a
 row-parallel layer's partial sums, sequence parallelism reduce-scatters them. What a user gets wrong is one line."""
 import json
 
@@ -38,9 +38,21 @@ def test_sequence_parallel_trains_exactly_through_both_doors(procs, tmp_path, n)
             assert r["loss"] <= TOL and r["param"] <= TOL, (rank, case, r)
             # the styles split over every rank; MindSpore's tuples over mp = 2 (on 4 ranks dp 2 x mp 2)
             split = 1 if case.endswith("no_sp") else (2 if case.startswith("ms_") else n)
+            # nanoGPT's fused c_attn split by columns: q, k and v each split by heads, attention too (one all-to-all,
+            # not a gather of the whole projection and attention whole on every rank)
+            heads = 2 if case.startswith("ms_") else n
+            assert r["attended"]["local"][-1] == 16 // heads and "Shard(dim=2)" in r["attended"]["placements"], r
             assert r["ln_2"]["local"][1] == SEQ // split, (rank, case, r["ln_2"])
             if split > 1:
                 assert "Shard(dim=1)" in r["ln_2"]["placements"], (rank, case, r["ln_2"])
+        # what the backward keeps whole (every token, every feature): tensor parallelism alone keeps each layer's
+        # norms' inputs and the column-parallel projections' inputs (4 a layer), the last norm's and the head's;
+        # sequence parallelism only the head's (its vocabulary is not split here) -- the projections' inputs,
+        # gathered from the sequence split, are kept split and gathered again in the backward, as Megatron-LM does
+        # (counted by shape on 2 ranks: on 4 the MLP's 4 x hidden features split 4 ways look like a whole one)
+        layers = 2
+        saved = {case: out[case]["saved_whole"] for case in ("full_batch", "full_batch_no_sp")}
+        assert n != 2 or saved == {"full_batch": 1, "full_batch_no_sp": 4 * layers + 2}, saved
         # Megatron's contract: the row-parallel layers' all-reduces become reduce-scatters
         assert "all_reduce" not in out["full_batch"]["comms"], out["full_batch"]["comms"]
         assert out["full_batch"]["comms"]["reduce_scatter_tensor"] == out["full_batch_no_sp"]["comms"]["all_reduce"]

@@ -130,12 +130,37 @@ def run(case: str, ref_losses, ref_params) -> dict:
     seen = {}
     hook = model.transformer.h[0].ln_2.register_forward_hook(  # after the runtime's: the output as laid out
         lambda m, a, out: seen.update(placements=str(tuple(out.placements)), local=list(out.to_local().shape)))
+    attended = {}  # attention's output as it reaches the row-split projection: split by heads (the fused c_attn's
+    # q, k and v each split over the ranks), not gathered whole
+    pre = model.transformer.h[0].attn.c_proj.register_forward_pre_hook(lambda m, a: attended.update(
+        placements=str(tuple(a[0].placements)), local=list(a[0].to_local().shape)))
     with torch.no_grad(), CommDebugMode() as comms:  # a forward's collectives (the mode breaks full_batch's backward)
         model(DATA[0, rows, :-1].contiguous(), DATA[0, rows, 1:].contiguous())
     hook.remove()
+    pre.remove()
     counts = {str(k).rsplit(".", 1)[-1]: v for k, v in comms.get_comm_counts().items()}
     return {"loss": max(abs(a - b) for a, b in zip(means, ref_l)),
-            "param": max((got[k] - ref_p[k]).abs().max().item() for k in ref_p), "ln_2": seen, "comms": counts}
+            "param": max((got[k] - ref_p[k]).abs().max().item() for k in ref_p), "ln_2": seen, "comms": counts,
+            "attended": attended, "saved_whole": saved_whole(model, rows)}
+
+
+def saved_whole(model, rows) -> int:
+    """How many activations one forward keeps for its backward whole -- every token of the sequence, every feature
+    -- on this rank (the ones autopar keeps split and gathers again are not handed to an outer hook)."""
+    whole = (rows.stop - rows.start) * CFG.block_size * CFG.n_embd
+    weights = {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr() for p in model.parameters()}
+    count = 0
+
+    def pack(t):
+        nonlocal count
+        local = t.to_local() if isinstance(t, DTensor) else t
+        count += int(local.is_floating_point() and local.numel() == whole and local.shape[-1] == CFG.n_embd
+                     and local.untyped_storage().data_ptr() not in weights)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(DATA[0, rows, :-1].contiguous(), DATA[0, rows, 1:].contiguous())
+    return count
 
 
 MISTAKES = {  # what a user gets wrong -> the plan

@@ -153,7 +153,13 @@ def _laid_out_as(out: Any, layout: Any) -> Any:
     if isinstance(layout, Shard):
         layout = Shard(layout.dim % out.dim())
     target = tuple(layout if isinstance(layout, (Shard, Replicate)) else Replicate() for _ in out.placements)
-    return out if tuple(out.placements) == target else out.redistribute(out.device_mesh, target)
+    if tuple(out.placements) == target:
+        return out
+    moved = out.redistribute(out.device_mesh, target)
+    # where it came from: an operator that saves this gathered copy for its backward may keep the split one instead
+    # and gather again then (sequence parallelism's activations, Megatron's way: autopar.parallel.tensor.operators)
+    moved._autopar_gathered_from = out
+    return moved
 
 
 _SHARDED_CLASSES: dict[type, type] = {}

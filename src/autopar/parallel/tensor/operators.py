@@ -39,7 +39,7 @@ def run_operator(rt, op: Primitive, args: tuple, kwargs: dict) -> Any:
     plan = _plan(rt, op, spec, strategy, shapes, [args[i] for i in positions])
     local_args = list(args)
     mesh = world_mesh()
-    regather = Regather() if rt.zero_level == "level3" else None
+    regather = Regather() if rt.zero_level == "level3" or rt.sequence_parallel else None
     for k, i in enumerate(positions):
         layout = plan.inputs[k]
         dt = stored = rt._input(args[i], op, plan, layout)
@@ -48,8 +48,15 @@ def run_operator(rt, op: Primitive, args: tuple, kwargs: dict) -> Any:
             dt = dt.redistribute(mesh, target)
         grad_placements = P.placements_for(layout, plan.absent_axes(k), grad_partial=True)
         local_args[i] = dt.to_local(grad_placements=grad_placements)
-        if regather is not None and dt is not stored and isinstance(stored, torch.nn.Parameter):
-            regather.add(local_args[i], stored, target)  # ZeRO-3: gathered again for the backward
+        if regather is None:
+            continue
+        if isinstance(stored, torch.nn.Parameter):
+            if dt is not stored and rt.zero_level == "level3":
+                regather.add(local_args[i], stored, target)  # ZeRO-3: gathered again for the backward
+        elif rt.sequence_parallel:
+            source = stored if dt is not stored else getattr(args[i], "_autopar_gathered_from", None)
+            if isinstance(source, DTensor) and _gathers(source.placements, target):
+                regather.add(local_args[i], source, target)  # the split activation kept, gathered again
     bias = getattr(op, "bias_index", None)
     if plan.partial_axes and bias is not None and bias < len(local_args) and local_args[bias] is not None:
         # the output is a partial sum over the split contraction: each part carries 1/k of the bias
@@ -71,6 +78,15 @@ def run_operator(rt, op: Primitive, args: tuple, kwargs: dict) -> Any:
         out = out / math.prod(plan.device_matrix[a] for a in partial)
         reduction = "sum"
     return P.wrap_local(out, P.output_placements(plan.device_matrix, plan.output_map, partial, reduction))
+
+def _gathers(source: tuple, target: tuple) -> bool:
+    """Is moving from ``source`` to ``target`` placements an all-gather (a split made whole on some mesh axis, no
+    partial sum)? Sequence parallelism (Korthikanti et al. 2022, sec. 4.2.2): the column-parallel layer's input,
+    gathered from the sequence split, is not kept whole for the backward -- the split is kept and gathered again
+    there, as Megatron-LM does, so the activations between tensor-parallel layers take 1/t of the memory."""
+    return not any(p.is_partial() for p in source) and any(
+        s.is_shard() and not t.is_shard() for s, t in zip(source, target))
+
 
 def _plan(rt, op: Primitive, spec, strategy: tuple, shapes: tuple, tensors: list | None = None):
     """The operator's plan; a strategy that does not fit, when a strategy file gave it, names that file and the

@@ -46,7 +46,7 @@ from autopar.ops.comm import _CommPrimitive
 from autopar.ops.primitive import Primitive
 from autopar.parallel.grads.layouts import LayoutGrads
 from autopar.parallel.state import state_of
-from autopar.parallel.tensor import context, experts, local_matmul, sequence, sequence_attention
+from autopar.parallel.tensor import context, experts, fused_split, local_matmul, sequence, sequence_attention
 from autopar.parallel.tensor import placements as P
 from autopar.parallel.tensor.attention import register_attention_rules
 from autopar.parallel.tensor.explain import fused_projection_split
@@ -169,6 +169,7 @@ class SemiAutoRuntime(ParameterPlacement):
         self._depth = 0
         self._matmul_mode = None
         self._attention_mode = None
+        self._split_mode = None
         # context parallelism: the inputs split on their sequence (dimension 1) -- token-wise modules keep that
         # split, attention gathers keys and values (parallel/tensor/context.py)
         self.context_parallel_algo = context_parallel_algo
@@ -176,6 +177,9 @@ class SemiAutoRuntime(ParameterPlacement):
         # rank its rows; under full_batch every row) and are re-split on their sequence on the way in
         self.context_parallel = context_parallel
         self.sequence_split = splits_sequence(self.dataset_strategy) or context_parallel > 1
+        # a module split on the sequence between tensor-parallel layers (sequence parallelism): the activations an
+        # operator gathers from that split are kept split for its backward (operators._gathers)
+        self.sequence_parallel = False
         self._hooked: set[int] = set()
         self._strategy_written = False
         self.loss_root: torch.nn.Module | None = None  # network + loss, when Model gave a loss
@@ -211,6 +215,7 @@ class SemiAutoRuntime(ParameterPlacement):
                 if (module, attr) not in owners:
                     owners.append((module, attr))
         sequence.check_tensor_parallel(self, root)
+        self.sequence_parallel = self.sequence_parallel or any(sequence.is_split(m) for m in root.modules())
         self._store_leaf_parameters(root)
         root.register_forward_pre_hook(self._root_pre, with_kwargs=True)
         root.register_forward_hook(self._root_post, always_call=True)
@@ -249,6 +254,8 @@ class SemiAutoRuntime(ParameterPlacement):
             self.loss_was_global = self.outputs_whole = False
             self._executing = _primitive.executing(_execute)
             self._executing.__enter__()
+            if self.device_num > 1:  # a column-split fused projection cut into q, k and v: each split by heads
+                self._split_mode = fused_split.enter()
             if len(world_mesh().shape) > 1:  # a dimension may be split over two mesh axes
                 self._matmul_mode = local_matmul.enter()
             if self.sequence_split:  # context parallelism: attention over the split sequence
@@ -269,6 +276,9 @@ class SemiAutoRuntime(ParameterPlacement):
             mode, self._matmul_mode = self._matmul_mode, None
             if mode is not None:
                 local_matmul.leave(mode)
+            split, self._split_mode = self._split_mode, None
+            if split is not None:
+                local_matmul.leave(split)
 
     def _root_pre(self, module, args, kwargs):
         outer = self._depth == 0
