@@ -738,19 +738,35 @@ def materialize_module(module: torch.nn.Module, buffers_only: bool = False, recu
     new parameter takes its place in every module and optimizers are moved onto it before their next step, as for
     any parameter a parallel mode replaces). ``frozen_only``: buffers and parameters that do not train.
     Returns how many."""
+    return _replace_meta(module, lambda t: _whole_value(t, device), recurse=recurse, buffers_only=buffers_only,
+                         select=lambda name, t: not (frozen_only and t.requires_grad), made=made)
+
+
+def _whole_value(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """A meta tensor's whole initial value (unset where a checkpoint is about to fill it), on ``device``."""
+    value = _unset(t.shape, t.dtype) if t in _to_load else full_value(t)
+    return value if device is None else value.to(device)
+
+
+def _replace_meta(module: torch.nn.Module, value_of: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True,
+                  buffers_only: bool = False, select: Callable[[str, torch.Tensor], bool] = lambda name, t: True,
+                  made: dict | None = None) -> int:
+    """The one walk every materialisation takes: each meta parameter and buffer of ``module`` that ``select(name,
+    tensor)`` takes swapped for ``value_of(tensor)``; a tensor tied under several names stays one tensor (``made``:
+    id of a meta tensor -> what holds its value now, shared across calls). Returns how many were made."""
     done = 0
-    made = {} if made is None else made  # id of a meta tensor -> what holds its value now
-    for sub in (module.modules() if recurse else [module]):
-        tables = [sub._buffers] if buffers_only else [sub._parameters, sub._buffers]
-        for table in tables:
+    made = {} if made is None else made
+    for prefix, sub in (module.named_modules(remove_duplicate=False) if recurse else [("", module)]):
+        for table in ([sub._buffers] if buffers_only else [sub._parameters, sub._buffers]):
             for attr, t in list(table.items()):
+                if t is None:
+                    continue
                 if id(t) in made:
                     table[attr] = made[id(t)]
                     continue
-                if not is_meta(t) or (frozen_only and t.requires_grad):
+                if not is_meta(t) or not select(f"{prefix}.{attr}" if prefix else attr, t):
                     continue
-                value = _unset(t.shape, t.dtype) if t in _to_load else full_value(t)
-                made[id(t)] = table[attr] = _swap(t, value if device is None else value.to(device))
+                made[id(t)] = table[attr] = _swap(t, value_of(t))
                 done += 1
     return done
 
@@ -767,36 +783,13 @@ def take(network: torch.nn.Module) -> None:
 def materialize_named(network: torch.nn.Module, names: set[str], device: torch.device | None = None) -> int:
     """The meta parameters and buffers of ``network`` named in ``names`` made real and whole (a pipeline stage's:
     the rest never is); tied ones stay one tensor. Returns how many."""
-    done, made = 0, {}
-    for kind, named in (("_parameters", network.named_parameters(remove_duplicate=False)),
-                        ("_buffers", network.named_buffers(remove_duplicate=False))):
-        for name, t in list(named):
-            if name not in names or not (is_meta(t) or id(t) in made):
-                continue
-            owner, _, attr = name.rpartition(".")
-            table = getattr(network.get_submodule(owner) if owner else network, kind)
-            if id(t) not in made:
-                value = _unset(t.shape, t.dtype) if t in _to_load else full_value(t)
-                made[id(t)] = _swap(t, value if device is None else value.to(device))
-                done += 1
-            table[attr] = made[id(t)]
-    return done
+    return _replace_meta(network, lambda t: _whole_value(t, device), select=lambda name, t: name in names)
 
 
 def allocate(module: torch.nn.Module, device: torch.device | None = None) -> int:
     """Storage for every meta parameter and buffer of ``module``, its values left unset (never computed): what is
     about to be overwritten whole -- a pipeline stage receiving the other stages' tensors. Returns how many."""
-    done, made = 0, {}
-    for sub in module.modules():
-        for table in (sub._parameters, sub._buffers):
-            for attr, t in list(table.items()):
-                if t is None or not (is_meta(t) or id(t) in made):
-                    continue
-                if id(t) not in made:
-                    made[id(t)] = _swap(t, torch.empty(tuple(t.shape), dtype=t.dtype, device=device or _CPU))
-                    done += 1
-                table[attr] = made[id(t)]
-    return done
+    return _replace_meta(module, lambda t: torch.empty(tuple(t.shape), dtype=t.dtype, device=device or _CPU))
 
 
 def make_whole(module: torch.nn.Module, device: torch.device | None = None) -> int:
