@@ -1,10 +1,11 @@
 """What DTensor's refusals mean for the user's network, in one line (registered with :func:`autopar.errors.
 explained_by`, so an uncaught one prints that line -- and a dry run's verdict is that line).
 
-A column split of a fused projection: timm's ViT computes q, k and v with one ``Linear`` whose output features are
-(3, heads, head_dim) and reshapes them so. Split by columns over n ranks, a rank holds a contiguous 1/n of the
-3 x heads x head_dim features -- across q, k and v, not a third of each -- and DTensor refuses the reshape
-("Cannot unflatten unevenly sharded tensor ... Sharding propagation failed for aten.view.default(...)").
+A split dimension reshaped into more dimensions, the first of which the ranks that split it do not divide: a column
+split of timm's fused qkv (outputs reshaped to (3, heads, head_dim), cut into q, k and v by
+:mod:`.fused_split`) over more ranks than divide the heads, or any view of a split dimension that unflattens it
+unevenly -- DTensor refuses it deep in its sharding propagation ("Cannot unflatten unevenly sharded tensor ...
+Sharding propagation failed for aten.view.default(...)").
 """
 from __future__ import annotations
 
@@ -23,10 +24,14 @@ def fused_projection_split(exc: BaseException) -> str | None:
     dim = re.search(r"S\((\d+)\)", view[2]) if view else None
     what = f"a [{view[1]}] tensor split on its dimension {dim[1] if dim else '?'} ({view[2]}) is reshaped to " \
         f"[{view[3]}]" if view else "a tensor split on its last dimension is reshaped into more dimensions"
-    return (f"{what}, and the split does not divide the first new dimension: a column split of a fused projection "
-            "(q, k and v in one Linear, as timm's qkv) gives each rank features across q, k and v -- leave that "
-            "projection whole and split the attention's output projection and the MLP, or give q, k and v "
-            "projections of their own (columns each)")
+    parts = ""
+    if view and dim:
+        shape = [int(d) for d in view[3].split(",")]
+        at = int(dim[1])
+        parts = f" ({shape[at]})" if at < len(shape) else ""
+    return (f"{what}, and the ranks that split it do not divide the first new dimension{parts}: tensor-parallel "
+            "attention splits the heads (a fused q, k, v projection's too) -- split it over a number of ranks that "
+            "divides them, or leave that projection whole and split the attention's output projection and the MLP")
 
 
 def _chain(exc: BaseException | None):

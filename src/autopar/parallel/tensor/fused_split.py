@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 _SPLITS = {torch.Tensor.split: "split", torch.split: "split", torch.Tensor.chunk: "chunk", torch.chunk: "chunk"}
+_RESHAPES = {torch.Tensor.reshape, torch.reshape, torch.Tensor.view}
 
 
 class FusedSplit(TorchFunctionMode):
@@ -37,7 +38,34 @@ class FusedSplit(TorchFunctionMode):
                 args[2] if len(args) > 2 else kwargs.get("dim", 0))
             if parts is not None:
                 return parts
+        if func in _RESHAPES and len(args) >= 2 and isinstance(args[0], DTensor) and not kwargs:
+            shape = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size)) else args[1:]
+            made = _into_parts(args[0], shape)
+            if made is not None:
+                return made
         return func(*args, **kwargs)
+
+
+def _into_parts(x: DTensor, shape) -> DTensor | None:
+    """timm's ``qkv(x).reshape(B, N, 3, heads, head_dim)``: the split last dimension unflattened into ``(k, ...)``
+    with ``k`` parts -- cut into its parts as :func:`_by_parts` does (each split over the ranks), stacked on a new
+    dimension, then reshaped: the split lands on the dimension after ``k`` (the heads), which DTensor's view rule
+    carries where the ranks divide it (None: not such a reshape -- DTensor's own path runs)."""
+    if not all(isinstance(d, int) for d in shape) or x.dim() == 0 or not x.placements[-1:] or \
+            not any(p.is_shard(x.dim() - 1) for p in x.placements):
+        return None
+    shape = list(shape)
+    lead = x.dim() - 1
+    if len(shape) < lead + 3 or -1 in shape[lead:] or list(shape[:lead]) != [d if d != -1 else x.shape[i] for i, d
+                                                                            in enumerate(shape[:lead])]:
+        return None
+    k, rest = shape[lead], math.prod(shape[lead + 1:])
+    if k < 2 or k * rest != x.shape[-1]:
+        return None
+    parts = _by_parts(x, "chunk", k, x.dim() - 1)
+    if parts is None:
+        return None
+    return torch.stack(parts, dim=lead).reshape(list(x.shape[:lead]) + shape[lead:])
 
 
 def enter() -> FusedSplit:
