@@ -76,6 +76,6 @@ def test_a_column_split_of_timms_fused_qkv_splits_attention_by_heads(procs, tmp_
                     timeout=240)
     assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr
     line = [e for e in res.stderr.splitlines() if e.startswith("autopar: error:")]
-    assert len(line) == 1 and "a [2, 5, 3, 24] tensor split on its dimension 3 (S(3)) is reshaped to [2, 5, 3, 3, 8]" \
+    assert len(line) == 1 and "a [2, 5, 72] tensor split on its dimension 2 (S(2)) is reshaped to [2, 5, 3, 3, 8]" \
         in line[0] and "the ranks that split it do not divide the first new dimension (3)" in line[0] and \
         "leave that projection whole and split the attention's output projection and the MLP" in line[0], res.stderr

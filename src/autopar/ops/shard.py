@@ -158,7 +158,7 @@ def _laid_out_as(out: Any, layout: Any) -> Any:
     moved = out.redistribute(out.device_mesh, target)
     # where it came from: an operator that saves this gathered copy for its backward may keep the split one instead
     # and gather again then (sequence parallelism's activations, Megatron's way: autopar.parallel.tensor.operators)
-    moved._autopar_gathered_from = out
+    moved._autopar_gathered_from = (out, moved._local_tensor._version)  # (changed in place since: not used)
     return moved
 
 

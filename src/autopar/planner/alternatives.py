@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from autopar import context as _context
 from autopar.planner.plan import Plan, Totals, other_compute_of, totals_of
 from autopar.planner.search import solve_ilp
 
@@ -153,7 +154,8 @@ def from_choice(plan: Plan, box: tuple) -> Plan:
     choice, pure, level, compute, comm, memory, reason = box[:7]
     piped = box[7] if len(box) > 7 else False  # (a decision kept by an earlier version has no pipeline flag)
     cp, ep = (int(box[8]), bool(box[9])) if len(box) > 9 else (1, False)  # (nor these)
-    algo = box[10] if len(box) > 10 else plan.context_parallel_algo  # (nor the algorithm AUTO chose)
+    # (nor the algorithm: such a decision was weighed with the context's)
+    algo = box[10] if len(box) > 10 else _context.auto_parallel_context().context_parallel_algo
     totals = Totals(compute, comm, memory)
     plain = pure and level is None and not piped and cp == 1 and not ep
     if plain and plan.dp_totals is not None:  # data parallel's step as now known (a

@@ -129,11 +129,13 @@ def decision_path(plan: Plan) -> Path:
 
     backend = management.backend() if management.is_initialized() else "gloo"
     ctx = _context.auto_parallel_context()
-    # (the variants a decision may be: "cp/ep" since sequence and expert splits are weighed, so that a decision made
-    # before them is not read back as if they had lost)
+    # (the variants a decision may be: "cp/ep/algo" since sequence and expert splits, and the sequence split's
+    # algorithm, are weighed, so that a decision made before them is not read back as if they had lost; the
+    # algorithm the user gave, or AUTO's to choose)
+    algo = ctx.context_parallel_algo if _context.given_by_user("context_parallel_algo") else "auto"
     key = json.dumps([[node.name, node.kind, [list(s) for s in node.shapes], str(node.fixed)]
                       for node in plan.graph.nodes] + [plan.device_num, backend, plan.search_mode, plan.graph.batch,
-                                                       "cp/ep", ctx.context_parallel_algo, ctx.full_batch],
+                                                       "cp/ep/algo", algo, ctx.full_batch],
                      default=str)  # not the memory limit: the free memory it defaults to moves; fits() is checked
     digest = hashlib.sha1(key.encode()).hexdigest()[:16]
     return cache_path(backend, plan.device_num).parent / f"plan-{backend}-n{plan.device_num}-{digest}.json"

@@ -25,10 +25,12 @@ def fused_projection_split(exc: BaseException) -> str | None:
     what = f"a [{view[1]}] tensor split on its dimension {dim[1] if dim else '?'} ({view[2]}) is reshaped to " \
         f"[{view[3]}]" if view else "a tensor split on its last dimension is reshaped into more dimensions"
     parts = ""
-    if view and dim:
-        shape = [int(d) for d in view[3].split(",")]
-        at = int(dim[1])
-        parts = f" ({shape[at]})" if at < len(shape) else ""
+    if view:  # the split dimension unflattened: the new shape agrees with the old one before it
+        old, shape = ([int(d) for d in text.split(",")] for text in (view[1], view[3]))
+        at = next((int(d) for d in re.findall(r"S\((\d+)\)", view[2])
+                   if int(d) < min(len(old), len(shape)) and shape[:int(d)] == old[:int(d)]
+                   and shape[int(d)] != old[int(d)]), None)
+        parts = f" ({shape[at]})" if at is not None else ""
     return (f"{what}, and the ranks that split it do not divide the first new dimension{parts}: tensor-parallel "
             "attention splits the heads (a fused q, k, v projection's too) -- split it over a number of ranks that "
             "divides them, or leave that projection whole and split the attention's output projection and the MLP")

@@ -21,11 +21,12 @@ import math
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
 _SPLITS = {torch.Tensor.split: "split", torch.split: "split", torch.Tensor.chunk: "chunk", torch.chunk: "chunk"}
-_RESHAPES = {torch.Tensor.reshape, torch.reshape, torch.Tensor.view}
+_RESHAPES = {torch.Tensor.reshape, torch.reshape}  # (not ``view``: its result must alias its input)
+_VIEWS = {torch.Tensor.reshape, torch.reshape, torch.Tensor.view}
 
 
 class FusedSplit(TorchFunctionMode):
@@ -38,11 +39,15 @@ class FusedSplit(TorchFunctionMode):
                 args[2] if len(args) > 2 else kwargs.get("dim", 0))
             if parts is not None:
                 return parts
-        if func in _RESHAPES and len(args) >= 2 and isinstance(args[0], DTensor) and not kwargs:
+        if func in _VIEWS and len(args) >= 2 and isinstance(args[0], DTensor) and not kwargs:
             shape = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size)) else args[1:]
-            made = _into_parts(args[0], shape)
+            made = _into_parts(args[0], shape) if func in _RESHAPES else None
             if made is not None:
                 return made
+            if getattr(args[0], "_autopar_part", False) and _unflattens_unevenly(args[0], shape):
+                # a part whose heads the ranks do not divide (12 heads over 8): whole, as DTensor had it before
+                whole = [Replicate() if _shard_of(p) is not None else p for p in args[0].placements]
+                args = (args[0].redistribute(args[0].device_mesh, whole), *args[1:])
         return func(*args, **kwargs)
 
 
@@ -51,8 +56,8 @@ def _into_parts(x: DTensor, shape) -> DTensor | None:
     with ``k`` parts -- cut into its parts as :func:`_by_parts` does (each split over the ranks), stacked on a new
     dimension, then reshaped: the split lands on the dimension after ``k`` (the heads), which DTensor's view rule
     carries where the ranks divide it (None: not such a reshape -- DTensor's own path runs)."""
-    if not all(isinstance(d, int) for d in shape) or x.dim() == 0 or not x.placements[-1:] or \
-            not any(p.is_shard(x.dim() - 1) for p in x.placements):
+    if not all(isinstance(d, int) for d in shape) or x.dim() == 0 or \
+            not any(_shard_of(p) == x.dim() - 1 for p in x.placements):
         return None
     shape = list(shape)
     lead = x.dim() - 1
@@ -60,12 +65,32 @@ def _into_parts(x: DTensor, shape) -> DTensor | None:
                                                                             in enumerate(shape[:lead])]:
         return None
     k, rest = shape[lead], math.prod(shape[lead + 1:])
-    if k < 2 or k * rest != x.shape[-1]:
+    t = math.prod(x.device_mesh.size(a) for a, p in enumerate(x.placements) if _shard_of(p) == x.dim() - 1)
+    # (k the ranks divide: a heads-first layout, BLOOM's (heads, 3, head_dim) -- DTensor splits it on k without
+    # moving anything; the dimension after k not divided: the part's view would fail after the all-to-all)
+    if k < 2 or k * rest != x.shape[-1] or k % t == 0 or shape[lead + 1] % t:
         return None
     parts = _by_parts(x, "chunk", k, x.dim() - 1)
     if parts is None:
         return None
     return torch.stack(parts, dim=lead).reshape(list(x.shape[:lead]) + shape[lead:])
+
+
+def _shard_of(p) -> int | None:
+    """The dimension a placement splits evenly and contiguously (a plain ``Shard``; not ``_StridedShard``)."""
+    return p.dim if type(p) is Shard else None
+
+
+def _unflattens_unevenly(x: DTensor, shape) -> bool:
+    """Does reshaping ``x`` to ``shape`` unflatten a split dimension into a first new dimension the ranks that split
+    it do not divide (nanoGPT's ``q.view(B, T, heads, head_dim)`` with heads that do not divide over the ranks)?"""
+    if not all(isinstance(d, int) for d in shape) or len(shape) <= x.dim():
+        return False
+    for dim in {_shard_of(p) for p in x.placements} - {None}:
+        t = math.prod(x.device_mesh.size(a) for a, p in enumerate(x.placements) if _shard_of(p) == dim)
+        if list(shape[:dim]) == list(x.shape[:dim]) and dim < len(shape) and shape[dim] > 0 and shape[dim] % t:
+            return True
+    return False
 
 
 def enter() -> FusedSplit:
@@ -103,8 +128,8 @@ def _by_parts(x: DTensor, kind: str, how, dim) -> tuple[DTensor, ...] | None:
     if not isinstance(dim, int) or x.dim() == 0:
         return None
     dim %= x.dim()
-    axes = [a for a, p in enumerate(x.placements) if p.is_shard(dim)]
-    if not axes or any(p.is_partial() for p in x.placements):
+    axes = [a for a, p in enumerate(x.placements) if _shard_of(p) == dim]
+    if not axes or any(p.is_partial() or (p.is_shard() and _shard_of(p) is None) for p in x.placements):
         return None
     located = _group(x, axes)
     length = x.shape[dim]
@@ -127,6 +152,9 @@ def _by_parts(x: DTensor, kind: str, how, dim) -> tuple[DTensor, ...] | None:
     shape = list(x.shape)
     shape[dim] = sizes[0]
     stride = torch.empty(shape, device="meta").stride()
-    return tuple(DTensor.from_local(piece.movedim(0, dim).contiguous(), x.device_mesh, x.placements,
-                                    run_check=False, shape=torch.Size(shape), stride=stride)
-                 for piece in got.split(block, dim=0))
+    parts = tuple(DTensor.from_local(piece.movedim(0, dim).contiguous(), x.device_mesh, x.placements,
+                                     run_check=False, shape=torch.Size(shape), stride=stride)
+                  for piece in got.split(block, dim=0))
+    for part in parts:
+        part._autopar_part = True  # (a view its ranks cannot split gathers it first: _unflattens_unevenly)
+    return parts

@@ -19,7 +19,7 @@ from autopar.layout.strategy import data_parallel_strategy, derive_plan
 from autopar.ops.math import OneHot, Reshape
 from autopar.ops.primitive import Primitive
 from autopar.parallel.tensor import placements as P
-from autopar.parallel.tensor.regather import Regather
+from autopar.parallel.tensor.regather import Regather, version
 
 
 def run_operator(rt, op: Primitive, args: tuple, kwargs: dict) -> Any:
@@ -53,10 +53,10 @@ def run_operator(rt, op: Primitive, args: tuple, kwargs: dict) -> Any:
         if isinstance(stored, torch.nn.Parameter):
             if dt is not stored and rt.zero_level == "level3":
                 regather.add(local_args[i], stored, target)  # ZeRO-3: gathered again for the backward
-        elif rt.sequence_parallel:
-            source = stored if dt is not stored else getattr(args[i], "_autopar_gathered_from", None)
+        elif rt.sequence_parallel and not _outer_saved_hooks():  # (checkpointing's hooks stay in charge)
+            source = stored if dt is not stored else _gathered_from(args[i])
             if isinstance(source, DTensor) and _gathers(source.placements, target):
-                regather.add(local_args[i], source, target)  # the split activation kept, gathered again
+                regather.add(local_args[i], source, target, rt.name_of(op))  # the split kept, gathered again
     bias = getattr(op, "bias_index", None)
     if plan.partial_axes and bias is not None and bias < len(local_args) and local_args[bias] is not None:
         # the output is a partial sum over the split contraction: each part carries 1/k of the bias
@@ -78,6 +78,25 @@ def run_operator(rt, op: Primitive, args: tuple, kwargs: dict) -> Any:
         out = out / math.prod(plan.device_matrix[a] for a in partial)
         reduction = "sum"
     return P.wrap_local(out, P.output_placements(plan.device_matrix, plan.output_map, partial, reduction))
+
+def _gathered_from(t) -> DTensor | None:
+    """The split DTensor a style's declared layout gathered ``t`` from (``ops.shard._laid_out_as``) -- unless ``t``
+    was changed in place since, when the split no longer holds its values."""
+    noted = getattr(t, "_autopar_gathered_from", None)
+    return noted[0] if noted is not None and version(t) == noted[1] else None
+
+
+# saved-tensor hooks that manage memory themselves -- torch's non-reentrant checkpointing (its forward's and its
+# recomputation's hooks: the recomputation must save what the forward saved) and ``save_on_cpu``: the regathering
+# hooks would take their place inside the operator
+_MEMORY_HOOKS = ("_checkpoint_hook.", "_recomputation_hook.", "save_on_cpu.")
+
+
+def _outer_saved_hooks() -> bool:
+    """Are saved-tensor hooks that manage memory active around this operator?"""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith(_MEMORY_HOOKS)
+
 
 def _gathers(source: tuple, target: tuple) -> bool:
     """Is moving from ``source`` to ``target`` placements an all-gather (a split made whole on some mesh axis, no

@@ -22,29 +22,42 @@ class Regather(torch.autograd.graph.saved_tensors_hooks):
         self.gathered: list[tuple[object, torch.device, DTensor, tuple]] = []
         super().__init__(self._pack, self._unpack)
 
-    def add(self, local: torch.Tensor, stored: DTensor, placements: tuple) -> None:
-        self.gathered.append((storage_id(local), local.device, stored, tuple(placements)))
+    def add(self, local: torch.Tensor, stored: DTensor, placements: tuple, what: str | None = None) -> None:
+        """``what``: an activation's operator -- its kept split is checked unchanged when the backward gathers it
+        (autograd's own check on a saved tensor, which the note stands in for)."""
+        self.gathered.append((storage_id(local), local.device, stored, tuple(placements), what))
 
     def _pack(self, t: torch.Tensor):
         if not t.is_floating_point():
             return t
         ptr = storage_id(t)
-        for address, device, stored, placements in self.gathered:
+        for address, device, stored, placements, what in self.gathered:
             if address == ptr and device == t.device:
-                return _Note(stored, placements, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+                return _Note(stored, placements, tuple(t.size()), tuple(t.stride()), t.storage_offset(), what,
+                             version(stored) if what else None)
         return t
 
     @staticmethod
     def _unpack(saved):
         if not isinstance(saved, _Note):
             return saved
+        if saved.version is not None and version(saved.stored) != saved.version:
+            raise RuntimeError(f"autopar: sequence parallelism keeps the sequence-split input of {saved.what} for "
+                               "its backward and gathers it again there, but it was changed in place after that "
+                               "forward: make the change out of place (x = x * s, not x.mul_(s))")
         with torch.no_grad():
             whole = saved.stored.redistribute(saved.stored.device_mesh, saved.placements).to_local()
         return whole.as_strided(saved.size, saved.stride, saved.offset)
 
 
-class _Note:
-    __slots__ = ("stored", "placements", "size", "stride", "offset")
+def version(t: torch.Tensor) -> int:
+    """The version counter in-place operators bump (a DTensor's local tensor's)."""
+    return t._local_tensor._version if isinstance(t, DTensor) else t._version
 
-    def __init__(self, stored, placements, size, stride, offset):
+
+class _Note:
+    __slots__ = ("stored", "placements", "size", "stride", "offset", "what", "version")
+
+    def __init__(self, stored, placements, size, stride, offset, what=None, version=None):
         self.stored, self.placements, self.size, self.stride, self.offset = stored, placements, size, stride, offset
+        self.what, self.version = what, version
