@@ -65,7 +65,7 @@ def _into_parts(x: DTensor, shape) -> DTensor | None:
                                                                             in enumerate(shape[:lead])]:
         return None
     k, rest = shape[lead], math.prod(shape[lead + 1:])
-    t = math.prod(x.device_mesh.size(a) for a, p in enumerate(x.placements) if _shard_of(p) == x.dim() - 1)
+    t = _ranks_splitting(x, x.dim() - 1)
     # (k the ranks divide: a heads-first layout, BLOOM's (heads, 3, head_dim) -- DTensor splits it on k without
     # moving anything; the dimension after k not divided: the part's view would fail after the all-to-all)
     if k < 2 or k * rest != x.shape[-1] or k % t == 0 or shape[lead + 1] % t:
@@ -81,13 +81,18 @@ def _shard_of(p) -> int | None:
     return p.dim if type(p) is Shard else None
 
 
+def _ranks_splitting(x: DTensor, dim: int) -> int:
+    """Over how many ranks ``x``'s dimension ``dim`` is split (its plain ``Shard`` mesh axes together)."""
+    return math.prod(x.device_mesh.size(a) for a, p in enumerate(x.placements) if _shard_of(p) == dim)
+
+
 def _unflattens_unevenly(x: DTensor, shape) -> bool:
     """Does reshaping ``x`` to ``shape`` unflatten a split dimension into a first new dimension the ranks that split
     it do not divide (nanoGPT's ``q.view(B, T, heads, head_dim)`` with heads that do not divide over the ranks)?"""
     if not all(isinstance(d, int) for d in shape) or len(shape) <= x.dim():
         return False
     for dim in {_shard_of(p) for p in x.placements} - {None}:
-        t = math.prod(x.device_mesh.size(a) for a, p in enumerate(x.placements) if _shard_of(p) == dim)
+        t = _ranks_splitting(x, dim)
         if list(shape[:dim]) == list(x.shape[:dim]) and dim < len(shape) and shape[dim] > 0 and shape[dim] % t:
             return True
     return False
@@ -134,7 +139,7 @@ def _by_parts(x: DTensor, kind: str, how, dim) -> tuple[DTensor, ...] | None:
     located = _group(x, axes)
     length = x.shape[dim]
     sizes = _sizes(kind, how, length)
-    t = math.prod(x.device_mesh.size(a) for a in axes)
+    t = _ranks_splitting(x, dim)
     if located is None or not sizes or len(sizes) < 2 or len(set(sizes)) > 1 or sizes[0] % t or length % t:
         return None
     group, index = located

@@ -79,6 +79,7 @@ def run_operator(rt, op: Primitive, args: tuple, kwargs: dict) -> Any:
         reduction = "sum"
     return P.wrap_local(out, P.output_placements(plan.device_matrix, plan.output_map, partial, reduction))
 
+
 def _gathered_from(t) -> DTensor | None:
     """The split DTensor a style's declared layout gathered ``t`` from (``ops.shard._laid_out_as``) -- unless ``t``
     was changed in place since, when the split no longer holds its values."""
