@@ -1,6 +1,7 @@
 """A nanoGPT-style training script as its user writes it, in the mode argv[1] names -- dp, zero1, zero2, zero3,
 semi_megatron (Megatron strategies by ``autopar.shard``), semi_megatron_sp (and sequence parallelism), cp (each rank
-loads its slice of every sequence: context parallelism; cp_ring: attention as a ring), pipeline (2
+loads its slice of every sequence: context parallelism; cp_ring: attention as a ring), ep (each MLP a mixture of 4
+experts, Mixtral's top-2 router, the experts spread over the ranks: expert parallelism), pipeline (2
 stages, ``PipelineParallel``), auto -- for the dry run's tests: the same script is run simulated (``autopar launch
 --dry-run``) and for real on gloo ranks.
 argv: MODE [n_layer n_embd vocab block batch [eager|deferred [full_batch]]] (a tiny GPT by default, built eagerly;
@@ -14,6 +15,23 @@ from gpt import GPT, GPTConfig
 from gpt_modes import megatron, sequence_parallel, set_mode
 
 import autopar
+from autopar.models import StackedExperts
+
+
+class MoE(torch.nn.Module):
+    """Mixtral's sparse block in the place of the GPT's MLP: a top-2 softmax router over 4 stacked experts."""
+
+    def __init__(self, width: int, experts: int = 4, top_k: int = 2):
+        super().__init__()
+        self.top_k = top_k
+        self.router = torch.nn.Linear(width, experts, bias=False)
+        self.experts = StackedExperts(experts, width, 2 * width)
+
+    def forward(self, x):
+        h = x.reshape(-1, x.shape[-1])
+        weights, index = torch.softmax(self.router(h), dim=-1).topk(self.top_k, dim=-1)
+        return self.experts(h, index, weights / weights.sum(dim=-1, keepdim=True)).reshape(x.shape)
+
 
 mode = sys.argv[1]
 sizes = [int(a) for a in sys.argv[2:7]] or [2, 256, 512, 64, 4]
@@ -27,6 +45,10 @@ if sys.argv[8:9] == ["full_batch"]:
 torch.manual_seed(0)
 config = GPTConfig(block_size=block, vocab_size=vocab, n_layer=n_layer, n_head=max(1, n_embd // 32), n_embd=n_embd)
 model = autopar.deferred_init(GPT, config) if build == "deferred" else GPT(config)
+if mode == "ep":
+    for layer in model.transformer.h:
+        layer.mlp = MoE(n_embd)
+    autopar.shard(model, {"*.experts": "expert"})
 if mode.startswith("semi_megatron"):
     megatron(model, n)
 if mode == "semi_megatron_sp":

@@ -1,7 +1,7 @@
 """The parallel modes the GPT test scripts name (dryrun_gpt.py, cuda_gpt.py): dp, zero1, zero2, zero3,
 semi_megatron (Megatron strategies by ``autopar.shard``), semi_megatron_sp (and the norms and dropouts split on the
 sequence), cp (context parallelism: the inputs' sequence split over every rank), cp_ring (and attention as a ring),
-pipeline, auto."""
+ep (the experts of the scripts' mixture-of-experts MLPs spread over the ranks), pipeline, auto."""
 import autopar
 
 GPT_COLUMNS, GPT_ROWS = ("attn.c_attn", "mlp.c_fc"), ("attn.c_proj", "mlp.c_proj")
@@ -10,7 +10,7 @@ GPT_COLUMNS, GPT_ROWS = ("attn.c_attn", "mlp.c_fc"), ("attn.c_proj", "mlp.c_proj
 def set_mode(mode: str) -> None:
     name = {"auto": "auto_parallel", "semi_megatron": "semi_auto_parallel",
             "semi_megatron_sp": "semi_auto_parallel", "cp": "semi_auto_parallel",
-            "cp_ring": "semi_auto_parallel"}.get(mode, "data_parallel")
+            "cp_ring": "semi_auto_parallel", "ep": "semi_auto_parallel"}.get(mode, "data_parallel")
     autopar.set_auto_parallel_context(parallel_mode=name, gradients_mean=True)
     if mode.startswith("cp"):
         n = autopar.communication.get_group_size()

@@ -71,6 +71,10 @@ class PlainAnswers(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
+        if _seeded:
+            known = _with_known_values(func, args, kwargs or {})
+            if known is not _UNKNOWN:
+                return known
         if func is aten._local_scalar_dense.default or func in _ANSWERED:
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             if tensors and not any(is_fake(t) for t in tensors):
@@ -94,6 +98,86 @@ class PlainAnswers(TorchDispatchMode):
         if answer is not None and isinstance(out, torch.Tensor):
             out._dryrun_answer = answer
         return out
+
+
+# Values a dry run knows: a mixture-of-experts layer's routing (seeded by :func:`route_alike`) and whatever is
+# computed from it alone -- the expert masks, the tokens each expert takes (``nonzero``, ``where``), their counts.
+# A fake tensor carries its values, a small real CPU tensor, as ``_dryrun_value``; an op over such tensors runs on
+# the values too, so a size that depends on them (``nonzero``) is the one a healthy job would meet.
+_seeded = False
+_UNKNOWN = object()
+
+
+def known_value(t: torch.Tensor) -> torch.Tensor | None:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return getattr(t, "_dryrun_value", None) if is_fake(t) else t
+
+
+def _with_known_values(func, args, kwargs):
+    """``func`` on tensors whose values are all known (at least one of them fake): the values computed for real,
+    the fake result given them (or made from their sizes where fake tensors cannot say a size). ``_UNKNOWN`` where
+    any tensor's values are unknown."""
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException, is_fake, unset_fake_temporarily
+    from torch.utils import _pytree as pytree
+
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    if not any(isinstance(t, torch.Tensor) and is_fake(t) and hasattr(t, "_dryrun_value") for t in leaves):
+        return _UNKNOWN
+    values = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            leaf = known_value(leaf)
+            if leaf is None:
+                return _UNKNOWN
+        elif isinstance(leaf, torch.device):  # the values live on the host whatever device the fake ones claim
+            leaf = torch.device("cpu")
+        values.append(leaf)
+    value_args, value_kwargs = pytree.tree_unflatten(values, spec)
+    try:
+        with unset_fake_temporarily():
+            real = func(*value_args, **value_kwargs)
+    except (NotImplementedError, RuntimeError):  # a GPU kernel the host lacks (histc of integers): values unknown
+        return _UNKNOWN
+    if not any(isinstance(r, torch.Tensor) for r in pytree.tree_leaves(real)):
+        return real  # a number read from known values: the value itself
+    try:
+        out = func(*args, **kwargs)
+    except DynamicOutputShapeException:  # a size set by the values: a fake tensor of the values' size
+        device = next(t.device for t in leaves if isinstance(t, torch.Tensor) and is_fake(t))
+        out = pytree.tree_map_only(torch.Tensor, lambda r: torch.empty_strided(r.shape, r.stride(), dtype=r.dtype,
+                                                                                device=device), real)
+    for o, r in zip(pytree.tree_leaves(out), pytree.tree_leaves(real)):
+        if isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor) and is_fake(o):
+            o._dryrun_value = r
+    return out
+
+
+def route_alike(module: torch.nn.Module, args):
+    """A forward pre-hook for every module: a mixture-of-experts layer's stacked experts -- an ``int``
+    ``num_experts`` and ``forward(tokens, top_k_index, top_k_weights)`` over one row of k choices per token, as
+    Hugging Face's and autopar's experts are called -- get routing whose values are known. A fake router has none,
+    and which tokens an expert takes (``nonzero``) is set by them. The routing is what an untrained or
+    load-balanced router gives: each token's k experts drawn uniformly, without repeats (seeded by the rank, so
+    every rank routes its own tokens differently, as a real job's do)."""
+    global _seeded
+    from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+
+    experts = getattr(module, "num_experts", None)
+    if not isinstance(experts, int) or isinstance(experts, bool) or len(args) < 3:
+        return None
+    tokens, index = args[0], args[1]
+    local = getattr(index, "_local_tensor", index)  # a DTensor's routing: its local rows
+    if not (isinstance(tokens, torch.Tensor) and isinstance(local, torch.Tensor) and is_fake(local)
+            and local.dim() == 2 and not local.is_floating_point() and local.dtype != torch.bool
+            and not hasattr(local, "_dryrun_value") and local.shape[-1] <= experts):
+        return None
+    rows, k = local.shape
+    with unset_fake_temporarily():
+        draws = torch.rand(rows, experts, generator=torch.Generator().manual_seed(dist.get_rank()))
+        local._dryrun_value = draws.topk(k, dim=-1).indices.to(local.dtype)
+    _seeded = True
+    return None
 
 
 def _joined(*args, **kwargs) -> None:
@@ -141,6 +225,7 @@ def form(rank: int, world: int, device: str = "cpu") -> None:
     dist.broadcast_object_list = _keep
     dist.scatter_object_list = _keep
     _real_meshes()
+    torch.nn.modules.module.register_module_forward_pre_hook(route_alike)
     from autopar.dryrun import fake_ddp
 
     fake_ddp.install()

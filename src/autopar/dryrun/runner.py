@@ -32,9 +32,15 @@ def _where(exc: BaseException, script: str) -> str:
 
 
 def _error_line(exc: BaseException, script: str) -> str:
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
     from autopar.errors import explain
 
     text = explain(exc) or str(exc).strip()
+    if isinstance(exc, DynamicOutputShapeException):
+        text = (f"{exc.func} sizes its output by tensor values, which a dry run's tensors do not have (a "
+                "mixture-of-experts layer's routing is given values where its experts are called as "
+                "(tokens, top_k_index, top_k_weights)): measure this step in a real run on a few ranks")
     line = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
     return line + _where(exc, script)
 

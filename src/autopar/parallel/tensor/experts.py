@@ -10,7 +10,7 @@ each other, their experts' gradients summed over the groups.
 
 A call is Megatron-LM's all-to-all token dispatcher (``moe_token_dispatcher_type="alltoall"``, :func:`_dispatched`):
 each token goes, with its routing, only to the ranks of the experts it chose, and its results come back. Where the
-routing cannot be read (a dry run's fake tensors) or is not split with the tokens, it is the all-gather dispatcher
+routing cannot be read (a dry run's fake router, where the dry run has not given it values) or is not split with the tokens, it is the all-gather dispatcher
 (``"allgather"``): every rank's tokens in the group, with their routing, are gathered; each rank runs the module's own forward over them
 with only its experts (a token routed elsewhere takes the forward's "no expert" slot, so it adds nothing here) and its weights; the partial sums
 are reduce-scattered back to the tokens' ranks. The backward is the mirror (each expert's weight gradient whole on
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, is_fake
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from autopar.comm.topology import world_mesh, world_size
@@ -116,7 +116,10 @@ def run(module: torch.nn.Module, forward, hidden_states, top_k_index, top_k_weig
     per = experts // ep
     start = ((dist.get_rank() if dist.is_initialized() else 0) % ep) * per
     if _sends_tokens(hidden, top_k_index, top_k_weights, ep):
-        return _dispatched(module, forward, hidden, top_k_index, top_k_weights, group, ep, start, *args, **kwargs)
+        try:
+            return _dispatched(module, forward, hidden, top_k_index, top_k_weights, group, ep, start, *args, **kwargs)
+        except DynamicOutputShapeException:  # a dry run's router whose values it does not know: who sends what
+            pass                             # cannot be sized, and the gather, which needs no values, runs
     h, index, weights = gathered(hidden), gathered(top_k_index), gathered(top_k_weights)
     out = _local_experts(module, forward, h, index, weights, start, *args, **kwargs)
     sums = _waited(funcol.reduce_scatter_tensor_autograd(out, "sum", scatter_dim=0, group=group))  # this rank's tokens
@@ -167,12 +170,9 @@ def _as_hidden(local: torch.Tensor, hidden: DTensor, mesh) -> DTensor:
 
 def _sends_tokens(hidden, top_k_index, top_k_weights, ep: int) -> bool:
     """Can the tokens go only to their experts' ranks (:func:`_dispatched`)? The routing must be split with the
-    tokens (each rank routes its own), one row of k choices per token, and real (how many tokens go where is read from it: a dry run's fake tensors
-    have no values, and there the gather runs)."""
-    tensors = (hidden.to_local(), top_k_index, top_k_weights)
+    tokens (each rank routes its own) and one row of k choices per token."""
     return (ep > 1 and all(isinstance(t, DTensor) for t in (top_k_index, top_k_weights))
-            and hidden.dim() == top_k_index.dim() == 2  # (tokens, features) and (tokens, k), as transformers calls
-            and not any(is_fake(t.to_local() if isinstance(t, DTensor) else t) for t in tensors))
+            and hidden.dim() == top_k_index.dim() == 2)  # (tokens, features) and (tokens, k), as transformers calls
 
 
 def _dispatched(module, forward, hidden: DTensor, top_k_index: DTensor, top_k_weights: DTensor, group, ep: int,
@@ -189,18 +189,22 @@ def _dispatched(module, forward, hidden: DTensor, top_k_index: DTensor, top_k_we
     owner = torch.where(index < ep * per, index // per, torch.full_like(index, ep))  # (dropped: no rank)
     picks = [(owner == d).any(-1).nonzero().squeeze(-1) for d in range(ep)]
     sent = [len(p) for p in picks]
-    counts = torch.tensor(sent, dtype=torch.int64, device=h.device)
-    got = torch.empty_like(counts)
-    dist.all_to_all_single(got, counts, group=group)
-    received = got.tolist()
     order = torch.cat(picks)
 
     def exchange(t, out_split, in_split, grad=True):
         move = funcol.all_to_all_single_autograd if grad else funcol.all_to_all_single
         return _waited(move(t.contiguous(), out_split, in_split, group))
 
+    if is_fake(h):  # a dry run, whose fake group moves nothing: every rank routes as this one does, so it receives
+        me = (dist.get_rank() if dist.is_initialized() else 0) % ep  # from each what it sends itself
+        received, index_in = [sent[me]] * ep, torch.cat([index[picks[me]]] * ep)
+    else:
+        counts = torch.tensor(sent, dtype=torch.int64, device=h.device)
+        got = torch.empty_like(counts)
+        dist.all_to_all_single(got, counts, group=group)
+        received = got.tolist()
+        index_in = exchange(index[order], received, sent, grad=False)
     h_in = exchange(h[order], received, sent)
-    index_in = exchange(index[order], received, sent, grad=False)
     weights_in = exchange(weights[order], received, sent, grad=weights.requires_grad)
     out = _local_experts(module, forward, h_in, index_in, weights_in, start, *args, **kwargs)
     back = exchange(out, sent, received)
