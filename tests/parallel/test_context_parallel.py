@@ -2,7 +2,7 @@
 (tests/scripts/context_parallel.py): the inputs' sequence split by ``dataset_strategy``, every token-wise module on
 its slice, attention over the gathered keys and values -- over every rank, dp x cp (4 ranks), with ZeRO-1 and
 ZeRO-3, the optimizer made after the first forward, DeepSpeed-Ulysses' all-to-all, ring attention with the causal work balanced (dp x cp, ZeRO-1/3), cp x Megatron's tensor parallelism (4 ranks,
-both algorithms), and a per-sample mask made
+both algorithms; and with sequence parallelism), and a per-sample mask made
 inside the network; each equal to one process after 3 AdamW steps with
 clipping. What a user gets wrong is one line. (Hugging Face's Llama and GPT-2: tests/models/test_hf_transformers.py.)"""
 import json
@@ -11,9 +11,10 @@ import pytest
 
 from procutil import SCRIPTS, autopar_cmd
 
-TRAINED = {2: ["cp", "cp_zero1", "cp_optimizer_after", "cp_ulysses", "cp_mask", "cp_ring", "cp_ring_zero3"],
+TRAINED = {2: ["cp", "cp_zero1", "cp_optimizer_after", "cp_ulysses", "cp_mask", "cp_ring", "cp_ring_zero3", "cp_gqa",
+               "cp_ring_gqa"],
            4: ["cp", "dp_cp", "cp_zero3", "dp_cp_zero1", "cp_ulysses", "dp_cp_ulysses", "dp_cp_mask",
-               "dp_cp_ulysses_mask", "cp_ring", "dp_cp_ring_zero1", "cp_tp", "cp_ring_tp"]}
+               "dp_cp_ulysses_mask", "cp_ring", "dp_cp_ring_zero1", "cp_tp", "cp_ring_tp", "cp_sp_tp"]}
 MISTAKES = {
     "sequence_indivisible": ("StrategyError", "context parallelism: the ranks loaded slices of"),
     "attention_dropout": ("StrategyError", "context parallelism: attention dropout differs from one process's draws"),
@@ -38,8 +39,8 @@ def test_context_parallelism_trains_exactly(procs, tmp_path, n):
             r = out[case]
             assert "error" not in r, (rank, case, r.get("error"), r.get("trace"))
             assert r["loss"] <= TOL and r["param"] <= TOL, (rank, case, r)
-            cp = 2 if case.startswith("dp_cp") or case.endswith("_tp") else n
-            assert r["ln_1"]["local"][1] == SEQ // cp, (rank, case, r["ln_1"])  # the norms hold a slice
+            parts = 4 if "_sp_" in case else 2 if case.startswith("dp_cp") or case.endswith("_tp") else n
+            assert r["ln_1"]["local"][1] == SEQ // parts, (rank, case, r["ln_1"])  # the norms hold a slice
             if case.endswith("_tp"):  # the fused qkv projection's 48 output features split over the pair
                 assert r["c_attn"][0] == 24, (rank, case, r["c_attn"])
         for case, (kind, message) in MISTAKES.items():

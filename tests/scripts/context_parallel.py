@@ -6,8 +6,10 @@ token-wise runs on that slice, attention gathers the keys and values.
 Cases: ``cp`` (the sequence over every rank), ``dp_cp`` (4 ranks: dp 2 x cp 2), ``cp_zero1`` / ``cp_zero3``
 (``enable_parallel_optimizer``), ``cp_optimizer_after`` (the optimizer made after the first forward), ``cp_ulysses``
 (``context_parallel_algo="ulysses"``: all-to-all onto the heads), ``cp_ring`` (ring attention, the causal work
-balanced over mirrored chunks), ``..._tp`` (4 ranks: cp 2 x Megatron's tensor parallelism 2), ``..._mask`` (a per-sample mask made inside the
-network instead of ``is_causal``, split with the batch); and the mistakes -- a sequence the ranks do not
+balanced over mirrored chunks), ``..._tp`` (4 ranks: cp 2 x Megatron's tensor parallelism 2; ``cp_sp_tp``: and
+sequence parallelism, the norms' and dropouts' slices split again over the tensor-parallel ranks), ``..._mask`` (a per-sample mask made inside the
+network instead of ``is_causal``, split with the batch), ``..._gqa`` (grouped-query attention: 2 key-value heads for 4
+query heads); and the mistakes -- a sequence the ranks do not
 divide, attention dropout, Ulysses with heads the ranks do not divide, a sequence split in data_parallel, a
 sequence the ring cannot give each rank two equal chunks of.
 
@@ -26,6 +28,7 @@ from autopar.communication import get_group_size, get_rank, init
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import gpt  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
+from gpt_modes import GPT_SPLITS  # noqa: E402
 
 out_prefix, cases = sys.argv[1], json.loads(sys.argv[2])
 init()
@@ -108,8 +111,27 @@ class MaskedAttention:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
 
 
+class GroupedAttention:
+    """``F`` for the GPT's attention as grouped-query attention: every other head's keys and values serve two query
+    heads (``enable_gqa=True``, as Hugging Face's Llama calls SDPA): the ring passes 2 key-value heads, not 4."""
+
+    def __getattr__(self, name):
+        return getattr(torch.nn.functional, name)
+
+    @staticmethod
+    def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False):
+        return torch.nn.functional.scaled_dot_product_attention(q, k[:, ::2], v[:, ::2], attn_mask=attn_mask,
+                                                                dropout_p=dropout_p, is_causal=is_causal,
+                                                                enable_gqa=True)
+
+
+def attention_of(case: str):
+    return MaskedAttention() if case.endswith("mask") else GroupedAttention() if case.endswith("gqa") else \
+        torch.nn.functional
+
+
 def run(case: str) -> dict:
-    gpt.F = MaskedAttention() if case.endswith("mask") else torch.nn.functional
+    gpt.F = attention_of(case)
     set_mode(case)
     model = fresh()
     if case.endswith("_tp"):  # Megatron's tensor parallelism over the other 2 ranks, each input's sequence split kept
@@ -118,12 +140,14 @@ def run(case: str) -> dict:
                 autopar.shard(module, ((1, 2, 1), (2, 1)))
             elif name.endswith(("attn.c_proj", "mlp.c_proj")):
                 autopar.shard(module, ((1, 2, 2), (1, 2)))
+            elif "_sp_" in case and name.endswith(GPT_SPLITS):  # and Megatron's sequence parallelism: norms, dropouts
+                autopar.shard(module, ((1, 4, 1),))  # their sequence over all 4 (cp's 2 slices, split by tp)
     seen = {}
     model.transformer.h[0].ln_1.register_forward_hook(  # runs before the runtime's (added at the first call)
         lambda m, a, out: seen.update(local=list(out.shape)))
     losses = train(model, [local_batch(s, case) for s in range(STEPS)], after_first_forward=case.endswith("after"))
     got = full(model)
-    ref_losses, ref = (REF_LOSSES_MASK, REF_MASK) if case.endswith("mask") else (REF_LOSSES, REF)
+    ref_losses, ref = REFERENCES[type(gpt.F).__name__]
     gpt.F = torch.nn.functional
     weight = model.transformer.h[0].attn.c_attn.weight
     return {"loss": max(abs(a - b) for a, b in zip(losses, ref_losses)),
@@ -152,14 +176,13 @@ def mistake(case: str) -> dict:
 
 MISTAKES = ("sequence_indivisible", "attention_dropout", "ulysses_heads", "data_parallel_split", "ring_odd_chunks")
 autopar.reset_auto_parallel_context()
-with autopar.context.managed():  # one process on the global batches
-    reference = fresh()
-    REF_LOSSES = train(reference, [(DATA[s, :, :-1].clone(), DATA[s, :, 1:].clone()) for s in range(STEPS)])
-    REF = full(reference)
-    gpt.F = MaskedAttention()
-    reference = fresh()
-    REF_LOSSES_MASK = train(reference, [(DATA[s, :, :-1].clone(), DATA[s, :, 1:].clone()) for s in range(STEPS)])
-    REF_MASK = full(reference)
+REFERENCES = {}
+with autopar.context.managed():  # one process on the global batches, with each attention
+    for gpt.F in (torch.nn.functional, MaskedAttention(), GroupedAttention()):
+        reference = fresh()
+        REFERENCES[type(gpt.F).__name__] = (
+            train(reference, [(DATA[s, :, :-1].clone(), DATA[s, :, 1:].clone()) for s in range(STEPS)]),
+            full(reference))
     gpt.F = torch.nn.functional
 results = {}
 for case in cases:

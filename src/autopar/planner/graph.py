@@ -87,7 +87,8 @@ class Graph:
     edge_resolved: frozenset = frozenset()
     # what context and expert parallelism are weighed on (autopar.planner.dimensions): every SDPA call's (query,
     # key, value) shapes, itemsize, whether it is causal and whether the CPU's blockwise kernel takes it (CPU
-    # tensors, as many key as query heads, no mask: the ring's call too); every module of stacked experts as
+    # tensors, as many key as query heads -- or under enable_gqa, key heads that divide them --, no mask: the ring's
+    # call too); every module of stacked experts as
     # (module, parameter bytes, hidden-state shape, itemsize, experts, experts each token chooses); whether a module
     # may combine positions along the sequence (a convolution, an RNN, or any leaf module not known to be
     # token-wise: no sequence split then); the inputs'
@@ -352,7 +353,9 @@ class Tracer:
         if func is torch.nn.functional.scaled_dot_product_attention and len(tensors) >= 3:
             q, k = tensors[0], tensors[1]
             causal = bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False))
-            blockwise = (q.device.type == "cpu" and q.dim() == 4 and k.dim() == 4 and q.shape[1] == k.shape[1]
+            heads = q.dim() == k.dim() == 4 and (q.shape[1] == k.shape[1] or (
+                kwargs.get("enable_gqa", False) and q.shape[1] % k.shape[1] == 0))
+            blockwise = (q.device.type == "cpu" and heads
                          and kwargs.get("attn_mask", args[3] if len(args) > 3 else None) is None)
             self.attention.append((tuple(q.shape), tuple(k.shape), tuple(tensors[2].shape), q.element_size(), causal,
                                    blockwise))

@@ -85,7 +85,7 @@ def attention(query: DTensor, key, value, attn_mask=None, dropout_p: float = 0.0
     _, offset = compute_local_shape_and_global_offset(query.shape, mesh, query.placements)
     start, rows, keys = offset[seq], q.shape[-2], k.shape[-2]
     _refuse_dropout(dropout_p)
-    if is_causal and attn_mask is None and _blockwise(q, k, v, start):
+    if is_causal and attn_mask is None and _blockwise(q, k, v, start, enable_gqa):
         out = _CausalBlocks.apply(q, k, v, start, scale).contiguous()
         shape = (*query.shape[:-1], value.shape[-1])
         return DTensor.from_local(out, mesh, query.placements, run_check=False, shape=torch.Size(shape),
@@ -113,13 +113,27 @@ _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def _blockwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> bool:
+def _blockwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, enable_gqa: bool = False) -> bool:
     """Can causal attention of this rank's queries run as blocks (:class:`_CausalBlocks`)? Real CPU tensors of one
-    floating dtype (the CPU flash kernel's), as many key as query heads, this rank's keys where its queries are."""
+    floating dtype (the CPU flash kernel's), as many key as query heads (or, under ``enable_gqa``, key heads that
+    divide them), this rank's keys where its queries are."""
+    heads = k.shape[-3] == q.shape[-3] or (enable_gqa and q.shape[-3] % k.shape[-3] == 0)
     return (q.device.type == "cpu" and not is_fake(q) and q.dtype in (torch.float32, torch.float64, torch.bfloat16,
                                                                     torch.float16)
-            and q.dtype == k.dtype == v.dtype and q.dim() == 4 and k.shape[-3] == q.shape[-3] == v.shape[-3]
+            and q.dtype == k.dtype == v.dtype and q.dim() == 4 and k.shape[-3] == v.shape[-3] and heads
             and start + q.shape[-2] <= k.shape[-2])
+
+
+def repeated(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention's key-value heads repeated to the query heads (each serving consecutive ones), for
+    the CPU flash kernel, which takes as many of each."""
+    group = q.shape[-3] // kv.shape[-3]
+    return kv if group == 1 else kv.repeat_interleave(group, dim=-3)
+
+
+def summed(grad: torch.Tensor, heads: int) -> torch.Tensor:
+    """The gradient of :func:`repeated`: each key-value head's, summed over the query heads it served."""
+    return grad if grad.shape[-3] == heads else grad.unflatten(-3, (heads, -1)).sum(-3)
 
 
 class _CausalBlocks(torch.autograd.Function):
@@ -136,7 +150,8 @@ class _CausalBlocks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, start: int, scale):
-        c = q.shape[-2]
+        c, kept = q.shape[-2], (k, v)  # (grouped-query keys and values kept as they came: repeated per block)
+        k, v = repeated(k, q), repeated(v, q)
         diag = (k[..., start:start + c, :], v[..., start:start + c, :])
         out, lse = _FLASH(q, *diag, 0.0, True, scale=scale)
         if start:
@@ -144,13 +159,15 @@ class _CausalBlocks(torch.autograd.Function):
             merged = torch.logaddexp(lse, lse0)
             out = out * torch.exp(lse - merged).unsqueeze(-1) + before * torch.exp(lse0 - merged).unsqueeze(-1)
             out, lse = out.to(q.dtype), merged
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, *kept, out, lse)
         ctx.start, ctx.scale = start, scale
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
+        heads = k.shape[-3]
+        k, v = repeated(k, q), repeated(v, q)
         start, scale, c = ctx.start, ctx.scale, q.shape[-2]
         grad = grad.contiguous()
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
@@ -163,7 +180,7 @@ class _CausalBlocks(torch.autograd.Function):
                                             out, lse, 0.0, False, scale=scale)
             dq = dq + dq0
             dk[..., :start, :], dv[..., :start, :] = dk0, dv0
-        return dq, dk, dv, None, None
+        return dq, summed(dk, heads), summed(dv, heads), None, None
 
 
 def _local_mask(mask, query: DTensor, placements: list) -> torch.Tensor:

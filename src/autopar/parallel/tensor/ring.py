@@ -16,8 +16,9 @@ the output moves back.
 The ring itself is torch's (``_templated_ring_attention`` and its backward, the loop ``context_parallel`` runs on
 GPUs) with the CPU flash kernel as its block operator (the dry run's fake tensors run it too, so it measures the
 ring's memory); on other devices, with a mask, or where the keys are not split as the queries are, the all-gather
-form runs instead and says so once. Grouped-query attention repeats the keys and values to the query heads first
-(the ring passes the repeated blocks). Exact: every query's softmax runs over the same keys as in one process,
+form runs instead and says so once. Under grouped-query attention the ring passes the key-value heads as they are
+(a query-per-key-value-head group times fewer bytes each hop, as Megatron's) and each block repeats them to the
+query heads only for its kernel; their gradients are summed back over the group. Exact: every query's softmax runs over the same keys as in one process,
 merged in another order.
 """
 from __future__ import annotations
@@ -45,7 +46,7 @@ _SEQ = 2  # (batch, heads, sequence, head_dim)
 def ring(query: DTensor, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
          scale=None, enable_gqa: bool = False) -> DTensor:
     """``F.scaled_dot_product_attention`` of query, keys and values split on their sequence, as a ring."""
-    why = _why_not(query, key, value, attn_mask)
+    why = _why_not(query, key, value, attn_mask, enable_gqa)
     if why:
         warn_once(f"ring:{why}", f"context_parallel_algo='ring' gathers the keys and values instead (the "
                                  f"all_gather form, exact too) where {why}")
@@ -54,8 +55,6 @@ def ring(query: DTensor, key, value, attn_mask=None, dropout_p: float = 0.0, is_
     mesh, axes = query.device_mesh, context._sequence_axes(query)
     group = context._group_of(mesh, axes)
     q, k, v = (context._ContiguousGrad.apply(t.contiguous().to_local()) for t in (query, key, value))
-    if k.shape[-3] != q.shape[-3]:  # grouped-query attention: each key-value head serves q/k query heads
-        k, v = (t.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3) for t in (k, v))
     if is_causal and q.shape[_SEQ] % 2:
         parts = dist.get_world_size(group)
         raise StrategyError(f"context_parallel_algo='ring' balances the causal work by giving each of the {parts} "
@@ -71,7 +70,7 @@ def ring(query: DTensor, key, value, attn_mask=None, dropout_p: float = 0.0, is_
                               stride=torch.empty(shape, device="meta").stride())
 
 
-def _why_not(query: DTensor, key, value, attn_mask) -> str | None:
+def _why_not(query: DTensor, key, value, attn_mask, enable_gqa: bool = False) -> str | None:
     """Why this call cannot run as a ring (None: it can)."""
     if attn_mask is not None:
         return "attention is given a mask (the ring's blocks are causal or whole)"
@@ -84,8 +83,10 @@ def _why_not(query: DTensor, key, value, attn_mask) -> str | None:
     if q.dim() != 4 or not q.dtype == key.dtype == value.dtype or \
             q.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         return "query, keys and values are not 4-dimensional tensors of one floating dtype"
-    if query.shape[-2] != key.shape[-2] or key.shape[-3] != value.shape[-3] or query.shape[-3] % key.shape[-3]:
-        return "the keys are not as many as the queries, or their heads do not divide the query heads"
+    if query.shape[-2] != key.shape[-2] or key.shape[-3] != value.shape[-3] or query.shape[-3] % key.shape[-3] or \
+            (key.shape[-3] != query.shape[-3] and not enable_gqa):
+        return ("the keys are not as many as the queries, or their heads are not the query heads' (nor, under "
+                "enable_gqa, divide them)")
     return None
 
 
@@ -114,6 +115,7 @@ class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, is_causal: bool, scale):
         def block(q, k, v, is_causal, **_):
+            k, v = context.repeated(k, q), context.repeated(v, q)
             return _FLASH(q.contiguous(), k.contiguous(), v.contiguous(), 0.0, bool(is_causal), scale=scale)
 
         with _options(is_causal, q.dtype):
@@ -128,8 +130,12 @@ class _Ring(torch.autograd.Function):
         group, is_causal, scale = ctx.args
 
         def block(query, key, value, out, logsumexp, is_causal, grad_out, **_):
-            return _FLASH_BACKWARD(grad_out.contiguous(), query.contiguous(), key.contiguous(), value.contiguous(),
-                                   out.contiguous(), logsumexp.contiguous(), 0.0, bool(is_causal), scale=scale)
+            heads = key.shape[-3]
+            key, value = context.repeated(key, query), context.repeated(value, query)
+            dq, dk, dv = _FLASH_BACKWARD(grad_out.contiguous(), query.contiguous(), key.contiguous(),
+                                         value.contiguous(), out.contiguous(), logsumexp.contiguous(), 0.0,
+                                         bool(is_causal), scale=scale)[:3]
+            return dq, context.summed(dk, heads), context.summed(dv, heads)
 
         with _options(is_causal, q.dtype):
             dq, dk, dv = _torch_cp._templated_ring_attention_backward(

@@ -327,7 +327,9 @@ class SemiAutoRuntime(ParameterPlacement):
     def _leaf_pre(self, module, args):
         if active_runtime() is not self or is_annotated(module):
             return None
-        follow = self.sequence_split and not self._is_loss(module) and sequence.follows(args)
+        # (a module of its own split -- sequence parallelism beside context parallelism -- takes that split)
+        follow = (self.sequence_split and not self._is_loss(module) and not sequence.is_split(module)
+                  and sequence.follows(args))
         if follow or sequence.is_split(module):  # sequence / context parallelism: on its slice of the sequence
             local, layout, grad = sequence.enter(self, module, args, follow=follow)
             self._leaf_split.setdefault(id(module), []).append(layout)

@@ -16,8 +16,11 @@ is its slice's part of the sum, completed over the ranks that split the input (r
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autopar.comm.topology import world_mesh
@@ -83,6 +86,26 @@ def follows(args) -> bool:
                for t in tree_flatten((args,))[0])
 
 
+def _within_slices(x: torch.Tensor, placements: tuple) -> tuple:
+    """Sequence parallelism beside context parallelism: the module's split of the sequence taken *within* each
+    rank's context-parallel slice, as Megatron-LM splits it (the tensor-parallel ranks split their slice; nothing
+    crosses slices, and the gather back is one all-gather over those ranks). DTensor nests splits of one dimension
+    left to right over the mesh, so a split on a mesh axis left of the slices' axes is a ``_StridedShard`` (torch's
+    placement for FSDP's split inside tensor parallelism's); otherwise the split would cut across the slices,
+    gathering the whole sequence on the way in and twice on the way out."""
+    if not isinstance(x, DTensor):
+        return placements
+    sliced = [m for m, p in enumerate(x.placements) if isinstance(p, Shard) and p.dim == 1]
+    if not sliced or not all(isinstance(placements[m], Shard) and placements[m].dim == 1 for m in sliced):
+        return placements
+    mesh, out = x.device_mesh, list(placements)
+    for m, p in enumerate(placements):
+        right = [c for c in sliced if c > m]
+        if m not in sliced and isinstance(p, Shard) and p.dim == 1 and right:
+            out[m] = _StridedShard(1, split_factor=math.prod(mesh.size(c) for c in right))
+    return tuple(out)
+
+
 def enter(rt, module: torch.nn.Module, args: tuple, follow: bool = False) -> tuple[tuple, tuple, tuple]:
     """The module's arguments as this rank's slices; returns (local args, (placements, input rank, the whole
     sequence's length when following a context-parallel split), gradient placements of its whole parameters). ``follow``: the layout of the first sequence-split input (context
@@ -98,10 +121,11 @@ def enter(rt, module: torch.nn.Module, args: tuple, follow: bool = False) -> tup
                                 "(F.scaled_dot_product_attention), this module cannot -- train it without a "
                                 "sequence split")
         x = next(t for t in flat if follows((t,)))
-        placements = tuple(Replicate() if isinstance(p, Partial) else p for p in x.placements)
+        # the context-parallel slices; a sequence-parallel split inside them (a norm's before it) gathered
+        placements = tuple(Replicate() if isinstance(p, (Partial, _StridedShard)) else p for p in x.placements)
     else:
         x = flat[0]
-        placements = input_layout(rt, module, x).placements()
+        placements = _within_slices(x, input_layout(rt, module, x).placements())
     mesh = world_mesh()
 
     def local(t):
@@ -114,7 +138,7 @@ def enter(rt, module: torch.nn.Module, args: tuple, follow: bool = False) -> tup
             return dt.to_local()
         return t.full_tensor() if isinstance(t, DTensor) else t  # a mask or table beside it: whole
 
-    grad = tuple(Partial() if isinstance(p, Shard) else Replicate() for p in placements)
+    grad = tuple(Partial() if isinstance(p, (Shard, _StridedShard)) else Replicate() for p in placements)
     # under context parallelism an output as long as the whole sequence was made from what every rank holds
     # whole (a rotary table from the positions, the activations given only for their dtype): replicated
     whole_length = x.shape[1] if follow else None
