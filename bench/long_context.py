@@ -1,7 +1,7 @@
 """Context parallelism's promise, measured on real ranks: a Hugging Face Llama trains on a sequence 4x longer than
 one rank holds in the same memory, exactly as one process trains it.
 
-A tiny ``LlamaForCausalLM`` (2 layers, 128 wide, 8 query heads over 2 key-value heads, float64, AdamW with clipping,
+A tiny ``LlamaForCausalLM`` (2 layers, 128 wide, 8 query heads over 4 key-value heads, float64, AdamW with clipping,
 3 steps; ``bench/workloads/long_context.py``) on one sequence: one rank at S, 2S and 4S tokens, then 4S tokens
 context parallel over 4 ranks (``dataset_strategy`` splits the sequence; each ``context_parallel_algo``). Memory is
 each rank's peak of tensor bytes as the dry run's storage tracker counts it (the largest rank), beside peak RSS;
@@ -60,13 +60,16 @@ def main() -> None:
         row = _run(args.world, algo, long, tmp)
         peak = max(r["peak_bytes"] for r in row["ranks"])
         loss_diff = max(abs(a - b) for a, b in zip(row["losses"], reference["losses"]))
-        param_diff = max((row["params"][k] - v).abs().max().item() for k, v in reference["params"].items())
+        norm_diff = max(abs(a - b) for a, b in zip(row["grad_norms"], reference["grad_norms"]))
+        diffs = {k: (row["params"][k] - v).abs().max().item() for k, v in reference["params"].items()}
+        worst = max(diffs, key=diffs.get)
+        param_diff = diffs[worst]
         rows[f"context parallel {args.world} ({algo}), {long} tokens"] = {
             "peak_mib": round(peak / 2**20, 2), "of_one_rank_at_S": round(peak / budget, 3),
             "peak_rss_mib": round(max(r["peak_rss_mib"] for r in row["ranks"]), 1),
             "per_rank_mib": [round(r["peak_bytes"] / 2**20, 2) for r in row["ranks"]],
-            "max_loss_diff": loss_diff, "max_param_diff": param_diff}
-    result = {"model": "LlamaForCausalLM: 2 layers, hidden 128, 8 heads / 2 key-value heads, vocab 512, float64",
+            "max_loss_diff": loss_diff, "max_grad_norm_diff": norm_diff, "max_param_diff": param_diff, "worst_param": worst}
+    result = {"model": "LlamaForCausalLM: 2 layers, hidden 128, 8 heads / 4 key-value heads, vocab 512, float64",
               "S": args.seq, "long_sequence": long, "world": args.world, "steps": 3, "rows": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -26,27 +26,29 @@ torch.set_default_dtype(torch.float64)
 STEPS, VOCAB = 3, 512
 DATA = torch.randint(0, VOCAB, (STEPS, 1, seq), generator=torch.Generator().manual_seed(0))
 if algo != "one":
-    autopar.set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy=((1, n), (1, n)),
+    autopar.set_auto_parallel_context(parallel_mode="semi_auto_parallel", gradients_mean=True,
+                                      dataset_strategy=((1, n), (1, n)),
                                       context_parallel_algo=algo)
 tracker = StorageTracker()
 with tracker:
     torch.manual_seed(1)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=seq,
+                                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=seq,
                                          attn_implementation="sdpa"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    losses = []
+    losses, norms = [], []
     part = seq // n if algo != "one" else seq
     for step in range(STEPS):
         ids = DATA[step, :, rank * part:(rank + 1) * part] if algo != "one" else DATA[step]
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.full_tensor() if isinstance(loss, DTensor) else loss))
 params = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in model.named_parameters()}
-mine = {"peak_bytes": tracker.peak, "step_peak_bytes": tracker.steady_peak,
+mine = {"peak_bytes": tracker.peak, "step_peak_bytes": tracker.steady_peak, "parts": dict(tracker.peak_parts),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 every = [None] * n
 if dist.is_initialized() and n > 1:
@@ -56,4 +58,4 @@ else:
 if rank == 0:
     torch.save(params, out + ".pt")
     with open(out, "w") as f:
-        json.dump({"algo": algo, "seq": seq, "world": n, "losses": losses, "ranks": every}, f)
+        json.dump({"algo": algo, "seq": seq, "world": n, "losses": losses, "grad_norms": norms, "ranks": every}, f)

@@ -41,6 +41,23 @@ def _entry_layout(entry: tuple[int, ...], full_shape: tuple[int, ...]) -> Layout
     return Layout(matrix, tmap, full_shape)
 
 
+def sequence_slice(t: DTensor, strategy: Any) -> torch.Tensor | None:
+    """A network output split on its sequence, as this rank loaded its inputs when ``dataset_strategy`` splits their
+    sequence (context parallelism): its rows and its slice of the sequence -- as Megatron-LM and torch's
+    ``context_parallel`` hand outputs back. The logits of a long sequence are never whole on a rank (gathered, the
+    sequence x vocabulary tensor alone outgrew what the split saved). None where the strategy splits no sequence or
+    the output does not follow the split (a pooled output, a loss): it comes back as data parallel's."""
+    entry = next((tuple(int(v) for v in e) for e in (strategy if isinstance(strategy, (tuple, list)) else ())
+                  if isinstance(e, (tuple, list)) and len(e) > 1 and int(e[1]) > 1), None)
+    if entry is None or t.dim() < 2 or not any(getattr(p, "dim", None) == 1 and p.is_shard() for p in t.placements):
+        return None
+    entry = entry[:2] + (1,) * (t.dim() - 2)
+    if t.shape[0] % entry[0] or t.shape[1] % entry[1]:
+        return None
+    placements = _entry_layout(entry, tuple(t.shape)).placements()
+    return (t if tuple(t.placements) == tuple(placements) else t.redistribute(world_mesh(), placements)).to_local()
+
+
 def resplit_sequence(batch: DTensor, cp: int) -> DTensor:
     """A batch as data parallel loads it (rows split, or whole) re-split as ``dataset_strategy=((n/cp, cp), ...)``
     would have loaded it: rows over ``n/cp`` ranks, the sequence (dimension 1) over ``cp`` -- AUTO's context

@@ -51,7 +51,7 @@ from autopar.parallel.tensor import placements as P
 from autopar.parallel.tensor.attention import register_attention_rules
 from autopar.parallel.tensor.explain import fused_projection_split
 from autopar.parallel.tensor.handlers import register_cast_handler
-from autopar.parallel.tensor.inputs import dataset_input, resplit_sequence, splits_sequence
+from autopar.parallel.tensor.inputs import dataset_input, resplit_sequence, sequence_slice, splits_sequence
 from autopar.parallel.tensor.operators import run_operator
 from autopar.parallel.tensor.parameters import ParameterPlacement
 from autopar.parallel.tensor.regather import Regather
@@ -322,6 +322,9 @@ class SemiAutoRuntime(ParameterPlacement):
             return t.full_tensor()
         if t.dim() == 0:
             self.loss_was_global = True
+        sliced = sequence_slice(t, self.dataset_strategy)
+        if sliced is not None:
+            return sliced
         return P.to_data_parallel_local(t)
 
     def _leaf_pre(self, module, args):
