@@ -128,17 +128,19 @@ def _with_known_values(func, args, kwargs):
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             leaf = known_value(leaf)
-            if leaf is None:
-                return _UNKNOWN
+            if leaf is None or leaf.numel() > _LARGEST_KNOWN:
+                return _forget_written(func, args)
         elif isinstance(leaf, torch.device):  # the values live on the host whatever device the fake ones claim
             leaf = torch.device("cpu")
         values.append(leaf)
+    if func.namespace in ("c10d", "_c10d_functional"):  # the fake group moves nothing: what arrives is unknown
+        return _forget_written(func, args)
     value_args, value_kwargs = pytree.tree_unflatten(values, spec)
     try:
         with unset_fake_temporarily():
             real = func(*value_args, **value_kwargs)
-    except (NotImplementedError, RuntimeError):  # a GPU kernel the host lacks (histc of integers): values unknown
-        return _UNKNOWN
+    except Exception:  # noqa: BLE001 - a kernel the host lacks (a GPU's histc of integers): values unknown
+        return _forget_written(func, args)
     if not any(isinstance(r, torch.Tensor) for r in pytree.tree_leaves(real)):
         return real  # a number read from known values: the value itself
     try:
@@ -153,22 +155,39 @@ def _with_known_values(func, args, kwargs):
     return out
 
 
+# known values larger than this many elements are not kept (a 262k-token batch's one-hot over 256 experts, top-8,
+# would take 4 GB of host memory): sizes computed from them are then unknown, and the dry run says so in one line
+_LARGEST_KNOWN = 1 << 24
+
+
+def _forget_written(func, args):
+    """An op whose values are not computed: tensors it writes in place no longer hold their known values."""
+    for arg, schema in zip(args, func._schema.arguments):
+        if isinstance(arg, torch.Tensor) and schema.alias_info is not None and schema.alias_info.is_write \
+                and hasattr(arg, "_dryrun_value"):
+            del arg._dryrun_value
+    return _UNKNOWN
+
+
 def route_alike(module: torch.nn.Module, args):
     """A forward pre-hook for every module: a mixture-of-experts layer's stacked experts -- an ``int``
     ``num_experts`` and ``forward(tokens, top_k_index, top_k_weights)`` over one row of k choices per token, as
-    Hugging Face's and autopar's experts are called -- get routing whose values are known. A fake router has none,
-    and which tokens an expert takes (``nonzero``) is set by them. The routing is what an untrained or
-    load-balanced router gives: each token's k experts drawn uniformly, without repeats (seeded by the rank, so
-    every rank routes its own tokens differently, as a real job's do)."""
+    Hugging Face's and autopar's experts are called positionally -- get routing whose values are known. A fake
+    router has none, and which tokens an expert takes (``nonzero``) is set by them. The routing is what an
+    untrained or load-balanced router gives: each token's k experts drawn uniformly, without repeats (seeded by the
+    rank; the expert-parallel dispatcher takes what a rank receives from the others to be what it sends itself,
+    every rank routing alike)."""
     global _seeded
     from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
     experts = getattr(module, "num_experts", None)
     if not isinstance(experts, int) or isinstance(experts, bool) or len(args) < 3:
         return None
-    tokens, index = args[0], args[1]
+    tokens, index, weights = args[0], args[1], args[2]
     local = getattr(index, "_local_tensor", index)  # a DTensor's routing: its local rows
     if not (isinstance(tokens, torch.Tensor) and isinstance(local, torch.Tensor) and is_fake(local)
+            and isinstance(weights, torch.Tensor) and weights.is_floating_point()
+            and tuple(weights.shape) == tuple(index.shape) and tokens.dim() == 2 and tokens.shape[0] == index.shape[0]
             and local.dim() == 2 and not local.is_floating_point() and local.dtype != torch.bool
             and not hasattr(local, "_dryrun_value") and local.shape[-1] <= experts):
         return None

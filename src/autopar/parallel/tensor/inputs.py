@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from autopar.comm.topology import world_mesh, world_size
-from autopar.errors import StrategyError
+from autopar.errors import StrategyError, warn_once
 from autopar.layout.layout import Layout
 
 
@@ -49,13 +49,23 @@ def sequence_slice(t: DTensor, strategy: Any) -> torch.Tensor | None:
     the output does not follow the split (a pooled output, a loss): it comes back as data parallel's."""
     entry = next((tuple(int(v) for v in e) for e in (strategy if isinstance(strategy, (tuple, list)) else ())
                   if isinstance(e, (tuple, list)) and len(e) > 1 and int(e[1]) > 1), None)
-    if entry is None or t.dim() < 2 or not any(getattr(p, "dim", None) == 1 and p.is_shard() for p in t.placements):
+    if entry is None or t.dim() < 2:
         return None
     entry = entry[:2] + (1,) * (t.dim() - 2)
     if t.shape[0] % entry[0] or t.shape[1] % entry[1]:
         return None
     placements = _entry_layout(entry, tuple(t.shape)).placements()
-    return (t if tuple(t.placements) == tuple(placements) else t.redistribute(world_mesh(), placements)).to_local()
+    # following the slices: dimension 1 split on the axes the sequence was loaded over (not features or heads split
+    # on other ranks' axes, which a pooled or head-split output has there)
+    if not all(getattr(have, "dim", None) == 1 for have, want in zip(t.placements, placements)
+               if isinstance(want, Shard) and want.dim == 1):
+        return None
+    sliced = (t if tuple(t.placements) == tuple(placements) else t.redistribute(world_mesh(), placements)).to_local()
+    warn_once("sequence_slice", f"context parallelism: the network's outputs split on the sequence come back "
+              f"as this rank's slice of it, as it loaded its inputs (shape {tuple(sliced.shape)} of "
+              f"{tuple(t.shape)}): a loss inside the network is the whole sequence's; gather them "
+              "(torch.distributed.all_gather) where the whole is needed")
+    return sliced
 
 
 def resplit_sequence(batch: DTensor, cp: int) -> DTensor:

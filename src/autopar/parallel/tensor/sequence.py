@@ -92,12 +92,15 @@ def _within_slices(x: torch.Tensor, placements: tuple) -> tuple:
     crosses slices, and the gather back is one all-gather over those ranks). DTensor nests splits of one dimension
     left to right over the mesh, so a split on a mesh axis left of the slices' axes is a ``_StridedShard`` (torch's
     placement for FSDP's split inside tensor parallelism's); otherwise the split would cut across the slices,
-    gathering the whole sequence on the way in and twice on the way out."""
+    gathering the whole sequence on the way in and twice on the way out. None: the module's split does not cover
+    the slices' axes."""
     if not isinstance(x, DTensor):
         return placements
     sliced = [m for m, p in enumerate(x.placements) if isinstance(p, Shard) and p.dim == 1]
-    if not sliced or not all(isinstance(placements[m], Shard) and placements[m].dim == 1 for m in sliced):
+    if not sliced:
         return placements
+    if not all(isinstance(placements[m], Shard) and placements[m].dim == 1 for m in sliced):
+        return None  # (the split would cut across the slices: the caller says so in one line)
     mesh, out = x.device_mesh, list(placements)
     for m, p in enumerate(placements):
         right = [c for c in sliced if c > m]
@@ -126,6 +129,13 @@ def enter(rt, module: torch.nn.Module, args: tuple, follow: bool = False) -> tup
     else:
         x = flat[0]
         placements = _within_slices(x, input_layout(rt, module, x).placements())
+        if placements is None:
+            name = rt.names.get(id(module), type(module).__name__)
+            strategy = strategy_of(module, x.dim(), rt.device_num)
+            raise StrategyError(f"module '{name}' ({type(module).__name__}) split {strategy} beside context "
+                                "parallelism's split of the sequence: its own split must split each rank's slice "
+                                "again (the sequence over cp x tp ranks: (dp, cp * tp, 1)), or leave the module "
+                                "unsplit to run on the slices")
     mesh = world_mesh()
 
     def local(t):
