@@ -117,11 +117,17 @@ def _blockwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, en
     """Can causal attention of this rank's queries run as blocks (:class:`_CausalBlocks`)? Real CPU tensors of one
     floating dtype (the CPU flash kernel's), as many key as query heads (or, under ``enable_gqa``, key heads that
     divide them), this rank's keys where its queries are."""
-    heads = k.shape[-3] == q.shape[-3] or (enable_gqa and q.shape[-3] % k.shape[-3] == 0)
     return (q.device.type == "cpu" and not is_fake(q) and q.dtype in (torch.float32, torch.float64, torch.bfloat16,
                                                                     torch.float16)
-            and q.dtype == k.dtype == v.dtype and q.dim() == 4 and k.shape[-3] == v.shape[-3] and heads
+            and q.dtype == k.dtype == v.dtype and q.dim() == 4 and k.shape[-3] == v.shape[-3]
+            and heads_fit(q.shape[-3], k.shape[-3], enable_gqa)
             and start + q.shape[-2] <= k.shape[-2])
+
+
+def heads_fit(query_heads: int, key_heads: int, enable_gqa: bool) -> bool:
+    """As many key as query heads, or under grouped-query attention (``enable_gqa``) key heads that divide them: what
+    the blockwise kernels take (:func:`repeated` makes the rest)."""
+    return key_heads == query_heads or (enable_gqa and query_heads % key_heads == 0)
 
 
 def repeated(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

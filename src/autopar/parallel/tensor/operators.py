@@ -11,7 +11,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.comm.topology import world_mesh
 from autopar.errors import StrategyError
@@ -105,10 +104,8 @@ def _gathers(source: tuple, target: tuple) -> bool:
     partial sum)? Sequence parallelism (Korthikanti et al. 2022, sec. 4.2.2): the column-parallel layer's input,
     gathered from the sequence split, is not kept whole for the backward -- the split is kept and gathered again
     there, as Megatron-LM does, so the activations between tensor-parallel layers take 1/t of the memory."""
-    def split(p) -> bool:  # (a sequence-parallel split nested in context parallelism's slices is a _StridedShard)
-        return p.is_shard() or isinstance(p, _StridedShard)
-
-    return not any(p.is_partial() for p in source) and any(split(s) and not split(t) for s, t in zip(source, target))
+    return not any(p.is_partial() for p in source) and any(
+        P.splits(s) and not P.splits(t) for s, t in zip(source, target))
 
 
 def _plan(rt, op: Primitive, spec, strategy: tuple, shapes: tuple, tensors: list | None = None):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.comm.topology import world_mesh, world_size
 from autopar.layout.axes import mesh_axes
@@ -14,6 +15,13 @@ from autopar.layout.placements import (  # noqa: F401  (the runtime reads them a
     placements_for,
     replicate_placements,
 )
+
+
+def splits(p) -> bool:
+    """Does placement ``p`` split its dimension: a ``Shard``, or a ``_StridedShard`` (a split nested inside another
+    axis's split of the same dimension -- sequence parallelism inside context parallelism's slices), which torch
+    does not make a ``Shard`` subclass?"""
+    return p.is_shard() or isinstance(p, _StridedShard)
 
 
 def wrap_local(local: torch.Tensor, placements) -> DTensor:

@@ -83,8 +83,8 @@ def _why_not(query: DTensor, key, value, attn_mask, enable_gqa: bool = False) ->
     if q.dim() != 4 or not q.dtype == key.dtype == value.dtype or \
             q.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         return "query, keys and values are not 4-dimensional tensors of one floating dtype"
-    if query.shape[-2] != key.shape[-2] or key.shape[-3] != value.shape[-3] or query.shape[-3] % key.shape[-3] or \
-            (key.shape[-3] != query.shape[-3] and not enable_gqa):
+    if query.shape[-2] != key.shape[-2] or key.shape[-3] != value.shape[-3] or \
+            not context.heads_fit(query.shape[-3], key.shape[-3], enable_gqa):
         return ("the keys are not as many as the queries, or their heads are not the query heads' (nor, under "
                 "enable_gqa, divide them)")
     return None

@@ -148,7 +148,7 @@ def enter(rt, module: torch.nn.Module, args: tuple, follow: bool = False) -> tup
             return dt.to_local()
         return t.full_tensor() if isinstance(t, DTensor) else t  # a mask or table beside it: whole
 
-    grad = tuple(Partial() if isinstance(p, (Shard, _StridedShard)) else Replicate() for p in placements)
+    grad = tuple(Partial() if P.splits(p) else Replicate() for p in placements)
     # under context parallelism an output as long as the whole sequence was made from what every rank holds
     # whole (a rotary table from the positions, the activations given only for their dtype): replicated
     whole_length = x.shape[1] if follow else None
