@@ -91,8 +91,9 @@ def test_zero_with_layouts_and_hybrid_sharding_train_exactly(procs, tmp_path, n)
         bad = {k: v for k, v in results.items() if "error" in v}
         assert not bad, json.dumps(bad, indent=1)
         kept = results.pop("forward_keeps_mib")  # level 3 gathers the two 64 MiB weights again for the backward
-        # (bytes the allocator has handed out, so the two whole weights show exactly)
-        assert kept["level1"] >= 128 and kept["level1"] - kept["level3"] >= 120, kept
+        # (bytes the allocator has handed out; the forward may also free up to ~1 MiB of earlier tensors, so the
+        # two whole weights read 127-129 -- a CI run read 127.88)
+        assert kept["level1"] >= 124 and kept["level1"] - kept["level3"] >= 120, kept
         for key, r in results.items():
             assert r["diff"] <= 1e-5 and r["names"], (key, r)
             assert all(local < whole for local, whole in r["stored"].values()), (key, r["stored"])
