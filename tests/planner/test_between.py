@@ -67,3 +67,44 @@ def test_a_network_that_cannot_step_on_a_slice_keeps_the_roofline(tmp_path):
     plan = _timed_plan(WholeBatchOnly(), (torch.randn(8, 16), torch.randn(8, 16)), tmp_path)
     roofline = plan.problem.machine.compute("other", 3.0 * plan.graph.other_flops / 2)
     assert plan.problem.between == pytest.approx(roofline) and not plan.problem.between_measured
+
+
+def test_attention_is_charged_as_split_as_its_query_and_a_shared_input_is_reduced_once():
+    """SDPA is no node: its time goes to the node its query comes from (through the heads' reshape, RoPE's halves
+    and the transpose back), as split as that node leaves the heads -- a row-split ``q`` computes every head, a
+    column-split one 1/n of them. And where q, k and v (gate and up) take the norm's output alike, the partial
+    gradients are summed before the one reduction the runtime runs (Megatron's block: 2 a step, not 5)."""
+    from autopar.models import LlamaBlock
+    from autopar.planner.costs import charge_attention, graph_costs, shared_reduction
+    from autopar.planner.graph import capture
+    from autopar.planner.search import Problem
+
+    torch.manual_seed(0)
+    n = 4
+    net = LlamaBlock(64, 4, 4, 128, 64, causal=True)
+    graph = capture(net, torch.nn.MSELoss(), (torch.randn(1, 64, 64), torch.randn(1, 64, 64)))
+    names = [node.name for node in graph.nodes]
+    q, o = names.index("q"), names.index("o")
+    assert graph.attention_sources == (q,)
+    assert graph.edge_dims.get((q, o, 0)) is None  # o's input dimensions are q's output's, not permuted
+    machine = MachineModel(device_num=n)
+    costs = graph_costs(graph, machine, n)
+    before = [[c.compute for c in nc.choices] for nc in costs]
+    charged = charge_attention(graph, costs, machine, n)
+    (qs, ks, _, _, _, _), = graph.attention
+    assert charged == pytest.approx(machine.compute("attention", 3.5 * 2.0 * qs[0] * qs[1] * qs[2] * qs[3] * ks[2]))
+    by_label = {c.label: c.compute - b for c, b in zip(costs[q].choices, before[q])}
+    assert by_label["data parallel"] == pytest.approx(charged)  # (a batch of 1: data parallel computes it all)
+    assert by_label["out 4"] == pytest.approx(charged / 4) and by_label["contract 4"] == pytest.approx(charged)
+    assert all(c.compute == b for k, nc in enumerate(costs) if k != q for c, b in zip(nc.choices, before[k]))
+    # k and v take q's input: the gradient of the norm's output is reduced once where they split alike
+    k = names.index("k")
+    assert graph.nodes[k].same_input == {0: (q, 0)}
+    col = {nc.node.name: next(c for c in nc.choices if c.label == "out 4") for nc in costs}
+    row = next(c for c in costs[k].choices if c.label == "contract 4")
+    saved = shared_reduction(costs[q], col["q"], 0, costs[k], col["k"], 0, machine)
+    assert saved > 0 and shared_reduction(costs[q], col["q"], 0, costs[k], row, 0, machine) == 0
+    problem = Problem(graph, costs, machine, 0.0, None)
+    shared = {(graph.nodes[a].name, graph.nodes[b].name) for a, b, table in problem.pairs
+              if a != b and min(min(r) for r in table) < 0}
+    assert shared == {("q", "k"), ("q", "v"), ("gate", "up")}

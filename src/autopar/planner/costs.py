@@ -340,6 +340,32 @@ class NodeCosts:
         return cost
 
 
+def shared_reduction(a: NodeCosts, ca: Choice, i: int, b: NodeCosts, cb: Choice, j: int,
+                     machine: MachineModel) -> float:
+    """Seconds to take off when node ``b``'s input ``j`` is the very tensor node ``a``'s input ``i`` is, from
+    outside the operators (one norm's output into q, k and v, or into gate and up: ``OpNode.same_input``), and both
+    choices take it alike: autograd sums their partial gradients first, and the redistribution's backward reduces
+    the sum once -- each boundary cost priced its own reduction.
+
+    Why: Megatron's Llama block on 4 ranks reduces its two inputs' gradients twice a step (counted with
+    ``CommDebugMode``); the planner priced five reductions, 0.1 s a step over its 0.72."""
+    src = b.node.in_sources.get(j)
+    if src not in (DP, REP) or i not in a.node.in_sources or j in b.node.no_grad_inputs:
+        return 0.0
+    if (ca.in_placements[i], ca.grad_placements[i]) != (cb.in_placements[j], cb.grad_placements[j]):
+        return 0.0
+    node = b.node
+    start = dp_placements(node.shapes[j], b.device_num, b.mesh) if src == DP else rep_placements(b.mesh)
+    args = (machine, start, cb.in_placements[j], nbytes(node.shapes[j], node.itemsize), b.mesh, node.shapes[j],
+            node.itemsize, cb.grad_placements[j])
+    back = reshard_cost(*args, True) - reshard_cost(*args, False)
+    if getattr(machine, "op_timer", None) is None:  # (the alpha-beta model prices it in the node's act_comm)
+        plan, absent = cb.plan, cb.plan.absent_axes(j)
+        group = math.prod(plan.device_matrix[a] for a in absent) if absent else 1
+        back += machine.collective("all_reduce", nbytes(plan.inputs[j].slice_shape, node.itemsize), group)
+    return max(0.0, back)
+
+
 def gradients_scaled(device_num: int) -> bool:
     """Does a layout's step multiply every gradient by ``gradients_mean``'s factor (1/n) after its backward? As
     :meth:`autopar.parallel.grads.layouts.LayoutGrads.scale` decides, but for the loss and outputs the planner cannot
@@ -350,6 +376,39 @@ def gradients_scaled(device_num: int) -> bool:
 
 def graph_costs(graph: Graph, machine: MachineModel, device_num: int) -> list[NodeCosts]:
     return [NodeCosts(node, machine, device_num) for node in graph.nodes]
+
+
+def charge_attention(graph: Graph, costs: list[NodeCosts], machine: MachineModel, device_num: int) -> float:
+    """Charge every SDPA call's forward + backward to the node its query comes from, each choice in proportion to
+    its share of that node's output: attention runs on the heads (and batch) the query's producer leaves this rank
+    -- a quarter of them after a column-split ``q`` on 4 ranks, all of them after a row-split one's all-reduce.
+    Timed at data parallel's shapes in a job (:meth:`autopar.planner.op_timer.OpTimer.attention`), else the
+    roofline of its FLOPs (FlashAttention's backward recomputes the scores: 2.5x the forward). Returns the seconds
+    charged under data parallel (a call whose query comes from no node is charged nothing).
+
+    Why: SDPA is no node, so its time was part of the work between the operators, spread over them by their
+    outputs' shares -- as if it ran as split as the whole block's outputs. Megatron's pairs leave the row-split
+    ``o`` and ``down`` whole outputs; so attention was charged at ~40 % of its data-parallel time on each of 4
+    ranks where each computes a quarter of the heads, and ``bench/auto_vs_hand.py``'s 4,096-token Llama block
+    under Megatron's layout was predicted 32 % slow -- AUTO never tried it, and ran 1.21x its time."""
+    timer = getattr(machine, "op_timer", None)
+    charged = 0.0
+    for (q, k, v, item, causal, _), source in zip(graph.attention, graph.attention_sources):
+        if source is None or costs[source].dp_out_bytes is None or not costs[source].dp_out_bytes:
+            continue
+        share = [(s[0] // device_num,) + tuple(s[1:]) if s and s[0] % device_num == 0 else s for s in (q, k, v)]
+        measured = timer.attention(share, item, causal) if timer is not None else None
+        if measured is not None:
+            seconds = measured[1]
+        else:
+            flops = 2.0 * math.prod(share[0]) * k[-2] * (1 if causal else 2)  # q k^T and p v, causal: half
+            seconds = machine.compute("attention", 3.5 * flops)
+        nc = costs[source]
+        nc.choices = [dataclasses.replace(c, compute=c.compute + seconds * c.out_bytes / nc.dp_out_bytes)
+                      for c in nc.choices]
+        nc.dp_compute += seconds
+        charged += seconds
+    return charged
 
 
 def spread_between(costs: list[NodeCosts], seconds: float) -> bool:

@@ -140,6 +140,16 @@ class OpTimer:
             return self._time(key, dtype, lambda t: torch.softmax(t[0], axis), local_shapes[:1], grads=(True,))
         return None
 
+    def attention(self, shapes: list[tuple], itemsize: int, causal: bool) -> tuple[float, float] | None:
+        """(forward s, forward+backward s) of torch's SDPA over query, key and value of ``shapes`` (this rank's),
+        causal or not, grouped-query where the key has fewer heads -- the kernel the network calls, as it calls it
+        (no mask: a masked call is timed unmasked)."""
+        shapes = [tuple(int(v) for v in s) for s in shapes[:3]]
+        gqa = len(shapes[0]) == 4 and shapes[0][1] != shapes[1][1]
+        key = ("sdpa", shapes, causal)
+        return self._time(key, _DTYPES.get(itemsize, torch.float32), lambda t: F.scaled_dot_product_attention(
+            t[0], t[1], t[2], is_causal=causal, **({"enable_gqa": True} if gqa else {})), shapes, grads=(True,) * 3)
+
     def _time(self, key: tuple, dtype: torch.dtype, fn, shapes: list[tuple], grads: tuple) -> tuple[float, float] | None:
         return self.agreed(repr((key, str(dtype))), lambda: self._measure(dtype, fn, shapes, grads))
 

@@ -13,7 +13,7 @@ from autopar import context as _context
 from autopar.errors import StrategyError
 from autopar.layout.layout import Layout
 from autopar.ops.shard import has_strategies
-from autopar.planner.costs import OPTIMIZER_SLOTS, NodeCosts, graph_costs, spread_between
+from autopar.planner.costs import OPTIMIZER_SLOTS, NodeCosts, charge_attention, graph_costs, spread_between
 from autopar.planner.fsdp_timer import fsdp_seconds, zero_groups
 from autopar.planner.graph import Graph, capture
 from autopar.planner.machine import MachineModel, shared_memory_on
@@ -499,6 +499,9 @@ def _plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sam
         pipeline_note = "the network takes keyword inputs, which a pipeline's stages do not pass"
     costs = graph_costs(graph, machine, device_num)
     between, measured = _other_compute(network, loss_fn, sample, sample_kwargs, graph, costs, machine)
+    attention = charge_attention(graph, costs, machine, device_num)
+    if measured:  # (the step measured whole ran the attention too; the roofline of the rest did not count it)
+        between = max(0.0, between - attention)
     # the work between the operators goes with the operators it follows (as split as their outputs), or -- where
     # that is unknown -- stays one data-parallel constant
     other_compute = 0.0 if spread_between(costs, between) else between

@@ -21,7 +21,7 @@ import time
 from torch.distributed.tensor import Partial, Replicate
 
 from autopar.errors import StrategyError
-from autopar.planner.costs import NodeCosts, nbytes, reshard_cost, through_view
+from autopar.planner.costs import NodeCosts, nbytes, reshard_cost, shared_reduction, through_view
 from autopar.planner.graph import Graph
 from autopar.planner.machine import MachineModel
 
@@ -62,6 +62,12 @@ class Problem:
             table = [[reshard_cost(machine, cb.out_placements, ca.out_placements, nbytes(shape, item),
                                    costs[a].mesh, shape, item) for cb in costs[b].choices] for ca in costs[a].choices]
             self.pairs.append((a, b, table))
+        for b, nb in enumerate(costs):  # an input shared with an earlier node: its gradient reduced once
+            for j, (a, i) in graph.nodes[b].same_input.items():
+                table = [[-shared_reduction(costs[a], ca, i, nb, cb, j, machine) for cb in nb.choices]
+                         for ca in costs[a].choices]
+                if any(any(row) for row in table):
+                    self.pairs.append((a, b, table))
 
     def total(self, choice: list[int]) -> float:
         cost = sum(self.node_cost[n][s] for n, s in enumerate(choice))
