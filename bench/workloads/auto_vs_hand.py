@@ -115,8 +115,10 @@ def predicted(name, strategy, n):
                             data_parallel_step=DATA_PARALLEL_STEP)
     if strategy == "dp":
         return plan.dp_totals.step
-    if strategy in VARIANTS:  # (a variant the planner does not weigh here has no prediction)
-        variant = plan.variants.get(f"{VARIANTS[strategy]} {n}")
+    if strategy in VARIANTS:  # (a variant the planner does not weigh here has no prediction; the sequence split
+        # is weighed per algorithm where several can run: the hand plan's is the default, the all-gather)
+        label = f"{VARIANTS[strategy]} {n}"
+        variant = plan.variants.get(label) or plan.variants.get(f"{label} (all_gather)")
         return variant[2].step if variant else float("nan")
     if strategy in ZERO:
         return plan.zero[ZERO[strategy]].step

@@ -1,7 +1,9 @@
 """Worker: networks built without their memory -- ``autopar.deferred_init`` (the PyTorch door; torchdistx's
 spelling), ``nn.utils.no_init_parameters`` (MindSpore's), a plain ``torch.device("meta")`` (FSDP2's idiom) -- are
 materialised by the parallel mode, each rank only what it keeps, with the values one process draws eagerly from
-the same seed, bit for bit; then they train as one process on the global batch.
+the same seed, bit for bit; then they train as one process on the global batch. Door moe (autopar's MoE block under
+``deferred_init``, for AUTO: its routing sizes the experts' work by values, which a meta trace has not -- built whole
+to be planned, with a warning).
 
 argv: OUT_PREFIX CASES_JSON ([[door, mode], ...]). Doors: gpt (a nanoGPT-like GPT: ``apply(_init_weights)`` after
 the default init, a tied head, a scaled ``c_proj``), llama (Hugging Face ``LlamaForCausalLM``, its own
@@ -11,7 +13,9 @@ module's ``reset_parameters()``, drawn from the seed set before the first call),
 ``deferred_init`` from another seed, then one process's initial values loaded with ``load_param_into_net`` before
 its first call: the loaded values are what each rank slices), seeds (the GPT under ``deferred_init`` with a
 different seed on every rank and ``parameter_broadcast=True``: every rank draws as rank 0 did). Modes: data, zero3, megatron
-(SEMI_AUTO, MindSpore tuples on the MLP: columns then rows; ZeRO-1 beside them), auto, pipe (2 ranks: a 2-stage
+(SEMI_AUTO, MindSpore tuples on the MLP: columns then rows; ZeRO-1 beside them), auto (planned on the meta
+network: nothing made before the plan), auto_tight (auto with a memory limit data parallel does not fit: the plan
+splits, and each rank makes only its slices), pipe (2 ranks: a 2-stage
 ``PipelineParallel(grads="stage")``, each stage building only its layers; ``never_made``: the other stage's
 parameters, still on the meta device after the first step).
 
@@ -24,6 +28,7 @@ steps must equal one process trained on the global batch (``diff``). Also: which
 import json
 import sys
 import traceback
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +37,8 @@ from gpt import GPT, GPTConfig
 import autopar
 from autopar.common import deferred
 from autopar.communication import get_group_size, get_rank, init
+from autopar.models import MoEBlock
+from autopar.parallel.state import state_of
 
 out_prefix, cases = sys.argv[1], json.loads(sys.argv[2])
 torch.set_default_dtype(torch.float64)
@@ -77,7 +84,8 @@ def plain_net():
 
 def build(door: str, lazy: bool) -> torch.nn.Module:
     torch.manual_seed(SEED)
-    make = {"gpt": lambda: GPT(CFG), "loaded": lambda: GPT(CFG), "seeds": lambda: GPT(CFG), "llama": llama, "ms": ms_net, "meta": plain_net}[door]
+    make = {"gpt": lambda: GPT(CFG), "loaded": lambda: GPT(CFG), "seeds": lambda: GPT(CFG), "llama": llama, "ms": ms_net,
+            "meta": plain_net, "moe": lambda: MoEBlock(8, 4, 16, 2)}[door]
     if not lazy:
         return make()
     if door == "ms":
@@ -136,8 +144,11 @@ MLP = {"gpt": ("mlp.c_fc", "mlp.c_proj"), "loaded": ("mlp.c_fc", "mlp.c_proj"), 
 
 def set_mode(door: str, mode: str, net) -> None:
     autopar.reset_auto_parallel_context()
-    name = {"megatron": "semi_auto_parallel", "auto": "auto_parallel"}.get(mode, "data_parallel")
+    name = {"megatron": "semi_auto_parallel", "auto": "auto_parallel", "auto_tight": "auto_parallel"}.get(
+        mode, "data_parallel")
     autopar.set_auto_parallel_context(parallel_mode=name, gradients_mean=True, parameter_broadcast=door == "seeds")
+    if mode == "auto_tight":  # the GPT's data parallel needs 836 KiB a rank by the plan, ZeRO-3 577: AUTO must split
+        autopar.set_auto_parallel_context(max_device_memory="700KB")
     if mode == "zero3":
         autopar.set_auto_parallel_context(enable_parallel_optimizer=True,
                                           parallel_optimizer_config={"optimizer_level": "level3"})
@@ -182,11 +193,16 @@ def run(door: str, mode: str) -> dict:
         pipe = autopar.PipelineParallel(net, None if door == "gpt" else torch.nn.CrossEntropyLoss(), micro_batches=2,
                                         split_points=[SPLITS[door]], grads="stage")
         rows = slice(None)
-    train(door, net, rows, check_init, pipe=pipe)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(door, net, rows, check_init, pipe=pipe)
+    seen["warnings"] = [str(w.message) for w in caught if "autopar" in str(w.message)]
     if pipe is not None:
         pipe.gather_parameters()  # every stage's parameters, for the comparison
     now = full(net)
+    plan = getattr(state_of(net), "plan", None)
     return {**seen, "diff": max((now[k] - end[k]).abs().max().item() for k in end),
+            "plan": "" if plan is None else plan.reason,
             "largest_held": max((r.largest_held for r in recordings), default=0),
             "largest_param": max(p.numel() * 8 for p in ref.parameters())}
 

@@ -517,6 +517,20 @@ def _note_pending(module: torch.nn.Module, name: str, tensor: Any) -> None:
         _pending.add(module)
 
 
+_held = [0]  # > 0: calls leave the recorded meta tensors as they are (calls_keep_meta)
+
+
+@contextlib.contextmanager
+def calls_keep_meta():
+    """Calls inside make nothing real: the AUTO planner traces a meta-built network on meta tensors, and its first
+    call would otherwise make it whole on every rank (as a stand-alone call does)."""
+    _held[0] += 1
+    try:
+        yield
+    finally:
+        _held[0] -= 1
+
+
 def taken_by(predicate: Callable[[torch.nn.Module], bool]) -> None:
     """The parallel runtime says which first calls it will lay out itself (it materialises their slices)."""
     _runtime_takes[:] = [predicate]
@@ -529,6 +543,8 @@ def _install_first_call_hook() -> None:
         return
 
     def first_call(module: torch.nn.Module, args: tuple) -> None:
+        if _held[0]:
+            return
         for waiting in list(_pending):
             if not has_meta(waiting, recurse=False):  # laid out (or materialised) by a parallel runtime
                 _pending.discard(waiting)

@@ -20,6 +20,7 @@ call; a network's first call in a parallel mode makes it by itself (:mod:`autopa
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import warnings
@@ -163,8 +164,23 @@ def _dispatch(state: ParallelState, network, loss_fn, optimizer, sample, ctx, sa
         if sample is None and not sample_kwargs:
             raise ConfigError("AUTO_PARALLEL plans on real shapes: give Model.train a dataset, or call the network "
                               "(or parallelize(network, sample=[inputs...]))")
-        _whole(network)  # the planner measures the network's operators on real values
-        state.plan = plan if plan is not None else _plan(network, loss_fn, optimizer, list(sample or ()), sample_kwargs)
+        from autopar.common import deferred
+        from autopar.planner.plan import built_on_meta
+
+        meta = built_on_meta(network)  # (planned as it is: each rank then makes only what the plan keeps)
+        if not meta:
+            _whole(network)  # the planner measures the network's operators on real values
+        try:  # (meta-built: whatever the planning calls -- the calibration's probes too -- makes none of it real)
+            with deferred.calls_keep_meta() if meta else contextlib.nullcontext():
+                state.plan = plan if plan is not None else _plan(network, loss_fn, optimizer, list(sample or ()),
+                                                                 sample_kwargs)
+        except (RuntimeError, NotImplementedError) as exc:  # a forward meta tensors cannot trace (sizes set by values)
+            if not meta:
+                raise
+            _warn_once("auto-meta", "autopar: AUTO_PARALLEL cannot trace this meta-built network on meta tensors ("
+                       f"{str(exc).splitlines()[0].split('. ')[0][:200]}): it is built whole on every rank to be planned")
+            _whole(network)
+            state.plan = _plan(network, loss_fn, optimizer, list(sample or ()), sample_kwargs)
         if state.plan.pipeline is not None:
             from autopar.parallel.pipeline.cell import attach_planned_pipeline
 

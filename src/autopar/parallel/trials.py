@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten
 from autopar import context as _context
 from autopar.context import env_flag
 from autopar.planner.alternatives import alternatives, as_choice, describe, from_choice
-from autopar.planner.plan import record_data_parallel_step
+from autopar.planner.plan import built_on_meta, record_data_parallel_step
 
 CLOSE = 1.10  # plans measured within this of the fastest are measured a second time
 
@@ -65,6 +65,10 @@ def measured_round(network: torch.nn.Module, loss_fn: Any, optimizer: Any, sampl
     world = plan.device_num
     if not enabled(world) or plan.search_mode == "sharding_propagation":
         return plan  # (propagation is MindSpore's rule from the user's strategies, not a bet on costs: kept as is)
+    if built_on_meta(network):  # each candidate would be built whole on every rank to be timed: the prediction decides
+        plan.reason += ("; the network was built on the meta device, so it was planned without running it (no "
+                        "measured round: each plan would be built whole to time it)")
+        return plan
     cached = load_decision(plan)
     if cached and not _still_fits(plan, cached):
         cached = None

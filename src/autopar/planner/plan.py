@@ -227,11 +227,61 @@ def _other_compute(network, loss_fn, sample: tuple, kwargs: dict | None, graph: 
     roofline = machine.compute("other", 3.0 * graph.other_flops / n)
     timer = getattr(machine, "op_timer", None)
     operators = [nc.dp_compute for nc in costs]
-    if timer is None or None in operators:
+    if timer is None or None in operators or built_on_meta(network):
         return roofline, False
     whole = whole_step_seconds(timer, "step " + _step_digest(network, loss_fn, graph, n), with_loss(network, loss_fn),
                                sample, kwargs or {}, n)
     return (roofline, False) if whole is None else (max(roofline, whole - sum(operators)), True)
+
+
+def built_on_meta(network: torch.nn.Module) -> bool:
+    """Are ``network``'s parameters still on the meta device -- built to be initialised sharded (``deferred_init``,
+    ``no_init_parameters``, ``torch.device("meta")``), nothing made yet? Then it is planned as it is: traced on
+    meta tensors, its operators timed on inputs of their shapes, and nothing that runs the network itself (its step
+    measured whole, data parallel's or ZeRO's on a copy) -- that would build it whole on every rank."""
+    return any(p.is_meta for p in network.parameters())
+
+
+class _AllOnMeta:
+    """For the trace of a meta-built network: its buffers and the parameters already made (frozen ones, made whole
+    by :func:`autopar.parallel.api._prepare_deferred`) stand on the meta device beside the rest, and are put back
+    as they were afterwards -- the same tensor objects, untouched; and the trace's call of it makes nothing real
+    (:func:`autopar.common.deferred.calls_keep_meta`: a first call outside a parallel runtime makes a recorded
+    network whole)."""
+
+    def __init__(self, *modules):
+        self.modules = [m for m in modules if isinstance(m, torch.nn.Module)]
+        self.saved: list[tuple[dict, str, torch.Tensor]] = []
+
+    def __enter__(self):
+        from autopar.common import deferred
+
+        self.held = deferred.calls_keep_meta()
+        self.held.__enter__()
+        for root in self.modules:
+            for module in root.modules():
+                for table in (module._parameters, module._buffers):
+                    for name, t in table.items():
+                        if t is None or t.is_meta:
+                            continue
+                        self.saved.append((table, name, t))
+                        twin = t.detach().to("meta")
+                        table[name] = torch.nn.Parameter(twin, t.requires_grad) if isinstance(
+                            t, torch.nn.Parameter) else twin
+        return self
+
+    def __exit__(self, *exc):
+        for table, name, t in reversed(self.saved):
+            table[name] = t
+        self.saved.clear()
+        self.held.__exit__(*exc)
+        return False
+
+
+def _to_meta(tree):
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, tree)
 
 
 def _step_digest(network, loss_fn, graph: Graph, n: int) -> str:
@@ -249,7 +299,7 @@ def _zero_whole(network, loss_fn, sample: tuple, kwargs: dict | None, graph: Gra
     from autopar.planner.fsdp_timer import zero_step_seconds
     from autopar.planner.graph import with_loss
 
-    if getattr(machine, "op_timer", None) is None or n < 2:
+    if getattr(machine, "op_timer", None) is None or n < 2 or built_on_meta(network):
         return None
     return zero_step_seconds(machine, "zero step " + _step_digest(network, loss_fn, graph, n),
                              with_loss(network, loss_fn), sample, kwargs or {}, n)
@@ -322,7 +372,7 @@ def _dp_whole(measure, network, loss_fn, sample: tuple, kwargs: dict | None, gra
     from autopar.planner.graph import with_loss
 
     timer = getattr(machine, "op_timer", None)
-    if measure is None or timer is None or n < 2:
+    if measure is None or timer is None or n < 2 or built_on_meta(network):
         return None
     key = _dp_step_key(measure, network, loss_fn, graph, n)
     by_round = timer.agreed(key + ROUND_SUFFIX, _not_measured_here)  # (every rank has it, or none uses it)
@@ -488,8 +538,13 @@ def _plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sam
                   machine: MachineModel, search_mode: str = "dynamic_programming",
                   memory_limit: float | None = None, pipeline_note: str | None = None,
                   sample_kwargs: dict | None = None, data_parallel_step=None) -> Plan:
-    graph = capture(network, loss_fn, sample, every_operator=search_mode == "sharding_propagation",
-                    kwargs=sample_kwargs)
+    if built_on_meta(network):  # traced as it is: nothing of its size is made (built_on_meta)
+        with _AllOnMeta(network, loss_fn):
+            graph = capture(network, loss_fn, _to_meta(tuple(sample)), every_operator=search_mode ==
+                            "sharding_propagation", kwargs=_to_meta(dict(sample_kwargs or {})))
+    else:
+        graph = capture(network, loss_fn, sample, every_operator=search_mode == "sharding_propagation",
+                        kwargs=sample_kwargs)
     timer = getattr(machine, "op_timer", None)
     rates = timer.optimizer_rates(network, device_num) if timer is not None else None
     if rates:  # the optimizer step timed on this network's own parameters (this plan's copy of the machine)
