@@ -108,3 +108,28 @@ def test_attention_is_charged_as_split_as_its_query_and_a_shared_input_is_reduce
     shared = {(graph.nodes[a].name, graph.nodes[b].name) for a, b, table in problem.pairs
               if a != b and min(min(r) for r in table) < 0}
     assert shared == {("q", "k"), ("q", "v"), ("gate", "up")}
+
+
+def test_a_meta_built_network_is_planned_as_it_is_and_a_forward_meta_cannot_trace_is_named():
+    """Planned on the meta device: nothing made (its parameters stay meta, a buffer made already is put back the
+    same object); a forward whose sizes are set by values (MoE routing) is a MetaTraceError naming why -- the runtime
+    then builds it whole with one warning -- while the planner's own errors stay themselves."""
+    from autopar.errors import StrategyError
+    from autopar.models import LlamaBlock, MoEBlock
+    from autopar.planner.plan import MetaTraceError
+
+    with torch.device("meta"):
+        block = LlamaBlock(32, 4, 2, 64, 16, causal=True)
+    block.cos, block.sin = torch.ones(16, 4), torch.zeros(16, 4)  # made already (as _prepare_deferred makes buffers)
+    cos = block.cos
+    sample = (torch.randn(2, 16, 32), torch.randn(2, 16, 32))
+    plan = plan_network(block, torch.nn.MSELoss(), sample, 2, MachineModel(device_num=2))
+    assert [n.name for n in plan.graph.nodes][:3] == ["q", "k", "v"] and plan.graph.attention
+    assert all(p.is_meta for p in block.parameters()) and block.cos is cos and not cos.is_meta
+    with torch.device("meta"):
+        moe = MoEBlock(16, 4, 32, 2)
+    with pytest.raises(MetaTraceError, match="nonzero"):
+        plan_network(moe, torch.nn.MSELoss(), (torch.randn(2, 8, 16), torch.randn(2, 8, 16)), 2,
+                     MachineModel(device_num=2))
+    with pytest.raises(StrategyError):  # (not taken for a trace failure: no plan fits 1 byte)
+        plan_network(block, torch.nn.MSELoss(), sample, 2, MachineModel(device_num=2), memory_limit=1.0)

@@ -73,3 +73,23 @@ def test_a_convolution_that_pads_itself_is_timed_as_the_module_runs_it():
     assert small, "the 2x2 maps of the last stages"
     for node in small[:2]:
         assert timer.node(node, list(node.shapes)) is not None, node.name
+
+
+def test_attention_is_timed_as_the_network_calls_it_and_charged_to_its_query(tmp_path):
+    """SDPA timed at this rank's shapes -- causal, grouped-query where the keys have fewer heads -- kept per shape;
+    in a plan it is charged to the query's node, and the work between the operators is what is left of the step."""
+    timer = OpTimer(torch.device("cpu"), tmp_path / "ops.json")
+    gqa = timer.attention([(1, 4, 32, 8), (1, 2, 32, 8), (1, 2, 32, 8)], 4, True)
+    assert gqa is not None and 0 < gqa[0] < gqa[1]
+    assert any("sdpa" in k and "True" in k for k in timer.table)
+    from autopar.models import LlamaBlock
+
+    torch.manual_seed(0)
+    machine = MachineModel(device_num=2)
+    machine.op_timer = OpTimer(torch.device("cpu"), tmp_path / "ops2.json")
+    sample = (torch.randn(4, 32, 64), torch.randn(4, 32, 64))  # a batch data parallel splits: 2 sequences a rank
+    plan = plan_network(LlamaBlock(64, 4, 2, 128, 32, causal=True), torch.nn.MSELoss(), sample, 2, machine)
+    timed = [v for k, v in machine.op_timer.table.items() if "sdpa" in k]
+    assert len(timed) == 1 and "(2, 4, 32, 16)" in next(k for k in machine.op_timer.table if "sdpa" in k)
+    q = next(nc for nc in plan.costs if nc.node.name == "q")
+    assert q.dp_compute >= timed[0][1]  # the query's node carries the attention under data parallel

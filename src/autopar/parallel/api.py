@@ -165,7 +165,7 @@ def _dispatch(state: ParallelState, network, loss_fn, optimizer, sample, ctx, sa
             raise ConfigError("AUTO_PARALLEL plans on real shapes: give Model.train a dataset, or call the network "
                               "(or parallelize(network, sample=[inputs...]))")
         from autopar.common import deferred
-        from autopar.planner.plan import built_on_meta
+        from autopar.planner.plan import MetaTraceError, built_on_meta
 
         meta = built_on_meta(network)  # (planned as it is: each rank then makes only what the plan keeps)
         if not meta:
@@ -174,11 +174,9 @@ def _dispatch(state: ParallelState, network, loss_fn, optimizer, sample, ctx, sa
             with deferred.calls_keep_meta() if meta else contextlib.nullcontext():
                 state.plan = plan if plan is not None else _plan(network, loss_fn, optimizer, list(sample or ()),
                                                                  sample_kwargs)
-        except (RuntimeError, NotImplementedError) as exc:  # a forward meta tensors cannot trace (sizes set by values)
-            if not meta:
-                raise
-            _warn_once("auto-meta", "autopar: AUTO_PARALLEL cannot trace this meta-built network on meta tensors ("
-                       f"{str(exc).splitlines()[0].split('. ')[0][:200]}): it is built whole on every rank to be planned")
+        except MetaTraceError as exc:  # a forward meta tensors cannot trace (sizes set by values)
+            _warn_once("auto-meta", f"autopar: AUTO_PARALLEL cannot trace this meta-built network on meta tensors "
+                       f"({exc}): it is built whole on every rank to be planned")
             _whole(network)
             state.plan = _plan(network, loss_fn, optimizer, list(sample or ()), sample_kwargs)
         if state.plan.pipeline is not None:

@@ -348,7 +348,8 @@ def shared_reduction(a: NodeCosts, ca: Choice, i: int, b: NodeCosts, cb: Choice,
     the sum once -- each boundary cost priced its own reduction.
 
     Why: Megatron's Llama block on 4 ranks reduces its two inputs' gradients twice a step (counted with
-    ``CommDebugMode``); the planner priced five reductions, 0.1 s a step over its 0.72."""
+    ``CommDebugMode``); the planner priced five reductions, 0.1 s a step over its 0.72. (Pairs with the first
+    consumer only: where k and v split alike but unlike q, their one shared reduction is still priced twice.)"""
     src = b.node.in_sources.get(j)
     if src not in (DP, REP) or i not in a.node.in_sources or j in b.node.no_grad_inputs:
         return 0.0
@@ -396,7 +397,9 @@ def charge_attention(graph: Graph, costs: list[NodeCosts], machine: MachineModel
     for (q, k, v, item, causal, _), source in zip(graph.attention, graph.attention_sources):
         if source is None or costs[source].dp_out_bytes is None or not costs[source].dp_out_bytes:
             continue
-        share = [(s[0] // device_num,) + tuple(s[1:]) if s and s[0] % device_num == 0 else s for s in (q, k, v)]
+        splits = graph.batch % device_num == 0  # (data parallel splits the batch, or -- full_batch -- nothing)
+        share = [(s[0] // device_num,) + tuple(s[1:]) if splits and s and s[0] % device_num == 0 else s
+                 for s in (q, k, v)]
         measured = timer.attention(share, item, causal) if timer is not None else None
         if measured is not None:
             seconds = measured[1]

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 
 from autopar import context as _context
-from autopar.errors import StrategyError
+from autopar.errors import AutoparError, StrategyError
 from autopar.layout.layout import Layout
 from autopar.ops.shard import has_strategies
 from autopar.planner.costs import OPTIMIZER_SLOTS, NodeCosts, charge_attention, graph_costs, spread_between
@@ -234,6 +234,11 @@ def _other_compute(network, loss_fn, sample: tuple, kwargs: dict | None, graph: 
     return (roofline, False) if whole is None else (max(roofline, whole - sum(operators)), True)
 
 
+class MetaTraceError(Exception):
+    """A meta-built network's forward that meta tensors cannot trace (a size set by values: a mixture of experts'
+    routing); the message says why. The caller builds the network whole and plans it as an eager one."""
+
+
 def built_on_meta(network: torch.nn.Module) -> bool:
     """Are ``network``'s parameters still on the meta device -- built to be initialised sharded (``deferred_init``,
     ``no_init_parameters``, ``torch.device("meta")``), nothing made yet? Then it is planned as it is: traced on
@@ -258,16 +263,23 @@ class _AllOnMeta:
 
         self.held = deferred.calls_keep_meta()
         self.held.__enter__()
-        for root in self.modules:
-            for module in root.modules():
-                for table in (module._parameters, module._buffers):
-                    for name, t in table.items():
-                        if t is None or t.is_meta:
-                            continue
-                        self.saved.append((table, name, t))
-                        twin = t.detach().to("meta")
-                        table[name] = torch.nn.Parameter(twin, t.requires_grad) if isinstance(
-                            t, torch.nn.Parameter) else twin
+        twins: dict[int, torch.Tensor] = {}  # (a tied tensor gets one twin)
+        try:
+            for root in self.modules:
+                for module in root.modules():
+                    for table in (module._parameters, module._buffers):
+                        for name, t in table.items():
+                            if t is None or t.is_meta:
+                                continue
+                            self.saved.append((table, name, t))
+                            if id(t) not in twins:
+                                twin = t.detach().to("meta")
+                                twins[id(t)] = torch.nn.Parameter(twin, t.requires_grad) if isinstance(
+                                    t, torch.nn.Parameter) else twin
+                            table[name] = twins[id(t)]
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc):
@@ -539,9 +551,15 @@ def _plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sam
                   memory_limit: float | None = None, pipeline_note: str | None = None,
                   sample_kwargs: dict | None = None, data_parallel_step=None) -> Plan:
     if built_on_meta(network):  # traced as it is: nothing of its size is made (built_on_meta)
-        with _AllOnMeta(network, loss_fn):
-            graph = capture(network, loss_fn, _to_meta(tuple(sample)), every_operator=search_mode ==
-                            "sharding_propagation", kwargs=_to_meta(dict(sample_kwargs or {})))
+        try:
+            with _AllOnMeta(network, loss_fn):
+                graph = capture(network, loss_fn, _to_meta(tuple(sample)), every_operator=search_mode ==
+                                "sharding_propagation", kwargs=_to_meta(dict(sample_kwargs or {})))
+        except AutoparError:
+            raise
+        except (RuntimeError, NotImplementedError) as exc:  # (every rank alike, before any collective)
+            lines = str(exc).splitlines() or [type(exc).__name__]
+            raise MetaTraceError(lines[0].split(". ")[0][:200]) from exc
     else:
         graph = capture(network, loss_fn, sample, every_operator=search_mode == "sharding_propagation",
                         kwargs=sample_kwargs)
@@ -553,10 +571,8 @@ def _plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sam
     if sample_kwargs and pipeline_note is None:
         pipeline_note = "the network takes keyword inputs, which a pipeline's stages do not pass"
     costs = graph_costs(graph, machine, device_num)
+    charge_attention(graph, costs, machine, device_num)  # (before: the step measured whole ran it too)
     between, measured = _other_compute(network, loss_fn, sample, sample_kwargs, graph, costs, machine)
-    attention = charge_attention(graph, costs, machine, device_num)
-    if measured:  # (the step measured whole ran the attention too; the roofline of the rest did not count it)
-        between = max(0.0, between - attention)
     # the work between the operators goes with the operators it follows (as split as their outputs), or -- where
     # that is unknown -- stays one data-parallel constant
     other_compute = 0.0 if spread_between(costs, between) else between

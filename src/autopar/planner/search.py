@@ -64,6 +64,8 @@ class Problem:
             self.pairs.append((a, b, table))
         for b, nb in enumerate(costs):  # an input shared with an earlier node: its gradient reduced once
             for j, (a, i) in graph.nodes[b].same_input.items():
+                if a == b:  # (one node fed the tensor twice: its own costs price it)
+                    continue
                 table = [[-shared_reduction(costs[a], ca, i, nb, cb, j, machine) for cb in nb.choices]
                          for ca in costs[a].choices]
                 if any(any(row) for row in table):
