@@ -21,7 +21,8 @@ Data parallel's step as the round timed it is kept with the operators' times
 rather than with the planner's measurement on a copy.
 
 ``AUTOPAR_AUTO_TRIALS=0`` turns the round off (the prediction alone decides); ``AUTOPAR_AUTO_TRIAL_STEPS`` sets the
-timed steps (default 3).
+timed steps (default 3); ``AUTOPAR_AUTO_TRIALS_WITHIN`` how far behind the best prediction a runner-up may be and
+still be measured (default 3: :data:`autopar.planner.alternatives.WITHIN`).
 """
 from __future__ import annotations
 
@@ -47,6 +48,15 @@ CLOSE = 1.10  # plans measured within this of the fastest are measured a second 
 
 def enabled(world: int) -> bool:
     return world > 1 and env_flag("AUTOPAR_AUTO_TRIALS", True)
+
+
+def _within() -> float:
+    from autopar.planner.alternatives import WITHIN
+
+    try:
+        return max(1.0, float(os.environ.get("AUTOPAR_AUTO_TRIALS_WITHIN", WITHIN)))
+    except ValueError:
+        return WITHIN
 
 
 def _steps() -> int:
@@ -83,7 +93,7 @@ def measured_round(network: torch.nn.Module, loss_fn: Any, optimizer: Any, sampl
 
         chosen.cached = str(decision_path(plan))
         return chosen
-    box = [[as_choice(c) for c in alternatives(plan)] if dist.get_rank() == 0 else None]
+    box = [[as_choice(c) for c in alternatives(plan, within=_within())] if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     candidates = [from_choice(plan, b) for b in box[0]]
     if len(candidates) == 1:
