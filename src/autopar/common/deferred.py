@@ -531,6 +531,32 @@ def calls_keep_meta():
         _held[0] -= 1
 
 
+@contextlib.contextmanager
+def swapped(modules: list, which: Callable[[torch.Tensor], bool], make: Callable[[torch.Tensor], torch.Tensor]):
+    """While inside, every parameter and buffer ``t`` of ``modules`` for which ``which(t)`` stands replaced by
+    ``make(t)`` -- one replacement per tensor, so tied ones stay tied; a parameter's is a parameter, with its
+    ``requires_grad`` -- and is put back afterwards, the same objects. A pipeline traces a meta-built network with
+    host stand-ins of its meta tensors; the AUTO planner traces one with meta twins of the tensors already made."""
+    saved, made = [], {}
+    try:
+        for root in modules:
+            for module in root.modules():
+                for table in (module._parameters, module._buffers):
+                    for name, t in list(table.items()):
+                        if t is None or not which(t):
+                            continue
+                        if id(t) not in made:
+                            r = make(t)
+                            made[id(t)] = torch.nn.Parameter(r, t.requires_grad) if isinstance(
+                                t, torch.nn.Parameter) else r
+                        saved.append((table, name, t))
+                        table[name] = made[id(t)]
+        yield
+    finally:
+        for table, name, t in reversed(saved):
+            table[name] = t
+
+
 def taken_by(predicate: Callable[[torch.nn.Module], bool]) -> None:
     """The parallel runtime says which first calls it will lay out itself (it materialises their slices)."""
     _runtime_takes[:] = [predicate]

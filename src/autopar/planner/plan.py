@@ -1,6 +1,7 @@
 """``plan_network``: from a network (and its loss and a sample batch) to a chosen, explained, applicable plan."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -247,47 +248,18 @@ def built_on_meta(network: torch.nn.Module) -> bool:
     return any(p.is_meta for p in network.parameters())
 
 
-class _AllOnMeta:
+@contextlib.contextmanager
+def _all_on_meta(*modules):
     """For the trace of a meta-built network: its buffers and the parameters already made (frozen ones, made whole
     by :func:`autopar.parallel.api._prepare_deferred`) stand on the meta device beside the rest, and are put back
     as they were afterwards -- the same tensor objects, untouched; and the trace's call of it makes nothing real
     (:func:`autopar.common.deferred.calls_keep_meta`: a first call outside a parallel runtime makes a recorded
     network whole)."""
+    from autopar.common import deferred
 
-    def __init__(self, *modules):
-        self.modules = [m for m in modules if isinstance(m, torch.nn.Module)]
-        self.saved: list[tuple[dict, str, torch.Tensor]] = []
-
-    def __enter__(self):
-        from autopar.common import deferred
-
-        self.held = deferred.calls_keep_meta()
-        self.held.__enter__()
-        twins: dict[int, torch.Tensor] = {}  # (a tied tensor gets one twin)
-        try:
-            for root in self.modules:
-                for module in root.modules():
-                    for table in (module._parameters, module._buffers):
-                        for name, t in table.items():
-                            if t is None or t.is_meta:
-                                continue
-                            self.saved.append((table, name, t))
-                            if id(t) not in twins:
-                                twin = t.detach().to("meta")
-                                twins[id(t)] = torch.nn.Parameter(twin, t.requires_grad) if isinstance(
-                                    t, torch.nn.Parameter) else twin
-                            table[name] = twins[id(t)]
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        for table, name, t in reversed(self.saved):
-            table[name] = t
-        self.saved.clear()
-        self.held.__exit__(*exc)
-        return False
+    roots = [m for m in modules if isinstance(m, torch.nn.Module)]
+    with deferred.calls_keep_meta(), deferred.swapped(roots, lambda t: not t.is_meta, lambda t: t.detach().to("meta")):
+        yield
 
 
 def _to_meta(tree):
@@ -552,7 +524,7 @@ def _plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sam
                   sample_kwargs: dict | None = None, data_parallel_step=None) -> Plan:
     if built_on_meta(network):  # traced as it is: nothing of its size is made (built_on_meta)
         try:
-            with _AllOnMeta(network, loss_fn):
+            with _all_on_meta(network, loss_fn):
                 graph = capture(network, loss_fn, _to_meta(tuple(sample)), every_operator=search_mode ==
                                 "sharding_propagation", kwargs=_to_meta(dict(sample_kwargs or {})))
         except AutoparError:

@@ -370,23 +370,8 @@ def _stand_ins(network: torch.nn.Module, active: bool):
         return
     from autopar.common import deferred
 
-    swapped, stand = [], {}
-    for module in network.modules():
-        for table in (module._parameters, module._buffers):
-            for attr, t in list(table.items()):
-                if t is None or not deferred.is_meta(t):
-                    continue
-                if id(t) not in stand:
-                    zero = torch.zeros((), dtype=t.dtype).expand(t.shape)
-                    stand[id(t)] = torch.nn.Parameter(zero, t.requires_grad) if isinstance(
-                        t, torch.nn.Parameter) else zero
-                swapped.append((table, attr, t))
-                table[attr] = stand[id(t)]
-    try:
+    with deferred.swapped([network], deferred.is_meta, lambda t: torch.zeros((), dtype=t.dtype).expand(t.shape)):
         yield
-    finally:
-        for table, attr, t in swapped:
-            table[attr] = t
 
 
 def _materialize_stage(network: torch.nn.Module, names: set[str] | None, pieces: list) -> None:
