@@ -406,10 +406,7 @@ def charge_attention(graph: Graph, costs: list[NodeCosts], machine: MachineModel
         else:
             flops = 2.0 * math.prod(share[0]) * k[-2] * (1 if causal else 2)  # q k^T and p v, causal: half
             seconds = machine.compute("attention", 3.5 * flops)
-        nc = costs[source]
-        nc.choices = [dataclasses.replace(c, compute=c.compute + seconds * c.out_bytes / nc.dp_out_bytes)
-                      for c in nc.choices]
-        nc.dp_compute += seconds
+        _charge(costs[source], seconds)
         charged += seconds
     return charged
 
@@ -425,6 +422,14 @@ def spread_between(costs: list[NodeCosts], seconds: float) -> bool:
     if seconds <= 0 or total <= 0 or any(nc.dp_out_bytes is None for nc in costs):
         return False
     for nc in costs:
-        nc.choices = [dataclasses.replace(c, compute=c.compute + seconds * c.out_bytes / total) for c in nc.choices]
-        nc.dp_compute += seconds * nc.dp_out_bytes / total
+        _charge(nc, seconds * nc.dp_out_bytes / total)
     return True
+
+
+def _charge(nc: NodeCosts, seconds: float) -> None:
+    """Add work data parallel spends ``seconds`` on after ``nc`` to each of its choices, in proportion to the
+    choice's share of the node's output against data parallel's (a row-split Linear's whole output: n times)."""
+    if seconds and nc.dp_out_bytes:
+        nc.choices = [dataclasses.replace(c, compute=c.compute + seconds * c.out_bytes / nc.dp_out_bytes)
+                      for c in nc.choices]
+        nc.dp_compute += seconds
