@@ -2,14 +2,19 @@
 into its shard -- no initial value is computed for what the checkpoint holds, nothing is made whole -- and the run
 continues as the uninterrupted one, to the last bit (float64).
 
-argv: ROOT PHASE CASES, CASES a comma-separated list of MODE/BUILD. MODE zero3: ZeRO-3 over every rank; megatron:
-SEMI_AUTO, fc1 column- and fc2 row-split, ZeRO-1 beside (what the strategy leaves whole is stored split over the
-ranks after the first step, and saved so). BUILD lazy: the resumed network built under ``autopar.deferred_init``;
-eager: built as usual. Phase ``save``, per case: a full run (eager, 4 steps) whose losses and parameters go to ROOT,
-and a run of 2 steps (eager) that saves sliced checkpoints. Phase ``resume`` (a new process, as a restarted job is),
-per case: the network resumed from that save for the last 2 steps. Writes ROOT/result.<rank>: per case the largest
-difference of the resumed run's losses and parameters against the full run's, how many whole initial values the
-resumed build computed (``computed``), and which parameters it held as slices (``sliced``).
+argv: ROOT PHASE CASES, CASES a comma-separated list of MODE/BUILD, MODE either one mode (the saving run's and the
+resumed run's) or SAVED>RESUMED (the resumed run lays the network out otherwise). Modes: zero3: ZeRO-3 over every rank;
+zero1: data parallel with ZeRO-1; megatron: SEMI_AUTO, fc1 column- and fc2 row-split, ZeRO-1 beside (what the
+strategy leaves whole is stored split over the ranks after the first step, and saved so); columns / rows: SEMI_AUTO
+with fc1 alone split by columns (its output) / rows (its input), fc2 whole; auto: AUTO_PARALLEL; auto_tight: AUTO
+with a memory limit data parallel does not fit. BUILD lazy: the resumed network built under ``autopar.deferred_init``;
+eager: built as usual; a ``_private`` suffix: each rank resumes from ``./ckpt`` in a directory of its own, as ranks on
+hosts without a shared file system do (no rank can read another's checkpoint). Phase ``save``, per case: a full run
+(eager, 4 steps) whose losses and parameters go to ROOT, and a run of 2 steps (eager) that saves sliced checkpoints.
+Phase ``resume`` (a new process, as a restarted job is), per case: the network resumed from that save for the last 2
+steps. Writes ROOT/result.<rank>: per case the largest difference of the resumed run's losses and parameters against
+the full run's, how many whole initial values the resumed build computed (``computed``), which parameters it held as
+slices (``sliced``) and the one-line error, if the resume refused.
 """
 import json
 import os
@@ -23,6 +28,7 @@ import autopar
 import autopar.dataset as ds
 from autopar.common import deferred
 from autopar.communication import get_group_size, get_rank, init
+from autopar.errors import CheckpointError
 from autopar.train import Callback, CheckpointConfig, Model, ModelCheckpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -57,15 +63,21 @@ deferred.full_value = counting
 
 def run(mode: str, steps: int, directory: Path | None, resume: bool, lazy: bool):
     autopar.reset_auto_parallel_context()
-    parallel = "semi_auto_parallel" if mode == "megatron" else "data_parallel"
-    autopar.set_auto_parallel_context(parallel_mode=parallel, gradients_mean=True, enable_parallel_optimizer=True,
-                                      parallel_optimizer_config={"optimizer_level": "level3" if mode == "zero3"
-                                                                 else "level1"})
+    parallel = {"megatron": "semi_auto_parallel", "columns": "semi_auto_parallel", "rows": "semi_auto_parallel",
+                "auto": "auto_parallel", "auto_tight": "auto_parallel"}.get(mode, "data_parallel")
+    autopar.set_auto_parallel_context(parallel_mode=parallel, gradients_mean=True)
+    if mode in ("zero3", "zero1", "megatron"):
+        autopar.set_auto_parallel_context(enable_parallel_optimizer=True, parallel_optimizer_config={
+            "optimizer_level": "level3" if mode == "zero3" else "level1"})
+    if mode == "auto_tight":  # the MLP's data parallel needs ~23 KB a rank by the plan: AUTO must split it
+        autopar.set_auto_parallel_context(max_device_memory="20KB")
     torch.manual_seed(0)
     net = autopar.deferred_init(MLP) if lazy else MLP()
     if mode == "megatron":
         autopar.shard(net.fc1, ((1, 1), (n, 1)))
         autopar.shard(net.fc2, ((1, n), (1, n)))
+    elif mode in ("columns", "rows"):
+        autopar.shard(net.fc1, ((1, 1), (n, 1)) if mode == "columns" else ((1, n), (1, n)))
     x, y = X[:64].astype("float64"), Y[:64].astype("int64")
     data = ds.NumpySlicesDataset({"x": x, "y": y}, shuffle=False, num_shards=n, shard_id=rank).batch(8)
     losses = Losses()
@@ -82,15 +94,31 @@ def run(mode: str, steps: int, directory: Path | None, resume: bool, lazy: bool)
 
 
 results = {}
-for mode, build in cases:
+for case in cases:
+    modes, build = case
+    saved, resumed = modes.split(">") if ">" in modes else (modes, modes)
+    key = f"{modes}/{build}"
+    tag = key.replace("/", "-").replace(">", "-to-")
+    private = build.endswith("_private")
     if phase == "save":
-        full_losses, full_params, _ = run(mode, 4, None, False, lazy=False)
-        torch.save((full_losses, full_params), root / f"full_{mode}.{rank}")
-        run(mode, 2, root / f"{mode}_{rank}", False, lazy=False)
+        full_losses, full_params, _ = run(saved, 4, None, False, lazy=False)
+        torch.save((full_losses, full_params), root / f"full_{tag}.{rank}")
+        saves = root / (f"{tag}-rank{rank}/ckpt" if private else f"{tag}_{rank}")
+        run(saved, 2, saves, False, lazy=False)
         continue
-    full_losses, full_params = torch.load(root / f"full_{mode}.{rank}")
-    losses, params, sliced = run(mode, 4, root / f"{mode}_{rank}", True, lazy=build == "lazy")
-    results[f"{mode}/{build}"] = {
+    full_losses, full_params = torch.load(root / f"full_{tag}.{rank}")
+    here = os.getcwd()
+    if private:  # "./ckpt": the path every rank gives names its own directory alone
+        os.chdir(root / f"{tag}-rank{rank}")
+    try:
+        losses, params, sliced = run(resumed, 4, Path("ckpt") if private else root / f"{tag}_{rank}", True,
+                                     lazy=build.startswith("lazy"))
+    except CheckpointError as exc:
+        results[key] = {"error": str(exc)}
+        continue
+    finally:
+        os.chdir(here)
+    results[key] = {
         "steps": sorted(losses), "computed": len(computed), "sliced": sliced,
         "loss_diff": max(abs(losses[s] - full_losses[s]) for s in losses),
         "param_diff": max((params[k] - full_params[k]).abs().max().item() for k in full_params)}

@@ -358,15 +358,27 @@ def resume_state(directory: str | os.PathLike, network: torch.nn.Module, optimiz
         raise CheckpointError(f"{chosen.path} was saved by {meta.world_size} ranks but this job has {_world()}: "
                               f"reshard it with load_distributed_checkpoint (all ranks' slices) or merge it first")
     if store.is_sliced(chosen.path):
-        if meta.layouts:
-            from autopar.parallel.api import apply_layouts
+        from autopar.parallel.api import apply_layouts, takes_layouts
 
-            apply_layouts(network, {k: v for k, v in meta.layouts.items() if any(a >= 0 for a in v["tensor_map"])})
+        if meta.layouts and takes_layouts(network):  # (else data parallel or ZeRO: read onto their layout)
+            apply_layouts(network, {k: v for k, v in meta.layouts.items() if any(a >= 0 for a in v["tensor_map"])},
+                          resumed=True)
         if meta.rank != _rank():
             raise CheckpointError(f"{chosen.path} holds the slices of rank {meta.rank}, but rank {_rank()} reads it: "
                                   f"resume each rank from its own directory ('{{rank}}' in resume_from)")
+        # its own file first (what it lacks stays NaN): a run laid out as the saving one -- and a parameter preset in
+        # its saved layout above -- needs no more; what it holds whole now takes the rest from its peers
         store.load_sliced_into([chosen.path], network, optimizer, own_slices_only=True)
-        _whole_from_peers(network, chosen.path)
+        lost = _whole_from_peers(network, optimizer)
+        if lost:  # split otherwise than saved (ZeRO in place of a layout): DCP reshards every rank's slices onto it
+            everyone = _every_ranks_checkpoint(chosen.path)
+            if everyone is None:
+                raise CheckpointError(f"resume from {chosen.path}: this rank's checkpoint lacks part of "
+                                      f"{', '.join(lost[:3])}{' and more' if len(lost) > 3 else ''}, laid out otherwise "
+                                      f"than in the run that saved it (or NaN there), and it cannot read the other "
+                                      f"ranks' checkpoints -- put every rank's checkpoint where every rank can read "
+                                      f"it (one file system), or resume with the saved layout")
+            store.load_sliced_into(everyone, network, optimizer)
         store.set_rng_state(torch.load(chosen.path / store.RNG_FILE, weights_only=False))
     else:
         obj = store.read_integrated(chosen.path)
@@ -376,41 +388,80 @@ def resume_state(directory: str | os.PathLike, network: torch.nn.Module, optimiz
     return meta
 
 
-def _whole_from_peers(network: torch.nn.Module, path: Path) -> None:
-    """A tensor whole on every rank now whose checkpoint each rank holds only a part of: ZeRO beside the layouts
-    stores what the strategy leaves whole split over the ranks after the first step, and saves it so; resumed before
-    that split exists, each rank reads its own part. Every element is taken from the lowest rank that read it
-    (exact: a sum with zeros elsewhere); an element no rank read is an error."""
+def _every_ranks_checkpoint(path: Path) -> list[Path] | None:
+    """The checkpoint every rank resumes from, in rank order, where this rank can read all of them (one file system
+    for the job), else None; every rank answers alike, so that all take the same way."""
     if _world() == 1:
-        return
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    saved = _saved_tensors([path], require_complete=False)
-    tensors = [(n, t) for n, t in [*network.named_parameters(), *network.named_buffers()] if not _is_dtensor(t)]
-    chunks = {}
-    for name, t in tensors:
-        entry = saved.get(name)
-        if isinstance(entry, TensorStorageMetadata) and tuple(entry.size) == tuple(t.shape):
-            chunks[name] = [tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes)) for c in entry.chunks]
+        return [path]
+    paths: list = [None] * _world()
+    dist.all_gather_object(paths, str(path))
+    readable = all(_holds_rank(Path(p), r) for r, p in enumerate(paths))
     from autopar.comm import management
 
-    on = management.device()  # the process group's: a CPU tensor cannot travel on NCCL
-    partial = torch.tensor([int(name in chunks and sum(t[r].numel() for r in chunks[name]) < t.numel())
-                            for name, t in tensors], dtype=torch.int32, device=on)
-    dist.all_reduce(partial, op=dist.ReduceOp.MAX)  # (the same network, so the same tensors, on every rank)
-    for (name, t), flag in zip(tensors, partial.tolist()):
-        if not flag:
+    flag = torch.tensor([int(readable)], dtype=torch.int32, device=management.device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return [Path(p) for p in paths] if int(flag.item()) else None
+
+
+def _holds_rank(path: Path, rank: int) -> bool:
+    """Is ``path`` (as this rank sees it) a complete sliced checkpoint of ``rank``?"""
+    try:
+        return (path / ".metadata").is_file() and store.read_meta(path).rank == rank
+    except (CheckpointError, OSError, ValueError):
+        return False
+
+
+def _whole_from_peers(network: torch.nn.Module, optimizer) -> list[str]:
+    """After each rank read only its own file, what it did not find there is NaN (``load_sliced_into``). A tensor
+    whole on every rank now -- a parameter, buffer or optimizer state the saving run split (ZeRO beside the layouts
+    stores what the strategy leaves whole split over the ranks after the first step, and saves it so; a ZeRO-1
+    save's moments) -- takes every element from the lowest rank that read it (exact: a sum with zeros elsewhere).
+    Returns what is still missing, the same on every rank: the tensors this run splits otherwise than the saving
+    run did, which no exchange of whole tensors fills."""
+    from autopar.checkpoint.store import _optimizers
+    from autopar.comm import management
+
+    tensors = [(n, t) for n, t in [*network.named_parameters(), *network.named_buffers()]]
+    names = {id(t): n for n, t in tensors}
+    for opt in _optimizers(optimizer):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                for key, v in (opt.state.get(p) or {}).items():
+                    tensors.append((f"{names.get(id(p), '?')} ({key})", v))
+    tensors = [(n, t) for n, t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() > 0
+               and not t.is_meta]
+    if not tensors:
+        return []
+
+    def local(t):
+        return t.to_local() if _is_dtensor(t) else t
+
+    on = management.device() if _world() > 1 else torch.device("cpu")  # the process group's (NCCL: not the CPU)
+    missing = torch.tensor([int(bool(torch.isnan(local(t)).any())) for _, t in tensors], dtype=torch.int32, device=on)
+    split = torch.tensor([int(_is_dtensor(t) and not all(p.is_replicate() for p in t.placements)) for _, t in tensors],
+                         dtype=torch.int32, device=on)
+    if _world() == 1:
+        return [name for (name, _), gone in zip(tensors, missing.tolist()) if gone]
+    dist.all_reduce(missing, op=dist.ReduceOp.MAX)
+    dist.all_reduce(split, op=dist.ReduceOp.MAX)
+    lost = []
+    for (name, t), gone, apart in zip(tensors, missing.tolist(), split.tolist()):
+        if not gone:
             continue
-        owner = torch.full(t.shape, _world(), dtype=torch.int32, device=on)
-        for region in chunks.get(name, []):
-            owner[region] = _rank()
+        if apart:
+            lost.append(name)
+            continue
+        mine = local(t).detach().to(on)
+        owner = torch.where(torch.isnan(mine), torch.tensor(_world(), device=on), torch.tensor(_rank(), device=on))
         dist.all_reduce(owner, op=dist.ReduceOp.MIN)
         if bool((owner == _world()).any()):
-            raise CheckpointError(f"resume from {path}: no rank's checkpoint holds all of '{name}'")
-        mine = torch.where(owner == _rank(), t.detach().to(on), torch.zeros((), dtype=t.dtype, device=on))
-        dist.all_reduce(mine)
+            lost.append(name)
+            continue
+        taken = torch.where(owner == _rank(), mine, torch.zeros((), dtype=mine.dtype, device=on))
+        dist.all_reduce(taken)
         with torch.no_grad():
-            t.copy_(mine)
+            local(t).copy_(taken)
+    return lost
 
 
 def find_resume(directory: str | os.PathLike, prefix: str | None = None) -> store.Found | None:

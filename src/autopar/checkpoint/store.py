@@ -266,6 +266,8 @@ def load_sliced_into(paths: list[Path], network: torch.nn.Module, optimizer=None
     state = {"model": model_sd}
     if optimizer is not None and with_optimizer:
         state["optim"] = optim_sd
+    if own_slices_only:  # what this rank's file does not hold stays NaN, for the caller to find and take from peers
+        _fill_nan(state)
     from autopar.checkpoint.merged_reader import MergedReader, check_shapes
 
     # checked before DCP: a missing rank's file or another shape named with the files (DCP logs a traceback first)
@@ -285,6 +287,22 @@ def load_sliced_into(paths: list[Path], network: torch.nn.Module, optimizer=None
     sd.set_state_dict(network, _optimizers(optimizer) if "optim" in state else [],
                       model_state_dict=state["model"], optim_state_dict=state.get("optim", {}),
                       options=sd.StateDictOptions(full_state_dict=False))
+
+
+def _fill_nan(tree) -> None:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, torch.Tensor):
+        local = tree.to_local() if isinstance(tree, DTensor) else tree
+        if local.is_floating_point() and local.dim() > 0 and not local.is_meta:
+            with torch.no_grad():
+                local.fill_(float("nan"))
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            _fill_nan(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            _fill_nan(v)
 
 
 def load_integrated_into(obj: dict, network: torch.nn.Module, optimizer=None) -> None:

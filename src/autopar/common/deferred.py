@@ -682,7 +682,8 @@ def check_loaded(module: torch.nn.Module, marked: list[str], source: str) -> Non
     from torch.distributed.tensor import DTensor
 
     tensors = dict([*module.named_parameters(), *module.named_buffers()])
-    missed = [n for n in marked if n in tensors and bool(torch.isnan(
+    # (one still on the meta device is another pipeline stage's: this rank never makes it)
+    missed = [n for n in marked if n in tensors and not is_meta(tensors[n]) and bool(torch.isnan(
         tensors[n].to_local() if isinstance(tensors[n], DTensor) else tensors[n]).any())]
     forget_loaded(module)
     anywhere = len(missed)

@@ -87,4 +87,7 @@ def remap_optimizer(optimizer: torch.optim.Optimizer) -> None:
                 from torch.distributed.tensor import distribute_tensor
 
                 state[name] = distribute_tensor(value, new.device_mesh, new.placements, src_data_rank=None)
+            elif (hasattr(value, "placements") and hasattr(new, "placements") and tuple(value.shape) == tuple(new.shape)
+                  and tuple(value.placements) != tuple(new.placements)):  # resumed in one layout, trained in another
+                state[name] = value.redistribute(new.device_mesh, new.placements)
         optimizer.state[new] = state

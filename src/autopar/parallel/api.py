@@ -177,6 +177,7 @@ def _dispatch(state: ParallelState, network, loss_fn, optimizer, sample, ctx, sa
         except MetaTraceError as exc:  # a forward meta tensors cannot trace (sizes set by values)
             _warn_once("auto-meta", f"autopar: AUTO_PARALLEL cannot trace this meta-built network on meta tensors "
                        f"({exc}): it is built whole on every rank to be planned")
+            deferred.forget_loaded(network)  # planned on its initial values: a resume's checkpoint then reads over them
             _whole(network)
             state.plan = _plan(network, loss_fn, optimizer, list(sample or ()), sample_kwargs)
         if state.plan.pipeline is not None:
@@ -395,9 +396,19 @@ def _with_zero(ctx, zero, shard_size):
     return dataclasses.replace(ctx, enable_parallel_optimizer=True, parallel_optimizer_config=config)
 
 
-def apply_layouts(network: torch.nn.Module, layouts: Any) -> None:
+def takes_layouts(network: torch.nn.Module) -> bool:
+    """Can :func:`apply_layouts` lay ``network`` out now: it runs on layouts already, or its mode lays networks
+    out (SEMI_AUTO / AUTO) and no data-parallel runtime holds it yet?"""
+    if runtime_of(network) is not None:
+        return True
+    mode = _context.auto_parallel_context().parallel_mode
+    return mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL) and state_of(network) is None
+
+
+def apply_layouts(network: torch.nn.Module, layouts: Any, resumed: bool = False) -> None:
     """Lay the network's parameters out as ``layouts`` says ({name: Layout or its dict}, or a strategy file)
-    before anything runs -- what a checkpoint is loaded into. Replicated entries need nothing."""
+    before anything runs -- what a checkpoint is loaded into. Replicated entries need nothing. ``resumed``: the
+    layouts a resumed checkpoint was saved in; the run's own strategies, where they differ, re-lay them."""
     from autopar.layout.layout import Layout
     from autopar.layout.strategy_file import load_strategy_file
 
@@ -420,7 +431,7 @@ def apply_layouts(network: torch.nn.Module, layouts: Any) -> None:
         _attach_layouts(state, network, None, None, ctx, _zero_level(ctx, ctx.parallel_mode))
     runtime = runtime_of(network)
     for name, layout in sliced.items():
-        runtime.preset_layout(name, layout)
+        runtime.preset_layout(name, layout, resumed=resumed)
 
 
 # -- small things ---------------------------------------------------------------------------------------------------

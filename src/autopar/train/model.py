@@ -231,11 +231,12 @@ class Model:
             prefix = prefixes.pop() if len(prefixes) == 1 else None
             found = find_resume(where, prefix)
             # a network built on the meta device: what the checkpoint holds is read straight into each rank's slices,
-            # never computed first -- where the mode slices (AUTO runs the whole network to measure it, data
-            # parallel keeps it whole and compares the ranks' values: theirs are drawn)
-            slices = ctx.parallel_mode is ParallelMode.SEMI_AUTO_PARALLEL or ctx.enable_parallel_optimizer
+            # never computed first -- where the mode may slice (AUTO plans a meta-built network without making it,
+            # then makes what its plan keeps; data parallel keeps it whole and compares the ranks' values: theirs
+            # are drawn)
+            slices = auto or ctx.parallel_mode is ParallelMode.SEMI_AUTO_PARALLEL or ctx.enable_parallel_optimizer
             marked = deferred.expect_loaded(self._network, sliced_names(found)) \
-                if self._prepared is None and slices and not auto else []
+                if self._prepared is None and slices else []
         try:
             if self._prepared is None and auto:  # AUTO_PARALLEL plans on real shapes: give it the first batch
                 self._prepare(next(_epoch_batches(train_dataset, 0)))

@@ -27,7 +27,8 @@ def replicas_agree(module: torch.nn.Module, ignore: set[str] | None = None) -> b
     fp = parameter_fingerprint(module, ignore)
     gathered = [torch.empty_like(fp) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, fp)
-    return all(torch.allclose(g, gathered[0], rtol=1e-6, atol=1e-6) for g in gathered)
+    # (equal_nan: a meta-built network resumed from a checkpoint holds NaN until the checkpoint is read into it)
+    return all(torch.allclose(g, gathered[0], rtol=1e-6, atol=1e-6, equal_nan=True) for g in gathered)
 
 
 def warn_if_replicas_differ(module: torch.nn.Module, ignore: set[str] | None = None) -> None:

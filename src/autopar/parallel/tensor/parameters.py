@@ -34,6 +34,12 @@ class ParameterPlacement:
         prev = self.param_layout.get(name)
         if prev is None:
             self.param_layout[name] = (who, layout.placements(), layout)
+        elif prev[1] != layout.placements() and name in self.resumed_layouts and isinstance(param, DTensor):
+            # laid out as the checkpoint it was resumed from was saved, and this run's operators lay it out otherwise
+            # (AUTO planned again, a strategy changed): its values move to their layout, its optimizer state after it
+            self.resumed_layouts.discard(name)
+            self.param_layout[name] = (who, layout.placements(), layout)
+            return self._lay_out(param, name, layout)
         elif prev[1] != layout.placements():
             raise StrategyError(f"parameter '{name}' is used by {prev[0]} and by {who}: one parameter must have one "
                                 f"strategy for all its operators (layouts {prev[2]} vs {layout})")
@@ -55,6 +61,8 @@ class ParameterPlacement:
         with torch.no_grad():
             if param.is_meta:  # built under deferred_init / no_init_parameters: only this rank's slice is kept
                 sharded = deferred_slice(param, world_mesh(), placements)
+            elif isinstance(param, DTensor):  # laid out otherwise before (a resumed checkpoint's layout)
+                sharded = param.detach().redistribute(param.device_mesh, placements)
             else:
                 sharded = distribute_tensor(param.detach(), world_mesh(), placements, src_data_rank=0)
         new = torch.nn.Parameter(sharded, requires_grad=param.requires_grad)
@@ -146,9 +154,10 @@ class ParameterPlacement:
             self.param_layout[name] = (f"expert-parallel module '{where}'", layout.placements(), layout)
             self._lay_out(param, name, layout)
 
-    def preset_layout(self, name: str, layout: Layout) -> None:
+    def preset_layout(self, name: str, layout: Layout, resumed: bool = False) -> None:
         """Lay parameter ``name`` out now (a strategy to load a checkpoint into, or one read from a file); the
-        operators that use it later must agree."""
+        operators that use it later must agree -- unless ``resumed``: the layout a resumed checkpoint was saved in
+        (its slices read straight into it), which the run's own operators may lay out otherwise."""
         owners = self.owners.get(name)
         if not owners:
             raise StrategyError(f"the strategy names parameter '{name}', which the network does not have")
@@ -157,6 +166,8 @@ class ParameterPlacement:
         if tuple(param.shape) != tuple(layout.full_shape):
             raise StrategyError(f"the strategy gives parameter '{name}' the shape {layout.full_shape} but the network "
                                 f"has {tuple(param.shape)}")
+        if resumed and name not in self.param_layout:
+            self.resumed_layouts.add(name)
         self.param_layout.setdefault(name, (f"the given strategy for '{name}'", layout.placements(), layout))
         if self.param_layout[name][1] != layout.placements():
             raise StrategyError(f"parameter '{name}' is already laid out as {self.param_layout[name][2]}, "

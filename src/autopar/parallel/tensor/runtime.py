@@ -164,6 +164,7 @@ class SemiAutoRuntime(ParameterPlacement):
         # reused by some new tensor (a constant like Tensor(0.1)), which a plain id-keyed dict took for the parameter.
         self.converted: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.param_layout: dict[str, tuple[str, tuple, Layout]] = {}  # name -> (who, placements, layout)
+        self.resumed_layouts: set[str] = set()  # preset as a checkpoint was saved: the run's operators may re-lay
         self.optimizers: list[torch.optim.Optimizer] = []
         self.loss_was_global = False
         self._depth = 0
