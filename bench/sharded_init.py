@@ -3,9 +3,11 @@ ZeRO-3 on 2 and 4 CPU ranks, built eagerly (every rank builds it whole, then sha
 ``autopar.deferred_init`` (every rank makes only its shards, from the same seed's values), interleaved over rounds.
 Per configuration (medians over rounds, the largest rank): peak RSS after the build, after the first step (setting
 up done) and at the end, as a multiple of the network's full parameter bytes; seconds to build and to the first
-step's end.
+step's end. ``--mode auto``: the same under AUTO_PARALLEL with ``--max-device-memory`` below what data parallel
+needs, so its plan splits the network (a meta-built one is planned without being made: the setup this measures).
 
     python bench/sharded_init.py [--rounds 2] [--layers 8] [--hidden 1536] [--out bench/results/sharded_init.json]
+    python bench/sharded_init.py --mode auto --max-device-memory 1GB --out bench/results/sharded_init_auto.json
 """
 from __future__ import annotations
 
@@ -32,6 +34,9 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--mode", choices=("zero3", "auto"), default="zero3",
+                   help="ZeRO-3, or AUTO_PARALLEL with --max-device-memory (which data parallel must not fit)")
+    p.add_argument("--max-device-memory", default="1GB")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="autopar-sharded-init-"))
@@ -42,7 +47,7 @@ def main() -> None:
                 logs = tmp / f"{build}-{world}-{rnd}"
                 cmd = [sys.executable, "-m", "autopar.cli.main", "launch", "-n", str(world), "--log-dir", str(logs),
                        str(WORKER), build, str(args.layers), str(args.hidden), str(args.vocab), str(args.seq),
-                       str(args.steps)]
+                       str(args.steps), args.mode, args.max_device_memory]
                 rows = _run(cmd, max(1, 2 // world), logs)
                 runs.setdefault(f"{build}@{world}", []).append(rows)
                 worst = max(rows, key=lambda r: r["rss_peak_mib"])
@@ -54,11 +59,13 @@ def main() -> None:
         full = rounds[0][0]["full_param_mib"]
         row = {k: statistics.median(max(r[k] for r in rows) for rows in rounds) for k in KEYS}
         row |= {f"{k}_over_full": row[k] / full for k in KEYS if k.startswith("rss")}
-        summary[key] = {"full_param_mib": full, **{k: round(v, 3) for k, v in row.items()}}
+        summary[key] = {"full_param_mib": full, **{k: round(v, 3) for k, v in row.items()},
+                        "plan": sorted({r.get("plan", "zero3") for rows in rounds for r in rows})}
     for world in args.worlds:
         e, d = summary[f"eager@{world}"], summary[f"deferred@{world}"]
         summary[f"deferred_over_eager_peak@{world}"] = round(d["rss_peak_mib"] / e["rss_peak_mib"], 3)
     out = {"model": {"layers": args.layers, "hidden": args.hidden, "vocab": args.vocab, "seq": args.seq},
+           "mode": args.mode, "max_device_memory": args.max_device_memory if args.mode == "auto" else None,
            "rounds": args.rounds, "summary": summary, "runs": runs}
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

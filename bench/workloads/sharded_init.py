@@ -1,9 +1,11 @@
 """Worker for ``bench/sharded_init.py``: a nanoGPT-like GPT built eagerly (whole on every rank, then sharded) or under
-``autopar.deferred_init`` (each rank makes only its shards), ZeRO-3, SGD, a few steps. Prints one ``BENCH {...}``
-line per rank: peak RSS at three points (after the build, after the first step -- setting up done -- and at the
-end), the network's full parameter bytes, and the seconds to build and to the first step's end.
+``autopar.deferred_init`` (each rank makes only its shards), SGD, a few steps, in ZeRO-3 or in AUTO_PARALLEL with a
+device memory that data parallel does not fit (``MAX_DEVICE_MEMORY``: the plan must split; a meta-built network is
+planned without being made). Prints one ``BENCH {...}`` line per rank: peak RSS at three points (after the build,
+after the first step -- setting up done -- and at the end), the network's full parameter bytes, and the seconds to
+build and to the first step's end.
 
-argv: BUILD LAYERS HIDDEN VOCAB SEQ STEPS"""
+argv: BUILD LAYERS HIDDEN VOCAB SEQ STEPS [MODE [MAX_DEVICE_MEMORY]]"""
 import json
 import resource
 import sys
@@ -19,10 +21,16 @@ import autopar  # noqa: E402
 from autopar.communication import get_group_size, get_rank, init  # noqa: E402
 
 build, layers, hidden, vocab, seq, steps = sys.argv[1], *map(int, sys.argv[2:7])
+mode = sys.argv[7] if len(sys.argv) > 7 else "zero3"
 init()
 rank, n = get_rank(), get_group_size()
-autopar.set_auto_parallel_context(parallel_mode="data_parallel", gradients_mean=True, enable_parallel_optimizer=True,
-                                  parallel_optimizer_config={"optimizer_level": "level3"})
+if mode == "auto":
+    autopar.set_auto_parallel_context(parallel_mode="auto_parallel", gradients_mean=True,
+                                      max_device_memory=sys.argv[8])
+else:
+    autopar.set_auto_parallel_context(parallel_mode="data_parallel", gradients_mean=True,
+                                      enable_parallel_optimizer=True,
+                                      parallel_optimizer_config={"optimizer_level": "level3"})
 
 
 def rss_mib() -> float:
@@ -45,7 +53,11 @@ for step in range(steps):
     opt.zero_grad(set_to_none=True)
     if step == 0:
         first_step_s, after_first = time.perf_counter() - t0, rss_mib()
+from autopar.parallel.state import state_of  # noqa: E402
+from autopar.parallel.summary import describe  # noqa: E402
+
+plan = describe(state_of(model), model) if state_of(model) is not None else mode
 print("BENCH " + json.dumps({"rank": rank, "world": n, "build": build, "full_param_mib": full_bytes / 2**20,
                              "rss_after_build_mib": after_build, "rss_after_first_step_mib": after_first,
                              "rss_peak_mib": rss_mib(), "build_s": built_s, "to_first_step_s": first_step_s,
-                             "loss": float(loss)}), flush=True)
+                             "loss": float(loss), "mode": mode, "plan": plan}), flush=True)

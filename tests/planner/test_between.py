@@ -1,5 +1,7 @@
 """The work between the operators (normalisations, activations, residual adds, the loss): measured whole in a job
 -- the data-parallel step less its timed operators -- and charged to the operators as split as their outputs."""
+import math
+
 import pytest
 import torch
 
@@ -133,3 +135,26 @@ def test_a_meta_built_network_is_planned_as_it_is_and_a_forward_meta_cannot_trac
                      MachineModel(device_num=2))
     with pytest.raises(StrategyError):  # (not taken for a trace failure: no plan fits 1 byte)
         plan_network(block, torch.nn.MSELoss(), sample, 2, MachineModel(device_num=2), memory_limit=1.0)
+
+
+def test_a_parameter_tied_to_a_module_kept_whole_is_never_split():
+    """nanoGPT ties its output head to the token embedding, which runs as a data-parallel leaf (kept replicated). A
+    plan that split the head's weight could not run ("one parameter must have one strategy": every layout plan of a
+    meta-built GPT failed so, and the meta plan has no measured round to catch it): the head's choices keep its
+    weight whole, the untied projections' do not."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=96, n_layer=1, n_head=2, n_embd=32))
+    idx = torch.randint(0, 96, (4, 16))
+    plan = plan_network(model, None, (idx, idx), 2, MachineModel(device_num=2), search_mode="exhaustive")
+    nodes = {n.name: (n, nc) for n, nc in zip(plan.graph.nodes, plan.costs)}
+    head, head_costs = nodes["lm_head"]
+    assert head.replicated_params == frozenset({1})
+    assert all(math.prod(c.strategy[1]) == 1 for c in head_costs.choices)
+    fc, fc_costs = nodes["transformer.h.0.mlp.c_fc"]
+    assert fc.replicated_params == frozenset() and any(math.prod(c.strategy[1]) > 1 for c in fc_costs.choices)

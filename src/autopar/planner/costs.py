@@ -232,6 +232,8 @@ class NodeCosts:
             if strategy in seen:
                 continue
             seen.add(strategy)
+            if node.fixed is None and any(math.prod(strategy[i]) > 1 for i in node.replicated_params):
+                continue  # a parameter tied to a module kept whole (or used by another node): whole here too
             try:
                 plan = derive_plan(node.name, node.spec, strategy, node.shapes, device_num)
             except StrategyError:

@@ -64,6 +64,9 @@ class OpNode:
     # activation input -> (an earlier node, its input) fed the very same tensor from outside the planned operators
     # (one norm's output into q and kv, or into gate and up): autograd keeps it once
     same_input: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # parameter inputs that must stay whole: tied to a module the runtime keeps replicated (a GPT's token embedding
+    # under its output head) or used by another node too -- a split of one user would not be the other's
+    replicated_params: frozenset = frozenset()
 
     def shapes_text(self) -> str:
         """``a b -> out`` (the first two inputs), as the plan tables show it."""
@@ -469,6 +472,7 @@ def capture(network: torch.nn.Module, loss_fn: torch.nn.Module | None, inputs: t
         tracer.run(root, *inputs, **(kwargs or {}))
     finally:
         root.train(was_training)
+    _mark_shared_parameters(root, tracer.nodes)
     first = next((t for t in tree_flatten((tuple(inputs), kwargs or {}))[0] if isinstance(t, torch.Tensor)), None)
     batch = int(first.shape[0]) if first is not None and first.dim() else 1
     lengths = {int(t.shape[1]) for t in tree_flatten((tuple(inputs), kwargs or {}))[0]
@@ -483,6 +487,33 @@ def capture(network: torch.nn.Module, loss_fn: torch.nn.Module | None, inputs: t
                  any(mixes_tokens(m) or not (any(True for _ in m.children()) or token_wise(m))
                      for m in network.modules()),
                  lengths.pop() if len(lengths) == 1 else None, tuple(tracer.attention_sources))
+
+
+def _mark_shared_parameters(root: torch.nn.Module, nodes: list[OpNode]) -> None:
+    """Each node's parameters that no strategy of its own may split (``OpNode.replicated_params``): one used by
+    two nodes (each would lay it out its own way), or owned also by a module that is no node and calls no operator
+    -- a leaf such as the ``nn.Embedding`` a GPT's output head is tied to, which the runtime keeps replicated."""
+    from collections import Counter
+
+    from autopar.ops.primitive import Primitive
+
+    params = dict(root.named_parameters())
+    owners: dict[int, list] = {}
+    for module in root.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), []).append(module)
+    targets = {id(node.target) for node in nodes}
+    uses = Counter(name for node in nodes for name in set(node.param_names) if name)
+
+    def kept_whole(module) -> bool:
+        return (id(module) not in targets and not isinstance(module, Primitive)
+                and not any(isinstance(c, Primitive) for c in module.children()))
+
+    for node in nodes:
+        node.replicated_params = frozenset(
+            i for i, name in enumerate(node.param_names) if name and name in params
+            and (uses[name] > 1 or any(kept_whole(m) for m in owners.get(id(params[name]), ()))))
 
 
 def with_loss(network: torch.nn.Module, loss_fn: torch.nn.Module | None) -> torch.nn.Module:
