@@ -363,12 +363,17 @@ def resume_state(directory: str | os.PathLike, network: torch.nn.Module, optimiz
         if meta.layouts and takes_layouts(network):  # (else data parallel or ZeRO: read onto their layout)
             apply_layouts(network, {k: v for k, v in meta.layouts.items() if any(a >= 0 for a in v["tensor_map"])},
                           resumed=True)
-        if meta.rank != _rank():
-            raise CheckpointError(f"{chosen.path} holds the slices of rank {meta.rank}, but rank {_rank()} reads it: "
-                                  f"resume each rank from its own directory ('{{rank}}' in resume_from)")
-        # its own file first (what it lacks stays NaN): a run laid out as the saving one -- and a parameter preset in
-        # its saved layout above -- needs no more; what it holds whole now takes the rest from its peers
-        store.load_sliced_into([chosen.path], network, optimizer, own_slices_only=True)
+        failure = None
+        try:
+            if meta.rank != _rank():
+                raise CheckpointError(f"{chosen.path} holds the slices of rank {meta.rank}, but rank {_rank()} reads "
+                                      f"it: resume each rank from its own directory ('{{rank}}' in resume_from)")
+            # its own file first (what it lacks stays NaN): a run laid out as the saving one -- and a parameter preset
+            # in its saved layout above -- needs no more; what it holds whole now takes the rest from its peers
+            store.load_sliced_into([chosen.path], network, optimizer, own_slices_only=True)
+        except CheckpointError as exc:
+            failure = exc
+        _every_rank_read(failure, chosen.path)  # (before any collective: a rank that failed alone hangs no other)
         lost = _whole_from_peers(network, optimizer)
         if lost:  # split otherwise than saved (ZeRO in place of a layout): DCP reshards every rank's slices onto it
             everyone = _every_ranks_checkpoint(chosen.path)
@@ -386,6 +391,20 @@ def resume_state(directory: str | os.PathLike, network: torch.nn.Module, optimiz
         rngs = obj.get("rng") or []
         store.set_rng_state(rngs[_rank()] if _rank() < len(rngs) else (rngs[0] if rngs else None))
     return meta
+
+
+def _every_rank_read(failure: CheckpointError | None, path: Path) -> None:
+    """Collective: raise on every rank if any rank could not read its own checkpoint (its own error where it
+    failed, one naming the others elsewhere)."""
+    if _world() > 1:
+        from autopar.comm import management
+
+        flag = torch.tensor([int(failure is not None)], dtype=torch.int32, device=management.device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if failure is None and int(flag.item()):
+            raise CheckpointError(f"resume from {path}: another rank could not read its checkpoint (its log says why)")
+    if failure is not None:
+        raise failure
 
 
 def _every_ranks_checkpoint(path: Path) -> list[Path] | None:
@@ -452,7 +471,8 @@ def _whole_from_peers(network: torch.nn.Module, optimizer) -> list[str]:
             lost.append(name)
             continue
         mine = local(t).detach().to(on)
-        owner = torch.where(torch.isnan(mine), torch.tensor(_world(), device=on), torch.tensor(_rank(), device=on))
+        owner = torch.where(torch.isnan(mine), torch.tensor(_world(), dtype=torch.int32, device=on),
+                            torch.tensor(_rank(), dtype=torch.int32, device=on))
         dist.all_reduce(owner, op=dist.ReduceOp.MIN)
         if bool((owner == _world()).any()):
             lost.append(name)

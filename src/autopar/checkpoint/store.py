@@ -266,13 +266,13 @@ def load_sliced_into(paths: list[Path], network: torch.nn.Module, optimizer=None
     state = {"model": model_sd}
     if optimizer is not None and with_optimizer:
         state["optim"] = optim_sd
-    if own_slices_only:  # what this rank's file does not hold stays NaN, for the caller to find and take from peers
-        _fill_nan(state)
     from autopar.checkpoint.merged_reader import MergedReader, check_shapes
 
     # checked before DCP: a missing rank's file or another shape named with the files (DCP logs a traceback first)
     merged = MergedReader(paths, require_complete=not own_slices_only).read_metadata().state_dict_metadata
     check_shapes(merged, {k: tuple(v.shape) for k, v in model_sd.items() if isinstance(v, torch.Tensor)}, paths)
+    if own_slices_only:  # what this rank's file does not hold stays NaN, for the caller to find and take from peers
+        _fill_nan(state)
     try:
         with quiet_single_process():
             import torch.distributed.checkpoint as dcp

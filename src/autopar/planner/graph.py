@@ -491,10 +491,8 @@ def capture(network: torch.nn.Module, loss_fn: torch.nn.Module | None, inputs: t
 
 def _mark_shared_parameters(root: torch.nn.Module, nodes: list[OpNode]) -> None:
     """Each node's parameters that no strategy of its own may split (``OpNode.replicated_params``): one used by
-    two nodes (each would lay it out its own way), or owned also by a module that is no node and calls no operator
+    two modules or operators (each would lay it out its own way), or owned also by a module that is no node and calls no operator
     -- a leaf such as the ``nn.Embedding`` a GPT's output head is tied to, which the runtime keeps replicated."""
-    from collections import Counter
-
     from autopar.ops.primitive import Primitive
 
     params = dict(root.named_parameters())
@@ -504,7 +502,11 @@ def _mark_shared_parameters(root: torch.nn.Module, nodes: list[OpNode]) -> None:
             if p is not None:
                 owners.setdefault(id(p), []).append(module)
     targets = {id(node.target) for node in nodes}
-    uses = Counter(name for node in nodes for name in set(node.param_names) if name)
+    users: dict[str, set] = {}  # (one module called twice -- a shared or recurrent layer -- is one strategy)
+    for node in nodes:
+        for name in node.param_names:
+            if name:
+                users.setdefault(name, set()).add(id(node.target))
 
     def kept_whole(module) -> bool:
         return (id(module) not in targets and not isinstance(module, Primitive)
@@ -513,7 +515,7 @@ def _mark_shared_parameters(root: torch.nn.Module, nodes: list[OpNode]) -> None:
     for node in nodes:
         node.replicated_params = frozenset(
             i for i, name in enumerate(node.param_names) if name and name in params
-            and (uses[name] > 1 or any(kept_whole(m) for m in owners.get(id(params[name]), ()))))
+            and (len(users[name]) > 1 or any(kept_whole(m) for m in owners.get(id(params[name]), ()))))
 
 
 def with_loss(network: torch.nn.Module, loss_fn: torch.nn.Module | None) -> torch.nn.Module:

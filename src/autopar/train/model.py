@@ -95,7 +95,7 @@ class Model:
             raise ConfigError(f"grad_accumulation_steps must be a positive integer, got {steps!r}")
         self._accumulation = steps
         self._prepared = None
-        self._unloaded = False  # a failed resume_from= left a meta-built network without values
+        self._unloaded = False  # a failed resume_from= left the network without values
         self._micro_step = 0
 
     @refuses("Model._build_train_network", ACCUMULATE_INSTEAD)  # r1.3's Model_ACCU calls it
@@ -117,8 +117,8 @@ class Model:
     # -- preparation ----------------------------------------------------------------------------------------------
     def _prepare(self, sample: Any = None):
         if self._unloaded:
-            raise ConfigError("this network was built on the meta device, and the resume_from= that failed left what "
-                              "it was to read without values: build the network again")
+            raise ConfigError("the resume_from= that failed left what this network was to read from the checkpoint "
+                              "without values: build the network (and its optimizer) again")
         if self._prepared is None:
             from autopar.parallel.api import prepare
 
@@ -237,6 +237,7 @@ class Model:
             slices = auto or ctx.parallel_mode is ParallelMode.SEMI_AUTO_PARALLEL or ctx.enable_parallel_optimizer
             marked = deferred.expect_loaded(self._network, sliced_names(found)) \
                 if self._prepared is None and slices else []
+        reading = False
         try:
             if self._prepared is None and auto:  # AUTO_PARALLEL plans on real shapes: give it the first batch
                 self._prepare(next(_epoch_batches(train_dataset, 0)))
@@ -255,11 +256,14 @@ class Model:
             if resume_from is not None:
                 from autopar.checkpoint.api import resume_state
 
+                reading = True
                 meta = resume_state(where, self._network, self._optimizer, prefix, found=found)
+                reading = False
                 if marked:
                     deferred.check_loaded(self._network, marked, str(found.path))
         except BaseException:
-            if marked:  # what was left for the checkpoint holds no value: this network cannot train
+            if marked or (reading and _holds_nan(self._network)):  # what was left for the checkpoint holds no
+                # value (a read that failed part-way leaves NaN where it did not read): this network cannot train
                 deferred.forget_loaded()
                 self._unloaded = True
             raise
@@ -422,3 +426,13 @@ class Model:
             out = network(*self._to_device(list(predict_data)))
         network.train(was_training)
         return out
+
+
+def _holds_nan(network: torch.nn.Module) -> bool:
+    """Does any of ``network``'s floating-point parameters hold NaN on this rank (a checkpoint read that failed
+    part-way)?"""
+    for p in network.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if local.is_floating_point() and not local.is_meta and bool(torch.isnan(local.detach()).any()):
+            return True
+    return False

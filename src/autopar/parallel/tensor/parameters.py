@@ -31,15 +31,18 @@ class ParameterPlacement:
                                 f"the network adds its own collectives")
         who = f"{self.name_of(op)} with strategy {plan.strategy}"
         self.loaded.check(name, tuple(param.shape), layout, who)
+        if isinstance(param, DTensor) and param in self.converted:  # re-laid out since (a reference kept before)
+            param = self.converted[param]
         prev = self.param_layout.get(name)
+        if prev is not None and name in self.resumed_layouts:
+            # laid out as the checkpoint it was resumed from was saved: the first operator to use it decides (AUTO
+            # planned again, a strategy changed) -- its values move to that layout, its optimizer state after them
+            self.resumed_layouts.discard(name)
+            if prev[1] != layout.placements() and isinstance(param, DTensor):
+                self.param_layout[name] = (who, layout.placements(), layout)
+                return self._lay_out(param, name, layout)
         if prev is None:
             self.param_layout[name] = (who, layout.placements(), layout)
-        elif prev[1] != layout.placements() and name in self.resumed_layouts and isinstance(param, DTensor):
-            # laid out as the checkpoint it was resumed from was saved, and this run's operators lay it out otherwise
-            # (AUTO planned again, a strategy changed): its values move to their layout, its optimizer state after it
-            self.resumed_layouts.discard(name)
-            self.param_layout[name] = (who, layout.placements(), layout)
-            return self._lay_out(param, name, layout)
         elif prev[1] != layout.placements():
             raise StrategyError(f"parameter '{name}' is used by {prev[0]} and by {who}: one parameter must have one "
                                 f"strategy for all its operators (layouts {prev[2]} vs {layout})")
