@@ -41,6 +41,7 @@ def main() -> None:
     args = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="autopar-sharded-init-"))
     runs: dict[str, list[list[dict]]] = {}
+    failed: dict[str, str] = {}
     for rnd in range(args.rounds):
         for world in args.worlds:
             for build in ("eager", "deferred") if rnd % 2 == 0 else ("deferred", "eager"):
@@ -48,7 +49,17 @@ def main() -> None:
                 cmd = [sys.executable, "-m", "autopar.cli.main", "launch", "-n", str(world), "--log-dir", str(logs),
                        str(WORKER), build, str(args.layers), str(args.hidden), str(args.vocab), str(args.seq),
                        str(args.steps), args.mode, args.max_device_memory]
-                rows = _run(cmd, max(1, 2 // world), logs)
+                # a first run's setup: nothing planned or timed before (AUTO's decisions and operator timings are
+                # cached between runs of a job)
+                try:
+                    rows = _run(cmd, max(1, 2 // world), logs,
+                                {"AUTOPAR_CACHE_DIR": str(tmp / f"cache-{build}-{world}-{rnd}")})
+                except SystemExit as exc:  # (eager AUTO on 4 ranks: killed for memory on a 24 GiB host)
+                    lines = str(exc).splitlines()
+                    failed[f"{build}@{world}"] = " -- ".join([lines[0].split(":")[0]]
+                                                            + [ln for ln in lines if "error:" in ln][:1])
+                    print(f"round {rnd + 1} {build}@{world}: {failed[f'{build}@{world}']}", flush=True)
+                    continue
                 runs.setdefault(f"{build}@{world}", []).append(rows)
                 worst = max(rows, key=lambda r: r["rss_peak_mib"])
                 print(f"round {rnd + 1} {build}@{world}: peak RSS {worst['rss_peak_mib']:.0f} MiB per rank "
@@ -62,8 +73,10 @@ def main() -> None:
         summary[key] = {"full_param_mib": full, **{k: round(v, 3) for k, v in row.items()},
                         "plan": sorted({r.get("plan", "zero3") for rows in rounds for r in rows})}
     for world in args.worlds:
-        e, d = summary[f"eager@{world}"], summary[f"deferred@{world}"]
-        summary[f"deferred_over_eager_peak@{world}"] = round(d["rss_peak_mib"] / e["rss_peak_mib"], 3)
+        e, d = summary.get(f"eager@{world}"), summary.get(f"deferred@{world}")
+        if e and d:
+            summary[f"deferred_over_eager_peak@{world}"] = round(d["rss_peak_mib"] / e["rss_peak_mib"], 3)
+    summary |= {f"{key} failed": why for key, why in failed.items()}
     out = {"model": {"layers": args.layers, "hidden": args.hidden, "vocab": args.vocab, "seq": args.seq},
            "mode": args.mode, "max_device_memory": args.max_device_memory if args.mode == "auto" else None,
            "rounds": args.rounds, "summary": summary, "runs": runs}
