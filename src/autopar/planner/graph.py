@@ -491,8 +491,9 @@ def capture(network: torch.nn.Module, loss_fn: torch.nn.Module | None, inputs: t
 
 def _mark_shared_parameters(root: torch.nn.Module, nodes: list[OpNode]) -> None:
     """Each node's parameters that no strategy of its own may split (``OpNode.replicated_params``): one used by
-    two modules or operators (each would lay it out its own way), or owned also by a module that is no node and calls no operator
-    -- a leaf such as the ``nn.Embedding`` a GPT's output head is tied to, which the runtime keeps replicated."""
+    two modules or operators (each would lay it out its own way), or owned also by a module that is no node and
+    calls no operator -- a leaf such as the ``nn.Embedding`` a GPT's output head is tied to, which the runtime keeps
+    replicated."""
     from autopar.ops.primitive import Primitive
 
     params = dict(root.named_parameters())
