@@ -396,13 +396,10 @@ def resume_state(directory: str | os.PathLike, network: torch.nn.Module, optimiz
 def _every_rank_read(failure: CheckpointError | None, path: Path) -> None:
     """Collective: raise on every rank if any rank could not read its own checkpoint (its own error where it
     failed, one naming the others elsewhere)."""
-    if _world() > 1:
-        from autopar.comm import management
+    from autopar.comm.management import any_rank
 
-        flag = torch.tensor([int(failure is not None)], dtype=torch.int32, device=management.device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if failure is None and int(flag.item()):
-            raise CheckpointError(f"resume from {path}: another rank could not read its checkpoint (its log says why)")
+    if any_rank(failure is not None) and failure is None:
+        raise CheckpointError(f"resume from {path}: another rank could not read its checkpoint (its log says why)")
     if failure is not None:
         raise failure
 
@@ -414,12 +411,10 @@ def _every_ranks_checkpoint(path: Path) -> list[Path] | None:
         return [path]
     paths: list = [None] * _world()
     dist.all_gather_object(paths, str(path))
-    readable = all(_holds_rank(Path(p), r) for r, p in enumerate(paths))
-    from autopar.comm import management
+    from autopar.comm.management import any_rank
 
-    flag = torch.tensor([int(readable)], dtype=torch.int32, device=management.device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return [Path(p) for p in paths] if int(flag.item()) else None
+    unreadable = any_rank(not all(_holds_rank(Path(p), r) for r, p in enumerate(paths)))
+    return None if unreadable else [Path(p) for p in paths]
 
 
 def _holds_rank(path: Path, rank: int) -> bool:
@@ -463,12 +458,12 @@ def _whole_from_peers(network: torch.nn.Module, optimizer) -> list[str]:
         return [name for (name, _), gone in zip(tensors, missing.tolist()) if gone]
     dist.all_reduce(missing, op=dist.ReduceOp.MAX)
     dist.all_reduce(split, op=dist.ReduceOp.MAX)
-    lost = []
-    for (name, t), gone, apart in zip(tensors, missing.tolist(), split.tolist()):
+    flags = list(zip(tensors, missing.tolist(), split.tolist()))
+    lost = [name for (name, _), gone, apart in flags if gone and apart]
+    if lost:  # read again from every rank's save, all of it: nothing is worth taking from the peers first
+        return lost
+    for (name, t), gone, _ in flags:
         if not gone:
-            continue
-        if apart:
-            lost.append(name)
             continue
         mine = local(t).detach().to(on)
         owner = torch.where(torch.isnan(mine), torch.tensor(_world(), dtype=torch.int32, device=on),

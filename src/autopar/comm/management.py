@@ -293,6 +293,17 @@ def device() -> torch.device:
     return _state.device
 
 
+def any_rank(flag: bool) -> bool:
+    """Collective (every rank calls it): is ``flag`` set on any rank? Ranks agree before they part ways -- a rank
+    that failed alone stops the others instead of leaving them in the next collective. ``flag`` itself outside a
+    job of several ranks."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return bool(flag)
+    t = torch.tensor([int(bool(flag))], dtype=torch.int32, device=device())  # (NCCL: not a CPU tensor)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def backend() -> str:
     return _state.backend
 

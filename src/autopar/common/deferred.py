@@ -678,7 +678,6 @@ def check_loaded(module: torch.nn.Module, marked: list[str], source: str) -> Non
     """Every tensor :func:`expect_loaded` marked holds what the checkpoint gave it (no NaN left of the fill; a
     checkpoint whose values are NaN -- a diverged run's -- reads as unfilled too). Every rank raises if any rank
     found one, so that none goes on into a collective alone."""
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     tensors = dict([*module.named_parameters(), *module.named_buffers()])
@@ -686,14 +685,9 @@ def check_loaded(module: torch.nn.Module, marked: list[str], source: str) -> Non
     missed = [n for n in marked if n in tensors and not is_meta(tensors[n]) and bool(torch.isnan(
         tensors[n].to_local() if isinstance(tensors[n], DTensor) else tensors[n]).any())]
     forget_loaded(module)
-    anywhere = len(missed)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        from autopar.comm import management
+    from autopar.comm.management import any_rank
 
-        count = torch.tensor([len(missed)], device=management.device())
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        anywhere = int(count.item())
-    if anywhere:
+    if any_rank(bool(missed)):
         names = ", ".join(missed[:5]) + (" and more" if len(missed) > 5 else "") if missed else "tensors on another rank"
         raise ConfigError(f"{source} did not fill {names}: the network was built on the meta device and these were "
                           "left for the checkpoint -- build it eagerly, or save the checkpoint from this network")

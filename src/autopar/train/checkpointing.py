@@ -22,6 +22,7 @@ from autopar.checkpoint import store
 from autopar.checkpoint.api import layouts_of
 from autopar.checkpoint.atomic import remove_stale_temporaries
 from autopar.checkpoint.store import CheckpointMeta
+from autopar.comm.management import any_rank
 from autopar.errors import ConfigError
 from autopar.train.callbacks import Callback, RunContext, step_in_epoch
 
@@ -94,7 +95,7 @@ class ModelCheckpoint(Callback):
         if secs and time.monotonic() - self._last_time >= secs:
             due = True
         if secs:  # every rank must agree (integrated saves are collective)
-            due = _any_rank(due)
+            due = any_rank(due)
         # Inside a gradient accumulation the micro-batches' gradients so far live only in .grad (per rank, not
         # all-reduced yet) and a checkpoint would not hold them: resuming there would lose them. The parameters
         # cannot have changed since the last boundary anyway, so a due save waits for the accumulation to end.
@@ -189,11 +190,3 @@ def _all_ranks_done() -> None:
         dist.all_reduce(torch.zeros(1))
 
 
-def _any_rank(flag: bool) -> bool:
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return flag
-    import torch
-
-    t = torch.tensor([1 if flag else 0])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
