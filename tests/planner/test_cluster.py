@@ -139,7 +139,7 @@ def test_a_user_machine_file_is_used(tmp_path, capsys):
     assert cli(["plan", "gpt", "--size", "1.3b", "-n", "16", "--machine", str(tmp_path / "mine.json")]) == 0
     assert "(my-cluster: 8 per node, 2 nodes)" in capsys.readouterr().out
     assert cli(["plan", "gpt", "--size", "1.3b", "-n", "24", "--machine", str(tmp_path / "mine.json")]) == 2
-    assert "24 devices need 3 nodes of 8, but machine 'my-cluster' has nodes = 2" in capsys.readouterr().err
+    assert "24 devices need 3 nodes of 8, but machine 'my-cluster' has nodes = 2 (16 devices)" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------- hierarchical costs

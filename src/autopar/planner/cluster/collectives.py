@@ -60,32 +60,43 @@ def collective_seconds(spec, kind: str, nbytes: float, size: int, stride: int = 
 
 
 def data_parallel_sync(spec, zero: int, m: int, grads: float, unit: float, layers: int, micro: float, replicas: int,
-                       stride: int, staged: bool = False, itemsize: int = 2) -> float:
+                       stride: int, staged: bool = False, itemsize: int = 2, forward_share: float = 1 / 3) -> float:
     """Seconds a step spends on the data-parallel group's collectives that the backward does not hide: ``grads``
     bytes of a stage's gradients over ``replicas`` ranks ``stride`` apart, ``m`` micro-batches of ``micro`` seconds.
 
-    ZeRO 0 all-reduces them under the last backward, and 1 reduce-scatters there and all-gathers the updated weights,
-    as Megatron-LM does -- its gradients in fp32 (``memory.MAIN_GRAD_BYTES``: twice a bf16 gradient's bytes); 2
+    ZeRO 0 all-reduces them under the last backward, and 1 reduce-scatters there and all-gathers the updated weights
+    under the next step's first forward, as Megatron-Core does -- its gradients in fp32 (``memory.MAIN_GRAD_BYTES``:
+    twice a bf16 gradient's bytes), a layer's chunk of each exposed; 2
     reduce-scatters every micro-batch; 3 is FSDP: every layer's weights (``unit`` bytes) gathered for its forward
     and again for its backward, its gradients scattered, every micro-batch -- one collective a layer each, so
     thousands of ranks pay thousands of hops a layer; the next layer's prefetched under this one's compute, but the
     first gather and the last scatter of a micro-batch have nothing to hide behind. ``staged``: ZeRO-3 inside
     pipeline stages is FSDP as torchtitan runs it there (``memory.weight_state_bytes``): each layer gathered once a
-    step, under the first micro-batch's forward, and scattered once, under the last one's backward."""
+    step, under the first micro-batch's forward, and scattered once, under the last one's backward. FSDP reduces the
+    gradients in fp32 (torchtitan's ``mixed_precision_reduce = "float32"``, FSDP's ``MixedPrecision(reduce_dtype=
+    torch.float32)``). ``forward_share``: the forward's part of ``micro`` (a quarter under full recomputation)."""
     ar = lambda kind, nbytes: spec.collective(kind, nbytes, replicas, stride)[0]  # noqa: E731
-    backward_last = micro * 2 / 3
+    backward_last = micro * (1 - forward_share)
     main = grads / itemsize * MAIN_GRAD_BYTES
     if zero == 0:
         return max(0.0, ar("all_reduce", main) - backward_last)
-    if zero == 1:
-        return max(0.0, ar("reduce_scatter", main) - backward_last) + ar("all_gather", grads)
+    if zero == 1:  # Megatron-Core's distributed optimizer with --overlap-grad-reduce --overlap-param-gather: the
+        # gradients reduce-scattered a layer's bucket at a time under the last backward, the updated weights
+        # gathered a layer at a time under the next step's first forward -- "This overlap method exposes only one
+        # DP communication chunk" (NeMo's communication-overlap guide), a layer's (a virtual stage's under pipelines)
+        chunk = unit / itemsize * MAIN_GRAD_BYTES
+        return (max(0.0, ar("reduce_scatter", main) - backward_last) + ar("reduce_scatter", chunk)
+                + max(0.0, ar("all_gather", grads) - micro / 3) + ar("all_gather", unit))
     rest = max(0.0, grads - layers * unit)  # the embedding and the head: a unit each
+    reduced = REDUCE_BYTES / itemsize  # FSDP reduces the gradients in fp32 (memory.REDUCE_BYTES)
     gathers = layers * ar("all_gather", unit) + ar("all_gather", rest)
-    scatters = layers * ar("reduce_scatter", unit) + ar("reduce_scatter", rest)
-    exposed = ar("all_gather", unit) + ar("reduce_scatter", unit)
-    if staged and zero == 3:  # the gradients reduced in torchtitan's fp32 (memory.REDUCE_BYTES)
-        scatters *= REDUCE_BYTES / itemsize
-        return max(0.0, gathers - micro / 3) + max(0.0, scatters - backward_last) + exposed
+    scatters = (layers * ar("reduce_scatter", unit * reduced) + ar("reduce_scatter", rest * reduced))
+    exposed = ar("all_gather", unit) + ar("reduce_scatter", unit * reduced)
+    forward, backward = micro * forward_share, micro * (1 - forward_share)
+    if staged and zero == 3:
+        return max(0.0, gathers - forward) + max(0.0, scatters - backward) + exposed
     if zero == 2:
-        return m * max(0.0, ar("reduce_scatter", grads) - backward_last) + ar("all_gather", grads)
-    return m * (max(0.0, 2 * gathers + scatters - micro) + exposed)
+        return m * max(0.0, ar("reduce_scatter", grads) - backward) + ar("all_gather", grads)
+    # each phase hides what it can: the forward's gathers under the forward, the backward's gathers and scatters
+    # (a recomputed forward reuses the backward's gather) under the backward
+    return m * (max(0.0, gathers - forward) + max(0.0, gathers + scatters - backward) + exposed)

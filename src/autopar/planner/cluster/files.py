@@ -23,7 +23,7 @@ PRESET_PACKAGE, PRESET_DIR = "autopar.planner", "machines"
 
 _REQUIRED = {
     "device.name": str, "device.flops": dict, "device.matmul_efficiency": float, "device.memory_bytes": float,
-    "device.memory_bandwidth": float, "devices_per_node": int, "nodes": int,
+    "device.memory_bandwidth": float, "devices_per_node": int,
     "intra_node.bandwidth": float, "intra_node.latency": float, "intra_node.efficiency": float,
     "inter_node.nics_per_node": int, "inter_node.nic_bandwidth": float, "inter_node.latency": float,
     "inter_node.efficiency": float,
@@ -31,7 +31,10 @@ _REQUIRED = {
 
 
 _FREE = {"name", "description", "sources"}  # free-form: names, prose, each constant's source
-_OPTIONAL = {"device.attention_efficiency": float, "device.sms": int, "device.matmul_efficiency_fp8": float}  # fields newer than the first files: absent means the default
+# fields newer than the first files, or that may be left out: absent means the default (``nodes``: as many as a job
+# needs -- the file then describes a node type and its network, not one cluster)
+_OPTIONAL = {"device.attention_efficiency": float, "device.sms": int, "device.matmul_efficiency_fp8": float,
+             "nodes": int}
 
 
 def _has(data: dict, dotted: str) -> bool:
@@ -84,8 +87,9 @@ def _positive(value, dotted: str, where: str) -> None:
         raise ConfigError(f"{where}: field {dotted!r} must be a positive number, got {value!r}")
 
 
-def parse_cluster(data: dict, where: str = "machine file") -> ClusterSpec:
-    """Validate a cluster description (one-line error naming the first bad field)."""
+def parse_cluster(data: dict, where: str = "machine file", preset: bool = False) -> ClusterSpec:
+    """Validate a cluster description (one-line error naming the first bad field). A preset (``preset``) or a file
+    without ``nodes`` is a node type: a job gets as many nodes as it needs; a file's ``nodes`` bounds the job."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a JSON object, got {type(data).__name__}")
     v = {k: _field(data, k, t, where) for k, t in _REQUIRED.items()}
@@ -104,13 +108,13 @@ def parse_cluster(data: dict, where: str = "machine file") -> ClusterSpec:
     return ClusterSpec(
         name=str(data.get("name") or Path(where).stem), device_name=v["device.name"], flops=v["device.flops"],
         matmul_efficiency=v["device.matmul_efficiency"], memory=v["device.memory_bytes"],
-        memory_bandwidth=v["device.memory_bandwidth"], devices_per_node=v["devices_per_node"], nodes=v["nodes"],
+        memory_bandwidth=v["device.memory_bandwidth"], devices_per_node=v["devices_per_node"], nodes=optional.get("nodes", 1),
         intra=Link(v["intra_node.bandwidth"], v["intra_node.latency"], v["intra_node.efficiency"]),
         nics_per_node=v["inter_node.nics_per_node"],
         inter=Link(v["inter_node.nic_bandwidth"], v["inter_node.latency"], v["inter_node.efficiency"]),
         description=str(data.get("description", "")), sources=data.get("sources"),
         attention_efficiency=optional.get("device.attention_efficiency"), sms=optional.get("device.sms"),
-        matmul_efficiency_fp8=optional.get("device.matmul_efficiency_fp8"))
+        matmul_efficiency_fp8=optional.get("device.matmul_efficiency_fp8"), scalable=preset or "nodes" not in optional)
 
 
 def presets() -> list[str]:
@@ -134,7 +138,7 @@ def load_cluster(name_or_path: str) -> ClusterSpec:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{where}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    return parse_cluster(data, where)
+    return parse_cluster(data, where, preset=where.startswith("preset "))
 
 
 def dry_run_machine(n: int) -> MachineModel:

@@ -11,6 +11,17 @@ from autopar.planner.machine import MachineModel
 GEMM_TILES = ((256, 128), (128, 256), (128, 128))
 
 
+# The cross entropy over the logits, as the stacks the planner predicts run it -- the logits upcast to fp32, a
+# log-softmax, the target's log-probability picked (torchtitan's ``cross_entropy(pred.float(), ...)``, Megatron-Core's
+# vocabulary-parallel cross entropy on ``logits.float()``) -- is memory-bound: bytes moved per logit, counted pass by
+# pass from PyTorch's kernels (aten/src/ATen/native/cuda/SoftMax.cu's ``cunn_SoftMaxForward`` reads its input for the
+# maximum, again for the sum of exponentials and again to write the output): forward, the upcast (read 2, write 4)
+# and the log-softmax (3 reads and a write of 4) = 22; backward, the dense gradient of the pick (write 4), the
+# log-softmax's backward (its output and the incoming gradient read, the gradient's row sum read again, the result
+# written: 16) and the cast back (read 4, write 2) = 26
+LOSS_TRAFFIC_BYTES_PER_LOGIT = {"forward": 22.0, "backward": 26.0}
+
+
 def tile_and_wave_efficiency(sms: int | None, batch: int, m: int, n: int) -> float:
     """The fraction of the measured matmul ceiling a GEMM of ``batch`` x ``m`` x ``n`` outputs reaches: tile and
     wave quantization (NVIDIA's Matrix Multiplication Background User's Guide, docs.nvidia.com/deeplearning/

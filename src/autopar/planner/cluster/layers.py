@@ -13,8 +13,10 @@ import torch
 
 from autopar.errors import StrategyError
 from autopar.planner.cluster.attention import attention_core, scores_shaped, with_context_parallel
+from autopar.planner.cluster.kernels import LOSS_TRAFFIC_BYTES_PER_LOGIT
 from autopar.planner.cluster.memory import kept_twice, loss_peak_bytes, whole_on_every_device
 from autopar.planner.cluster.spec import ClusterSpec
+from autopar.planner.cluster.tensor import is_megatron, layer_seconds, megatron_strategy
 from autopar.planner.costs import NodeCosts, graph_costs
 from autopar.planner.gpt import GPTConfig, GPTHead, TokenLoss, make_layer
 from autopar.planner.graph import Graph, capture
@@ -63,8 +65,8 @@ def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: t
     ``sp``: Megatron's sequence parallelism (Korthikanti et al. 2022, arXiv 2205.05198 sec. 4.2.2) -- the norms,
     dropout and residuals run on ``1/t`` of the sequence, and the inputs the tensor group otherwise keeps whole (a
     column-split projection's) are kept split on the sequence and gathered again in the backward, overlapped with
-    the input-gradient matmul as Megatron-LM does. Its all-gather + reduce-scatter move what the all-reduce they
-    replace moves, so the collectives are costed as before."""
+    the input-gradient matmul as Megatron-LM does. In Megatron's layout the tensor group's collectives are those
+    Megatron-Core runs and hides (``tensor.py``)."""
     graph = graph or capture(module, loss, inputs)
     if sp and t > 1:
         graph = _megatron_layout(graph, t)
@@ -76,10 +78,16 @@ def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: t
         raise StrategyError(f"no strategy for {type(module).__name__} on a tensor group of {t}")
     chosen = [costs[n].choices[s] for n, s in enumerate(choice)]
     optimizer = sum(c.optimizer for c in chosen)
-    total = problem.total(choice) - optimizer
     b = int(inputs[0].shape[0])
+    # Megatron's layout (tensor.py): its collectives as Megatron-Core runs and hides them, the norms and residuals
+    # whole on every rank of the group without sequence parallelism, split on the sequence with it
+    megatron = t > 1 and is_megatron(graph, chosen, t)
+    if megatron:
+        total = sum(c.compute for c in chosen) - optimizer + layer_seconds(graph, chosen, machine, t, sp)
+    else:
+        total = problem.total(choice) - optimizer
     # data-parallel operators (norms, the loss) split the batch when they can, the sequence under sequence parallelism
-    split = t if sp or b % t == 0 else 1
+    split = t if sp or (b % t == 0 and not megatron) else 1
     # norms and the loss (batch split when possible), and the element-wise work between the planned operators
     # (biases, GELU, the causal mask and scaling of the scores: split with the tensors they follow, taken as split
     # over the group): memory-bound, forward + backward ~ 3x the traffic
@@ -99,28 +107,14 @@ def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: t
                      sum(c.compute - c.optimizer for _, c in core) / 3.0)
 
 
-# Megatron's tensor-parallel layout, which sequence parallelism is defined on (Korthikanti et al. 2022 sec. 4.2.2):
-# the projections into the attention and the MLP split by columns (their outputs), those out of them by rows
-COLUMN_PARALLEL = {"qkv", "fc1", "q", "kv", "gate", "up", "out"}  # "out": the head, vocabulary-parallel
-ROW_PARALLEL = {"proj", "fc2", "o", "down"}
-
-
 def _megatron_layout(graph: Graph, t: int) -> Graph:
     """``graph`` with its projections pinned to Megatron's column / row splits over ``t`` (the attention between
     them follows by heads): sequence parallelism's all-gather before a column-split projection and reduce-scatter
     after a row-split one are defined on that layout, not on whatever else the search might find as fast."""
     nodes = []
     for node in graph.nodes:
-        short = node.name.split(".")[-1]
-        if node.kind == "linear" and (short in COLUMN_PARALLEL or short in ROW_PARALLEL):
-            rank = len(node.shapes[0])
-            bias = len(node.shapes) > 2
-            if short in COLUMN_PARALLEL:
-                fixed = ((1,) * rank, (t, 1)) + (((t,),) if bias else ())
-            else:
-                fixed = ((1,) * (rank - 1) + (t,), (1, t)) + (((1,),) if bias else ())
-            node = dataclasses.replace(node, fixed=fixed)
-        nodes.append(node)
+        fixed = megatron_strategy(node, t)
+        nodes.append(dataclasses.replace(node, fixed=fixed) if fixed is not None else node)
     return dataclasses.replace(graph, nodes=nodes)
 
 
@@ -166,6 +160,10 @@ class LayerPlanner:
             logits = sum(plan.costs[n].choices[plan.choice[n]].out_bytes
                          for n, node in enumerate(plan.graph.nodes) if node.name.split(".")[-1] == "out")
             assert logits > 0, "the head's vocabulary projection ('out') was not captured"
+            # the cross entropy over this device's logits, memory-bound (kernels.LOSS_TRAFFIC_BYTES_PER_LOGIT)
+            per = {k: logits / self.itemsize * v / self.spec.memory_bandwidth
+                   for k, v in LOSS_TRAFFIC_BYTES_PER_LOGIT.items()}
             self._heads[(t, b, cp, sp)] = dataclasses.replace(
-                plan, activation_bytes=plan.activation_bytes - logits + loss_peak_bytes(logits, self.itemsize))
+                plan, activation_bytes=plan.activation_bytes - logits + loss_peak_bytes(logits, self.itemsize),
+                time=plan.time + per["forward"] + per["backward"], forward=plan.forward + per["forward"])
         return self._heads[(t, b, cp, sp)]

@@ -262,7 +262,8 @@ def evaluate(planner: LayerPlanner, k: Candidate) -> None:
                        per_stage * layer.param_count if balanced else 0.0,
                        last_stage * layer.param_count + head.param_count)
     dp = data_parallel_sync(spec, k.zero, k.m, stage_params * itemsize, layer.param_count * itemsize, per_stage,
-                            micro, replicas, k.t, staged=k.p > 1, itemsize=itemsize)
+                            micro, replicas, k.t, staged=k.p > 1, itemsize=itemsize,
+                            forward_share=layer.forward / layer_time)
     tied = spec.collective("all_reduce", cfg.vocab * cfg.hidden / k.t * itemsize, 2,
                            k.t * replicas * (k.p - 1))[0] if k.p > 1 and not cfg.llama else 0.0  # Llama: untied
     optimizer = stage_params / (replicas if k.zero >= 1 else 1) * ADAM_TRAFFIC / spec.memory_bandwidth
@@ -415,10 +416,7 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
     start = time.perf_counter()
     if devices < 1:
         raise ConfigError(f"the number of devices must be positive, got {devices}")
-    if devices > spec.devices:
-        raise ConfigError(f"{devices} devices need {math.ceil(devices / spec.devices_per_node)} nodes of "
-                          f"{spec.devices_per_node}, but machine {spec.name!r} has nodes = {spec.nodes} "
-                          f"({spec.devices} devices)")
+    spec = spec.for_devices(devices)
     if global_batch < 1:
         raise ConfigError(f"the global batch must be positive, got {global_batch}")
     if dtype not in DTYPES:
@@ -449,7 +447,9 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
                     progress(f"tp {t} x pp {p} x dp {d}, micro-batch {b}")
                 # pipelines take ZeRO 0/1 (Megatron's distributed optimizer) unless pinned higher (FSDP inside
                 # stages, as torchtitan runs it)
-                levels = (0,) if d * cp == 1 else (0, 1) if p > 1 and fixed.get("zero") is None else (0, 1, 2, 3)
+                # (with one replica every level shards over one rank: a pinned level is kept, and costs level 0's)
+                levels = ((fixed["zero"] if fixed.get("zero") is not None else 0,) if d * cp == 1
+                          else (0, 1) if p > 1 and fixed.get("zero") is None else (0, 1, 2, 3))
                 for zero in [z for z in levels if keep("zero", z)]:
                     # selective recomputation where there are stored scores to drop (fused attention stores none)
                     options = (False, "selective", "block", True) if config.attention == "materialized" else (

@@ -6,6 +6,8 @@ what a GEMM reaches on its device ``kernels.py``'s.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 from autopar.errors import ConfigError
@@ -50,6 +52,21 @@ class ClusterSpec:
     matmul_efficiency_fp8: float | None = None
     # collectives run by NCCL (its protocols' latencies); False for this host's calibrated figures
     nccl: bool = True
+    # a node type rather than one cluster (the presets, a cluster file without ``nodes``): a job of more devices than
+    # ``nodes`` holds gets as many nodes of the type as it needs
+    scalable: bool = False
+
+    def for_devices(self, devices: int) -> "ClusterSpec":
+        """This cluster with room for ``devices`` -- more nodes of its type where it is a node type
+        (``scalable``); a cluster of fixed size that is too small says so in one line."""
+        if devices <= self.devices:
+            return self
+        nodes = math.ceil(devices / self.devices_per_node)
+        if not self.scalable:
+            raise ConfigError(f"{devices} devices need {nodes} nodes of {self.devices_per_node}, but machine "
+                              f"{self.name!r} has nodes = {self.nodes} ({self.devices} devices): raise its nodes, "
+                              f"or leave the field out to plan as many nodes of its type as a job needs")
+        return dataclasses.replace(self, nodes=nodes)
 
     def gemm_ceiling(self, dtype: str) -> float:
         return self.matmul_efficiency_fp8 if dtype == "fp8" and self.matmul_efficiency_fp8 else self.matmul_efficiency

@@ -1,0 +1,126 @@
+"""Tensor parallelism as Megatron-Core runs it: the collectives of a layer split by columns then rows, and the GEMMs
+that hide them.
+
+A transformer layer under Megatron's layout has two blocks, attention and MLP: a column-split projection in (q, k, v
+fused into one GEMM; gate and up into one), a row-split one out (Shoeybi et al. 2019). Their collectives, for a
+block input of ``X`` bytes on a tensor group of ``t`` (Korthikanti et al. 2022, arXiv 2205.05198 sec. 4.2.2):
+
+- without sequence parallelism: the row-split output is all-reduced in the forward; the column-split input's
+  gradient is all-reduced in the backward, launched asynchronously before the weight gradient's GEMM and hidden
+  behind it (Megatron-Core ``tensor_parallel/layers.py``, ``LinearWithGradAccumulationAndAsyncCommunication``:
+  "Asynchronous all-reduce ... the all-reduce is scheduled before the weight gradient computation");
+- with sequence parallelism: the input is all-gathered before the column-split GEMM and the output reduce-scattered
+  after the row-split one; the backward all-gathers the output's gradient before the row-split GEMM's input
+  gradient, reduce-scatters the column-split input's gradient behind the weight-gradient GEMM ("the reduce scatter
+  is scheduled before the weight gradient computation"), and all-gathers the input again -- only its shard was kept
+  -- behind the input-gradient GEMM ("the gather is scheduled before the input gradient computation");
+- the forward's collectives are exposed. Transformer Engine's ``--tp-comm-overlap`` (userbuffers: the forward's too
+  split into chunks and pipelined with their GEMMs), which Megatron-Core's and NeMo's performance recipes enable, is
+  not counted as hiding them: the GEMMs it chunks are smaller and share their SMs and HBM with the reduction, and
+  the published runs that use it -- Megatron-LM's weak-scaling table on H100, NeMo's and dgxc's Llama and Nemotron
+  runs -- are predicted within 10 % (``bench/published_heldout.py``, ``bench/published_runs.py``) with the forward
+  exposed, where hiding it too put them 8-25 % fast.
+
+A collective hidden behind a GEMM costs ``max(0, collective - GEMM)``. Megatron fuses the projections of one input
+into one GEMM, so an input is gathered once however many projections read it; the operator-level search prices a
+gather per consumer, which is why the layer's tensor-parallel communication is priced here, not by it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Megatron's tensor-parallel layout: the projections into the attention and the MLP split by columns (their
+# outputs), those out of them by rows; the head's vocabulary projection by columns (vocabulary-parallel)
+COLUMN_PARALLEL = {"qkv", "fc1", "q", "kv", "gate", "up", "out"}
+ROW_PARALLEL = {"proj", "fc2", "o", "down"}
+BLOCKS = ((("qkv", "q", "kv"), ("proj", "o")), (("fc1", "gate", "up"), ("fc2", "down")))
+
+
+def short_name(node) -> str:
+    return node.name.split(".")[-1]
+
+
+def megatron_strategy(node, t: int) -> tuple | None:
+    """The strategy Megatron gives a projection over ``t`` (column- or row-split), None for anything else."""
+    short = short_name(node)
+    if node.kind != "linear" or (short not in COLUMN_PARALLEL and short not in ROW_PARALLEL):
+        return None
+    rank = len(node.shapes[0])
+    bias = len(node.shapes) > 2
+    if short in COLUMN_PARALLEL:
+        return ((1,) * rank, (t, 1)) + (((t,),) if bias else ())
+    return ((1,) * (rank - 1) + (t,), (1, t)) + (((1,),) if bias else ())
+
+
+def is_megatron(graph, chosen, t: int) -> bool:
+    """Does every projection of the plan take Megatron's split (and is there one)?"""
+    found = False
+    for node, c in zip(graph.nodes, chosen):
+        want = megatron_strategy(node, t)
+        if want is None:
+            continue
+        found = True
+        if tuple(tuple(s) for s in c.strategy) != want:
+            return False
+    return found
+
+
+@dataclass(frozen=True)
+class GemmTimes:
+    forward: float
+    input_grad: float
+    weight_grad: float
+
+
+def _gemms(nodes_choices) -> GemmTimes:
+    """Forward, input-gradient and weight-gradient seconds of one fused projection (the sum of its parts); a choice
+    prices its backward's two GEMMs together, taken here as two halves."""
+    f = b = 0.0
+    for _, c in nodes_choices:
+        b += c.backward
+        f += c.compute - c.optimizer - c.backward
+    return GemmTimes(f, b / 2, b / 2)
+
+
+def block_seconds(machine, t: int, nbytes_in: float, col: GemmTimes, row: GemmTimes | None, sp: bool) -> float:
+    """Exposed seconds of one block's tensor-parallel collectives (module docstring); ``row`` None: a column-split
+    projection alone (the head's vocabulary projection, its loss vocabulary-parallel)."""
+    ag = machine.collective("all_gather", nbytes_in, t)
+    rs = machine.collective("reduce_scatter", nbytes_in, t)
+    hide = lambda comm, gemm: max(0.0, comm - gemm)  # noqa: E731
+    if not sp:
+        ar = machine.collective("all_reduce", nbytes_in, t)
+        return (ar if row is not None else 0.0) + hide(ar, col.weight_grad)
+    # the input's gather (forward), the output's scatter and its gradient's gather before the row-split input
+    # gradient (no GEMM runs before it to hide it); the input gradient's scatter and the input's second gather hide
+    # behind the column-split GEMMs of the backward
+    exposed = ag + ((rs + ag) if row is not None else 0.0)
+    return exposed + hide(rs, col.weight_grad) + hide(ag, col.input_grad)
+
+
+def layer_seconds(graph, chosen, machine, t: int, sp: bool) -> float:
+    """The exposed tensor-parallel communication of a layer (or the head) planned in Megatron's layout."""
+    by_name = {short_name(n): (n, c) for n, c in zip(graph.nodes, chosen)}
+    total = 0.0
+    for col_names, row_names in BLOCKS:
+        cols = [by_name[n] for n in col_names if n in by_name]
+        rows = [by_name[n] for n in row_names if n in by_name]
+        if not cols:
+            continue
+        node = cols[0][0]
+        x = _input_bytes(node)
+        total += block_seconds(machine, t, x, _gemms(cols), _gemms(rows) if rows else None, sp)
+    if "out" in by_name:  # the head: its vocabulary-parallel loss all-reduces a max, a sum and the target logit a row
+        node, _ = by_name["out"]
+        x = _input_bytes(node)
+        total += block_seconds(machine, t, x, _gemms([by_name["out"]]), None, sp)
+        rows = x / (node.shapes[0][-1] * node.itemsize)
+        total += 3 * machine.collective("all_reduce", rows * 4, t)
+    return total
+
+
+def _input_bytes(node) -> float:
+    n = 1
+    for s in node.shapes[0]:
+        n *= s
+    return float(n * node.itemsize)
