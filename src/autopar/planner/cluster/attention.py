@@ -33,12 +33,17 @@ def with_context_parallel(plan, cp: int, spec: ClusterSpec):
 
 
 def attention_core(node) -> bool:
-    """The materialized attention's nodes: its scores matmul, softmax and context matmul (``attention.*``)."""
-    return node.name.split(".")[-2:-1] == ["attention"] and node.kind in ("matmul", "softmax")
+    """The attention core selective recomputation runs again in the backward (Korthikanti et al. 2022 sec. 5;
+    Megatron-Core's ``--recompute-granularity selective``, whose ``--recompute-modules`` default is ``core_attn``):
+    the materialized attention's scores matmul, softmax and context matmul (``attention.*``), or the fused kernel --
+    Megatron-Core checkpoints Transformer Engine's fused attention too, keeping q, k and v and running the kernel's
+    forward again."""
+    return node.name.split(".")[-2:-1] == ["attention"] and node.kind in ("matmul", "softmax", "attention")
 
 
-def scores_shaped(node) -> bool:
-    """An output of ``[b, heads, rows, s]``: the scores or their softmax (the context's is ``[b, heads, rows, d]``)."""
-    return node.kind == "softmax" or node.name.endswith(".scores")
-
-
+def kept_by_core(node, choice) -> float:
+    """Bytes the attention core keeps for its backward that selective recomputation drops: the materialized
+    scores and their softmax (``[b, heads, rows, s]``), or the fused kernel's output and log-sum-exp."""
+    if node.kind == "attention":
+        return choice.activation_bytes
+    return choice.out_bytes if node.kind == "softmax" or node.name.endswith(".scores") else 0.0

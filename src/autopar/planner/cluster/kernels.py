@@ -20,6 +20,9 @@ GEMM_TILES = ((256, 128), (128, 256), (128, 128))
 # log-softmax's backward (its output and the incoming gradient read, the gradient's row sum read again, the result
 # written: 16) and the cast back (read 4, write 2) = 26
 LOSS_TRAFFIC_BYTES_PER_LOGIT = {"forward": 22.0, "backward": 26.0}
+# A fused cross entropy (flash-attn's ``CrossEntropyLoss(inplace_backward=True)``, Liger's): one kernel reads the bf16
+# logits twice (the row's maximum and sum, then the gradient) and writes the gradient over them
+FUSED_LOSS_TRAFFIC_BYTES_PER_LOGIT = {"forward": 2.0, "backward": 4.0}
 
 
 def tile_and_wave_efficiency(sms: int | None, batch: int, m: int, n: int) -> float:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from autopar.errors import StrategyError
-from autopar.planner.cluster.attention import attention_core, scores_shaped, with_context_parallel
-from autopar.planner.cluster.kernels import LOSS_TRAFFIC_BYTES_PER_LOGIT
+from autopar.planner.cluster.attention import attention_core, kept_by_core, with_context_parallel
+from autopar.planner.cluster.kernels import FUSED_LOSS_TRAFFIC_BYTES_PER_LOGIT, LOSS_TRAFFIC_BYTES_PER_LOGIT
 from autopar.planner.cluster.memory import kept_twice, loss_peak_bytes, whole_on_every_device
 from autopar.planner.cluster.spec import ClusterSpec
 from autopar.planner.cluster.tensor import is_megatron, layer_seconds, megatron_strategy
@@ -43,18 +43,23 @@ class LayerPlan:
     param_count: float  # this device's parameters (the planned operators' slices + the small replicated ones)
     activation_bytes: float
     input_bytes: float  # the layer input a recomputing layer keeps
-    # the attention core whose scores are stored (materialized attention: the scores' and the softmax's s x s outputs)
-    # -- what selective recomputation (Korthikanti et al. 2022, arXiv 2205.05198 sec. 5) drops and recomputes
+    # what selective recomputation (Korthikanti et al. 2022, arXiv 2205.05198 sec. 5) drops and recomputes: the
+    # materialized attention's s x s scores and softmax, or the fused kernel's output (attention.attention_core)
     core_activation_bytes: float = 0.0
     core_forward: float = 0.0  # seconds of its forward (the scores matmul, the softmax, the context matmul)
     context_ring: float = 0.0  # seconds of context parallelism's key/value ring not hidden behind the attention
+    # Megatron's layout: the exposed tensor-parallel collectives by the projection they belong to (tensor.py), in
+    # place of the operator-level search's own pricing of them
+    tp_comm: dict | None = None
 
     def rows(self) -> list[tuple]:
         out = []
         for n, node in enumerate(self.graph.nodes):
             c = self.costs[n].choices[self.choice[n]]
+            comm = self.tp_comm.get(node.name, 0.0) if self.tp_comm is not None else \
+                self.costs[n].comm(c, self.problem.machine)
             out.append((node.name, node.kind, node.shapes_text(), str(c.strategy), c.label,
-                        (c.compute - c.optimizer) * 1e3, self.costs[n].comm(c, self.problem.machine) * 1e3))
+                        (c.compute - c.optimizer) * 1e3, comm * 1e3))
         return out
 
 
@@ -82,8 +87,9 @@ def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: t
     # Megatron's layout (tensor.py): its collectives as Megatron-Core runs and hides them, the norms and residuals
     # whole on every rank of the group without sequence parallelism, split on the sequence with it
     megatron = t > 1 and is_megatron(graph, chosen, t)
+    tp_comm = layer_seconds(graph, chosen, machine, t, sp) if megatron else None
     if megatron:
-        total = sum(c.compute for c in chosen) - optimizer + layer_seconds(graph, chosen, machine, t, sp)
+        total = sum(c.compute for c in chosen) - optimizer + sum(tp_comm.values())
     else:
         total = problem.total(choice) - optimizer
     # data-parallel operators (norms, the loss) split the batch when they can, the sequence under sequence parallelism
@@ -103,8 +109,8 @@ def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: t
     core = [(node, c) for node, c in zip(graph.nodes, chosen) if attention_core(node)]
     return LayerPlan(t, b, graph, costs, problem, choice, total + other, compute / 3.0, params, activations,
                      inputs[0].numel() * itemsize / split,
-                     sum(c.out_bytes for node, c in core if scores_shaped(node)),
-                     sum(c.compute - c.optimizer for _, c in core) / 3.0)
+                     sum(kept_by_core(node, c) for node, c in core),
+                     sum(c.compute - c.optimizer for _, c in core) / 3.0, tp_comm=tp_comm)
 
 
 def _megatron_layout(graph: Graph, t: int) -> Graph:
@@ -122,8 +128,10 @@ class LayerPlanner:
     """The plans of one decoder layer and of the output head, per (tensor degree, micro-batch, context degree,
     sequence parallelism) -- each made once and reused by every candidate that needs it."""
 
-    def __init__(self, config: GPTConfig, spec: ClusterSpec, dtype: str):
-        self.config, self.spec, self.dtype = config, spec, dtype
+    def __init__(self, config: GPTConfig, spec: ClusterSpec, dtype: str, fused_loss: bool = False):
+        """``fused_loss``: the cross entropy one fused kernel that writes its gradient over the logits (no fp32
+        copies kept: ``memory.loss_peak_bytes``), as a run that only fits with one ran it."""
+        self.config, self.spec, self.dtype, self.fused_loss = config, spec, dtype, fused_loss
         self.torch_dtype = DTYPES[dtype]
         self.itemsize = torch.tensor([], dtype=self.torch_dtype).element_size()
         self._layers: dict = {}
@@ -161,9 +169,10 @@ class LayerPlanner:
                          for n, node in enumerate(plan.graph.nodes) if node.name.split(".")[-1] == "out")
             assert logits > 0, "the head's vocabulary projection ('out') was not captured"
             # the cross entropy over this device's logits, memory-bound (kernels.LOSS_TRAFFIC_BYTES_PER_LOGIT)
-            per = {k: logits / self.itemsize * v / self.spec.memory_bandwidth
-                   for k, v in LOSS_TRAFFIC_BYTES_PER_LOGIT.items()}
+            traffic = FUSED_LOSS_TRAFFIC_BYTES_PER_LOGIT if self.fused_loss else LOSS_TRAFFIC_BYTES_PER_LOGIT
+            per = {k: logits / self.itemsize * v / self.spec.memory_bandwidth for k, v in traffic.items()}
+            peak = logits if self.fused_loss else loss_peak_bytes(logits, self.itemsize)
             self._heads[(t, b, cp, sp)] = dataclasses.replace(
-                plan, activation_bytes=plan.activation_bytes - logits + loss_peak_bytes(logits, self.itemsize),
+                plan, activation_bytes=plan.activation_bytes - logits + peak,
                 time=plan.time + per["forward"] + per["backward"], forward=plan.forward + per["forward"])
         return self._heads[(t, b, cp, sp)]

@@ -56,7 +56,8 @@ def weight_state_bytes(zero: int, params: float, replicas: int, itemsize: int, u
     return {0: params * (itemsize + MAIN_GRAD_BYTES + optimizer),
             1: params * (itemsize + MAIN_GRAD_BYTES + optimizer / r),
             2: params * (itemsize + (itemsize + OPTIMIZER_BYTES) / r),
-            3: params * (WEIGHT_GRAD_BYTES + OPTIMIZER_BYTES) / r + 2 * unit_params * itemsize}[zero]
+            3: params * (WEIGHT_GRAD_BYTES + OPTIMIZER_BYTES) / r + unit_params * (2 * itemsize + itemsize
+                                                                                    + REDUCE_BYTES)}[zero]
 
 
 def loss_peak_bytes(logits_bytes: float, itemsize: int) -> float:

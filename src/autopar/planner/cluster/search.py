@@ -11,9 +11,10 @@ and reused for every layer. Around it the search enumerates:
   data, stages farthest apart;
 - ZeRO level 0-3 over the data- and context-parallel ranks (pipelines take level 0/1, as Megatron's distributed
   optimizer, unless pinned higher);
-- activation recomputation: none, selective (materialized attention: the scores and their softmax dropped and
-  the attention core run again in the backward, Korthikanti et al. 2022), block (the fewest layers of a device
-  recomputed whole that fit) or full.
+- activation recomputation: none, selective (the attention core run again in the backward, Korthikanti et al.
+  2022: a materialized attention drops its scores and their softmax; a fused one, where pinned, its output --
+  searched only where there are scores to drop), block (the fewest layers of a device recomputed whole that fit)
+  or full.
 
 Context and sequence parallelism are planned where pinned (autopar's runtime does not run them yet). The fastest plan
 that fits the memory (``memory.py``) wins; the explanation lists it, its per-layer strategies and the runners-up.
@@ -124,9 +125,8 @@ class MeshPlan:
     def tflops_per_device(self, c: Candidate | None = None, with_recompute: bool = False) -> float:
         c = c or self.best
         flops = self.config.model_flops(self.global_batch)
-        if with_recompute and c.recompute == "selective":  # fused attention keeps no scores: nothing recomputed
-            flops = self.config.model_flops(self.global_batch, recompute="selective") \
-                if self.config.attention == "materialized" else flops
+        if with_recompute and c.recompute == "selective":  # the attention core's forward once more
+            flops = self.config.model_flops(self.global_batch, recompute="selective")
         elif with_recompute:  # a forward more for the layers recomputed whole
             flops += c.recomputed_fraction(self.config.layers) * (self.config.model_flops(
                 self.global_batch, recompute=True) - flops)
@@ -152,6 +152,7 @@ class MeshPlan:
                               "attention": self.config.attention, "cp": c.cp, "sp": c.sp},
             "not_run_by_autopar": c.not_run_by_autopar(),
             "memory_tight": self.tight,
+            "loss": "fused" if self.planner.fused_loss else "fp32",
             "breakdown_s": dict(c.parts),
             "memory_breakdown_gib": {k: v / gib for k, v in c.memory_parts.items()},
         }
@@ -191,6 +192,10 @@ class MeshPlan:
             lines.append(f"context parallelism: ring attention over {c.cp} ranks, {cfg.seq // c.cp} tokens each (two "
                          f"mirrored chunks); key/value ring not hidden by the attention: "
                          f"{layer.context_ring * 1e3:.2f} ms a layer")
+        if self.planner.fused_loss:
+            lines.append("note: it fits only with a fused cross entropy, which writes its gradient over the logits "
+                         "(flash-attn's CrossEntropyLoss(inplace_backward=True), Liger's) instead of keeping fp32 "
+                         "copies of them")
         if self.tight:
             lines.append(f"note: no plan fits the {self.memory_limit / gib:.1f} GiB the search keeps free of workspace and "
                          f"fragmentation; this one needs {c.memory / gib:.1f} of the device's "
@@ -371,6 +376,58 @@ def _context_and_sequence(config: GPTConfig, fixed: dict) -> tuple[int, bool]:
     return cp, sp
 
 
+def _enumerate(planner: LayerPlanner, devices: int, global_batch: int, fixed: dict, cp: int, sp: bool, limit: float,
+               memory_limit: float | None, max_micro_batch: int, progress) -> tuple[list, list, Candidate | None, int]:
+    """Every (tensor, pipeline, data, micro-batch, ZeRO, recomputation, virtual stages) candidate the pins leave:
+    those that fit ``limit``, those that fit only the device's whole memory, the smallest, and how many."""
+    config, spec = planner.config, planner.spec
+    keep = lambda key, value: fixed.get(key) is None or fixed[key] == value  # noqa: E731
+    fitting, on_device, smallest, considered = [], [], None, 0
+    # every divisor of a node, and one step across nodes (two nodes' worth), for the cost model to reject
+    tp_options = [t for t in list(range(1, spec.devices_per_node + 1)) + [2 * spec.devices_per_node]
+                  if (t > spec.devices_per_node or spec.devices_per_node % t == 0) and (devices // cp) % t == 0
+                  and config.kv_groups % t == 0 and keep("tp", t)
+                  and (not sp or (t > 1 and config.seq % (t * cp) == 0))]
+    for t in tp_options:
+        for p in range(1, min(config.layers, devices // (t * cp)) + 1):
+            if (devices // (t * cp)) % p or not keep("pp", p):
+                continue
+            d = devices // (t * cp * p)
+            if global_batch % d:
+                continue
+            sizes = [fixed["micro_batch"]] if fixed.get("micro_batch") else _powers_of_two(
+                min(max_micro_batch, global_batch // d))
+            for b in sizes:
+                if (global_batch // d) % b:
+                    continue
+                if progress:
+                    progress(f"tp {t} x pp {p} x dp {d}, micro-batch {b}")
+                # pipelines take ZeRO 0/1 (Megatron's distributed optimizer) unless pinned higher (FSDP inside
+                # stages, as torchtitan runs it)
+                # (with one replica every level shards over one rank: a pinned level is kept, and costs level 0's)
+                levels = ((fixed["zero"] if fixed.get("zero") is not None else 0,) if d * cp == 1
+                          else (0, 1) if p > 1 and fixed.get("zero") is None else (0, 1, 2, 3))
+                for zero in [z for z in levels if keep("zero", z)]:
+                    # selective recomputation where there are stored scores to drop (fused attention stores none)
+                    options = (False, "selective", "block", True) if config.attention == "materialized" else (
+                        False, "block", True)
+                    for recompute in [r for r in options if keep("recompute", r)] or [fixed["recompute"]]:
+                        for v in virtual_stages(config.layers, p, global_batch // (d * b), fixed.get("vpp")):
+                            k = Candidate(t, p, d, b, global_batch // (d * b), zero, recompute, v, cp, sp)
+                            if recompute == "block":
+                                k = _fewest_recomputed(planner, k, limit, fixed.get("recompute_layers"))
+                            else:
+                                evaluate(planner, k)
+                            considered += 1
+                            if smallest is None or k.memory < smallest.memory:
+                                smallest = k
+                            if k.memory <= limit:
+                                fitting.append(k)
+                            elif memory_limit is None and k.memory <= spec.memory:
+                                on_device.append(k)
+    return fitting, on_device, smallest, considered
+
+
 def _powers_of_two(limit: int) -> list[int]:
     out, v = [], 1
     while v <= limit:
@@ -412,7 +469,6 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
             raise ConfigError(f"--recompute-layers {layers_pin} recomputes that many layers of a device whole: it is "
                               f"--recompute block, not --recompute {recompute_name(fixed['recompute'])}")
         fixed["recompute"] = "block"
-    keep = lambda key, value: fixed.get(key) is None or fixed[key] == value  # noqa: E731
     start = time.perf_counter()
     if devices < 1:
         raise ConfigError(f"the number of devices must be positive, got {devices}")
@@ -425,49 +481,18 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
         raise ConfigError(f"--cp {cp} does not divide the {devices} devices")
     spec.peak(dtype)
     limit = memory_limit or spec.memory * MEMORY_HEADROOM
+    args = (devices, global_batch, fixed, cp, sp, limit, memory_limit, max_micro_batch, progress)
     planner = LayerPlanner(config, spec, dtype)
-    fitting, on_device, smallest, considered = [], [], None, 0
-    # every divisor of a node, and one step across nodes (two nodes' worth), for the cost model to reject
-    tp_options = [t for t in list(range(1, spec.devices_per_node + 1)) + [2 * spec.devices_per_node]
-                  if (t > spec.devices_per_node or spec.devices_per_node % t == 0) and (devices // cp) % t == 0
-                  and config.kv_groups % t == 0 and keep("tp", t) and (not sp or (t > 1 and config.seq % (t * cp) == 0))]
-    for t in tp_options:
-        for p in range(1, min(config.layers, devices // (t * cp)) + 1):
-            if (devices // (t * cp)) % p or not keep("pp", p):
-                continue
-            d = devices // (t * cp * p)
-            if global_batch % d:
-                continue
-            sizes = [fixed["micro_batch"]] if fixed.get("micro_batch") else _powers_of_two(
-                min(max_micro_batch, global_batch // d))
-            for b in sizes:
-                if (global_batch // d) % b:
-                    continue
-                if progress:
-                    progress(f"tp {t} x pp {p} x dp {d}, micro-batch {b}")
-                # pipelines take ZeRO 0/1 (Megatron's distributed optimizer) unless pinned higher (FSDP inside
-                # stages, as torchtitan runs it)
-                # (with one replica every level shards over one rank: a pinned level is kept, and costs level 0's)
-                levels = ((fixed["zero"] if fixed.get("zero") is not None else 0,) if d * cp == 1
-                          else (0, 1) if p > 1 and fixed.get("zero") is None else (0, 1, 2, 3))
-                for zero in [z for z in levels if keep("zero", z)]:
-                    # selective recomputation where there are stored scores to drop (fused attention stores none)
-                    options = (False, "selective", "block", True) if config.attention == "materialized" else (
-                        False, "block", True)
-                    for recompute in [r for r in options if keep("recompute", r)] or [fixed["recompute"]]:
-                        for v in virtual_stages(config.layers, p, global_batch // (d * b), fixed.get("vpp")):
-                            k = Candidate(t, p, d, b, global_batch // (d * b), zero, recompute, v, cp, sp)
-                            if recompute == "block":
-                                k = _fewest_recomputed(planner, k, limit, fixed.get("recompute_layers"))
-                            else:
-                                evaluate(planner, k)
-                            considered += 1
-                            if smallest is None or k.memory < smallest.memory:
-                                smallest = k
-                            if k.memory <= limit:
-                                fitting.append(k)
-                            elif memory_limit is None and k.memory <= spec.memory:
-                                on_device.append(k)
+    fitting, on_device, smallest, considered = _enumerate(planner, *args)
+    if smallest is not None and not fitting and not on_device:
+        # nothing fits with the cross entropy's fp32 copies (memory.LOSS_BYTES_PER_LOGIT): a run that did fit ran a
+        # fused one, its gradient written over the logits (flash-attn's ``CrossEntropyLoss(inplace_backward=True)``,
+        # as llm-foundry runs it; Liger's); the plan says so
+        fused = LayerPlanner(config, spec, dtype, fused_loss=True)
+        found = _enumerate(fused, *args)
+        if found[0] or found[1]:
+            planner, (fitting, on_device, _, more) = fused, found
+            considered += more
     if smallest is None:
         pinned = "".join(f", {k} {v}" for k, v in fixed.items() if v is not None)
         raise ConfigError(f"no plan of {devices} devices for global batch {global_batch}{pinned}: the data-parallel "

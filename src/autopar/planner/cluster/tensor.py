@@ -82,41 +82,44 @@ def _gemms(nodes_choices) -> GemmTimes:
     return GemmTimes(f, b / 2, b / 2)
 
 
-def block_seconds(machine, t: int, nbytes_in: float, col: GemmTimes, row: GemmTimes | None, sp: bool) -> float:
-    """Exposed seconds of one block's tensor-parallel collectives (module docstring); ``row`` None: a column-split
-    projection alone (the head's vocabulary projection, its loss vocabulary-parallel)."""
+def block_seconds(machine, t: int, nbytes_in: float, col: GemmTimes, row: GemmTimes | None,
+                  sp: bool) -> tuple[float, float]:
+    """Exposed seconds of one block's tensor-parallel collectives (module docstring), as (the column-split side's,
+    the row-split side's); ``row`` None: a column-split projection alone (the head's vocabulary projection, its loss
+    vocabulary-parallel)."""
     ag = machine.collective("all_gather", nbytes_in, t)
     rs = machine.collective("reduce_scatter", nbytes_in, t)
     hide = lambda comm, gemm: max(0.0, comm - gemm)  # noqa: E731
     if not sp:
         ar = machine.collective("all_reduce", nbytes_in, t)
-        return (ar if row is not None else 0.0) + hide(ar, col.weight_grad)
+        return hide(ar, col.weight_grad), (ar if row is not None else 0.0)
     # the input's gather (forward), the output's scatter and its gradient's gather before the row-split input
     # gradient (no GEMM runs before it to hide it); the input gradient's scatter and the input's second gather hide
     # behind the column-split GEMMs of the backward
-    exposed = ag + ((rs + ag) if row is not None else 0.0)
-    return exposed + hide(rs, col.weight_grad) + hide(ag, col.input_grad)
+    return ag + hide(rs, col.weight_grad) + hide(ag, col.input_grad), ((rs + ag) if row is not None else 0.0)
 
 
-def layer_seconds(graph, chosen, machine, t: int, sp: bool) -> float:
-    """The exposed tensor-parallel communication of a layer (or the head) planned in Megatron's layout."""
+def layer_seconds(graph, chosen, machine, t: int, sp: bool) -> dict[str, float]:
+    """The exposed tensor-parallel communication of a layer (or the head) planned in Megatron's layout, by the
+    projection it belongs to (a fused input's collectives on its first projection)."""
     by_name = {short_name(n): (n, c) for n, c in zip(graph.nodes, chosen)}
-    total = 0.0
+    out: dict[str, float] = {}
     for col_names, row_names in BLOCKS:
         cols = [by_name[n] for n in col_names if n in by_name]
         rows = [by_name[n] for n in row_names if n in by_name]
         if not cols:
             continue
         node = cols[0][0]
-        x = _input_bytes(node)
-        total += block_seconds(machine, t, x, _gemms(cols), _gemms(rows) if rows else None, sp)
+        col, row = block_seconds(machine, t, _input_bytes(node), _gemms(cols), _gemms(rows) if rows else None, sp)
+        out[node.name] = col
+        if rows:
+            out[rows[0][0].name] = row
     if "out" in by_name:  # the head: its vocabulary-parallel loss all-reduces a max, a sum and the target logit a row
         node, _ = by_name["out"]
         x = _input_bytes(node)
-        total += block_seconds(machine, t, x, _gemms([by_name["out"]]), None, sp)
-        rows = x / (node.shapes[0][-1] * node.itemsize)
-        total += 3 * machine.collective("all_reduce", rows * 4, t)
-    return total
+        col, _ = block_seconds(machine, t, x, _gemms([by_name["out"]]), None, sp)
+        out[node.name] = col + 3 * machine.collective("all_reduce", x / (node.shapes[0][-1] * node.itemsize) * 4, t)
+    return out
 
 
 def _input_bytes(node) -> float:
