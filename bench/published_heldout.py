@@ -247,9 +247,16 @@ def machine(name: str, gpus: int):
     return dataclasses.replace(spec, nodes=nodes) if nodes > spec.nodes else spec
 
 
-def config(shape) -> GPTConfig:
+# The attention kernel each stack runs where it is not Transformer Engine's: torchtitan calls PyTorch's SDPA (its flash
+# backend is FlashAttention-2), llm-foundry flash-attn 2 / its Triton FlashAttention ("flash attention", FOUNDRY)
+FLASH2 = (TT, TT_ASYNC, FOUNDRY)
+
+
+def config(shape, source: str = "") -> GPTConfig:
     family, layers, hidden, heads, kv, ffn, vocab, seq = shape
-    return GPTConfig(layers, hidden, heads, seq=seq, vocab=vocab, ffn=ffn, kv_heads=kv, family=family)
+    attention = "flash2" if source.startswith(FLASH2) else "fused"
+    return GPTConfig(layers, hidden, heads, seq=seq, vocab=vocab, ffn=ffn, kv_heads=kv, family=family,
+                     attention=attention)
 
 
 def predicted(plan, metric: str) -> float:
@@ -262,7 +269,7 @@ def per_device(metric: str, value: float, row) -> float:
     """A per-device throughput (higher is faster) to order runs by: a step time becomes tokens/s a device."""
     if metric != "step_s":
         return value
-    cfg = config(row[2])
+    cfg = config(row[2], row[1])
     return row[5] * cfg.seq / value / row[3]
 
 
@@ -277,7 +284,7 @@ def main() -> None:
         out = {"run": name, "source": source, "gpus": gpus, "machine": mach, "global_batch": batch, "dtype": dtype,
                "pinned": pins, "note": note, "metric": metric, "published": value}
         try:
-            plan = plan_row(config(shape), machine(mach, gpus), gpus, batch, pins, dtype)
+            plan = plan_row(config(shape, source), machine(mach, gpus), gpus, batch, pins, dtype)
         except ConfigError as e:
             out.update(planned=False, error=str(e))
             print(f"[bench] {name}: not planned: {e}", file=sys.stderr, flush=True)
@@ -352,8 +359,9 @@ def free_search(planned: list[dict]) -> list[dict]:
     for (_, shape, dtype, gpus, batch), runs in jobs.items():
         if len(runs) < 2:
             continue
-        tokens = batch * config(shape).seq / gpus  # a step's tokens a GPU
-        plan = plan_gpt(config(shape), machine(spec_of[runs[0]["run"]][4], gpus), gpus, batch, dtype)
+        source = spec_of[runs[0]["run"]][1]
+        tokens = batch * config(shape, source).seq / gpus  # a step's tokens a GPU
+        plan = plan_gpt(config(shape, source), machine(spec_of[runs[0]["run"]][4], gpus), gpus, batch, dtype)
         pinned = {r["run"]: round(tokens / r["predicted_step_s"], 1) for r in runs}
         out.append({"runs": [r["run"] for r in runs], "pinned_predicted_tokens_per_s_per_gpu": pinned,
                     "best_published": max(runs, key=lambda r: r["published_per_device"])["run"],

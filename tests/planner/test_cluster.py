@@ -582,7 +582,7 @@ def test_context_parallelism_splits_the_sequence_and_passes_keys_and_values_roun
 
 @pytest.mark.parametrize("pins, message", [
     ({"cp": 3}, "--cp 3 needs the sequence \\(8192\\) divisible by 2 x cp = 6"),
-    ({"cp": 2, "attention": "materialized"}, "--cp 2 needs --attention fused"),
+    ({"cp": 2, "attention": "materialized"}, "--cp 2 needs a fused attention"),
     ({"cp": 128}, "--cp 128 does not divide the 64 devices"),
     ({"sp": True, "tp": 1}, "--sp \\(sequence parallelism\\) .* needs --tp 2 or more"),
     ({"cp": 0}, "--cp must be a positive context-parallel degree"),

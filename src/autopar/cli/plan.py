@@ -60,9 +60,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--recompute-layers", type=int, default=None,
                    help="pin block recomputation of this many layers a device (all its virtual chunks together; "
                         "Megatron's --recompute-num-layers counts a chunk's: multiply it by --vpp)")
-    g.add_argument("--attention", default="fused", choices=("fused", "materialized"),
-                   help="fused: one kernel, the scores never stored (FlashAttention, SDPA; the default); "
-                        "materialized: the s x s scores kept for the backward (Megatron-LM of 2021-2022)")
+    g.add_argument("--attention", default="fused", choices=("fused", "flash2", "materialized"),
+                   help="fused: one kernel, the scores never stored (the default: FlashAttention-3 / cuDNN on Hopper, "
+                        "as Transformer Engine runs it, FlashAttention-2 on Ampere); flash2: FlashAttention-2's kernel "
+                        "(PyTorch's SDPA, flash-attn 2) on every GPU; materialized: the s x s scores kept for the "
+                        "backward (Megatron-LM of 2021-2022)")
     p.add_argument("--memory-limit", default=None, help="per device, e.g. 2GB (default: available memory / N)")
     p.add_argument("--search-mode", default="dynamic_programming",
                    choices=("dynamic_programming", "recursive_programming", "sharding_propagation"))

@@ -27,6 +27,8 @@ from torch import nn
 from autopar.errors import ConfigError
 from autopar.ops.math import BatchMatMul, FusedAttention, Softmax
 
+ATTENTION_KERNELS = ("fused", "flash2", "materialized")
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -38,8 +40,10 @@ class GPTConfig:
     ffn: int = 0  # 0: 4 x hidden
     kv_heads: int = 0  # 0: as many as heads (multi-head attention); fewer: grouped-query attention
     family: str = "gpt"  # gpt | llama
-    # fused: one kernel (FlashAttention, SDPA), the scores never stored; materialized: two batched matmuls and a
-    # softmax, the s x s scores kept for the backward (Megatron-LM before FlashAttention, 2021-2022)
+    # fused: one kernel, the scores never stored (FlashAttention-3 / cuDNN's on Hopper, as Transformer Engine runs
+    # it; FlashAttention-2 on Ampere); flash2: FlashAttention-2's kernel on every GPU (PyTorch's SDPA flash backend,
+    # flash-attn 2); materialized: two batched matmuls and a softmax, the s x s scores kept for the backward
+    # (Megatron-LM before FlashAttention, 2021-2022)
     attention: str = "fused"
 
     def __post_init__(self):
@@ -51,8 +55,8 @@ class GPTConfig:
             raise ConfigError(f"GPT hidden size {self.hidden} is not divisible by {self.heads} heads")
         if self.family not in ("gpt", "llama"):
             raise ConfigError(f"model family must be gpt or llama, got {self.family!r}")
-        if self.attention not in ("fused", "materialized"):
-            raise ConfigError(f"attention must be fused or materialized, got {self.attention!r}")
+        if self.attention not in ATTENTION_KERNELS:
+            raise ConfigError(f"attention must be {', '.join(ATTENTION_KERNELS)}, got {self.attention!r}")
         if isinstance(self.kv_heads, bool) or not isinstance(self.kv_heads, int) or self.kv_heads < 0 \
                 or self.heads % self.kv_groups:
             raise ConfigError(f"kv_heads must be a positive divisor of the {self.heads} heads, got {self.kv_heads!r}")
@@ -191,7 +195,7 @@ class _Attention(nn.Module):
 
 def make_layer(config: GPTConfig) -> nn.Module:
     c = config
-    fused = c.attention == "fused"
+    fused = c.attention != "materialized"
     return LlamaLayer(c.hidden, c.heads, c.kv_groups, c.ffn_size, fused) if c.llama else GPTLayer(
         c.hidden, c.heads, c.ffn_size, fused)
 

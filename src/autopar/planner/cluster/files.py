@@ -34,7 +34,7 @@ _FREE = {"name", "description", "sources"}  # free-form: names, prose, each cons
 # fields newer than the first files, or that may be left out: absent means the default (``nodes``: as many as a job
 # needs -- the file then describes a node type and its network, not one cluster)
 _OPTIONAL = {"device.attention_efficiency": float, "device.sms": int, "device.matmul_efficiency_fp8": float,
-             "nodes": int}
+             "device.attention_efficiency_flash2": float, "nodes": int}
 
 
 def _has(data: dict, dotted: str) -> bool:
@@ -94,7 +94,7 @@ def parse_cluster(data: dict, where: str = "machine file", preset: bool = False)
         raise ConfigError(f"{where}: expected a JSON object, got {type(data).__name__}")
     v = {k: _field(data, k, t, where) for k, t in _REQUIRED.items()}
     optional = {k: _field(data, k, t, where) for k, t in _OPTIONAL.items() if _has(data, k)}
-    for k in ("device.attention_efficiency", "device.matmul_efficiency_fp8"):
+    for k in ("device.attention_efficiency", "device.matmul_efficiency_fp8", "device.attention_efficiency_flash2"):
         if optional.get(k, 0) > 1:
             raise ConfigError(f"{where}: field {k!r} is a fraction of peak and must be <= 1, got {optional[k]}")
     unknown = sorted(set(_leaves(data)) - set(_REQUIRED) - set(_OPTIONAL) - _FREE)
@@ -114,7 +114,8 @@ def parse_cluster(data: dict, where: str = "machine file", preset: bool = False)
         inter=Link(v["inter_node.nic_bandwidth"], v["inter_node.latency"], v["inter_node.efficiency"]),
         description=str(data.get("description", "")), sources=data.get("sources"),
         attention_efficiency=optional.get("device.attention_efficiency"), sms=optional.get("device.sms"),
-        matmul_efficiency_fp8=optional.get("device.matmul_efficiency_fp8"), scalable=preset or "nodes" not in optional)
+        matmul_efficiency_fp8=optional.get("device.matmul_efficiency_fp8"), scalable=preset or "nodes" not in optional,
+        attention_efficiency_flash2=optional.get("device.attention_efficiency_flash2"))
 
 
 def presets() -> list[str]:

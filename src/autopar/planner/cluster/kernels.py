@@ -45,11 +45,11 @@ class GroupMachine(MachineModel):
     """A :class:`MachineModel` whose collectives are those of one placed group of a cluster (``spec``, a
     :class:`~autopar.planner.cluster.spec.ClusterSpec`, which makes these)."""
 
-    def __init__(self, spec, size: int, stride: int, dtype: str):
+    def __init__(self, spec, size: int, stride: int, dtype: str, attention_kernel: str = "fused"):
         rate = spec.peak(dtype) * spec.gemm_ceiling(dtype)
         # fp8 runs the projections' GEMMs only (Transformer Engine): attention stays at the bf16 rate
         held = "bf16" if dtype == "fp8" else dtype
-        attention = spec.peak(held) * (spec.attention_efficiency or spec.matmul_efficiency)
+        attention = spec.peak(held) * spec.attention_rate(attention_kernel)
         super().__init__(device_num=size, flops={"matmul": rate, "conv": rate, "other": rate, "attention": attention},
                          backend="nccl", source=f"{spec.name} ({spec.device_name}, {dtype})",
                          memory_bandwidth=spec.memory_bandwidth, memory_per_device=spec.memory)

@@ -64,7 +64,7 @@ class LayerPlan:
 
 
 def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: tuple, t: int, spec: ClusterSpec,
-                dtype: str, graph: Graph | None = None, sp: bool = False) -> LayerPlan:
+                dtype: str, graph: Graph | None = None, sp: bool = False, attention: str = "fused") -> LayerPlan:
     """``graph``: the module's capture at these inputs, if made already (it does not depend on ``t``).
 
     ``sp``: Megatron's sequence parallelism (Korthikanti et al. 2022, arXiv 2205.05198 sec. 4.2.2) -- the norms,
@@ -75,7 +75,7 @@ def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: t
     graph = graph or capture(module, loss, inputs)
     if sp and t > 1:
         graph = _megatron_layout(graph, t)
-    machine = spec.group_machine(t, 1, dtype)
+    machine = spec.group_machine(t, 1, dtype, attention)
     costs = graph_costs(graph, machine, t)
     problem = Problem(graph, costs, machine, 0.0, None)
     choice = solve_ilp(problem)
@@ -153,7 +153,7 @@ class LayerPlanner:
             c = self.config
             x = torch.empty(b, c.seq // cp, c.hidden, dtype=self.torch_dtype, device="meta")
             graph = self._graph("layer", b, cp, self.layer_module, None, (x,))
-            plan = plan_module(self.layer_module, None, (x,), t, self.spec, self.dtype, graph, sp)
+            plan = plan_module(self.layer_module, None, (x,), t, self.spec, self.dtype, graph, sp, c.attention)
             self._layers[(t, b, cp, sp)] = with_context_parallel(plan, cp, self.spec)
         return self._layers[(t, b, cp, sp)]
 

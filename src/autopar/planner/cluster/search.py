@@ -361,9 +361,9 @@ def _context_and_sequence(config: GPTConfig, fixed: dict) -> tuple[int, bool]:
     cp, sp = (1 if fixed.get("cp") is None else fixed["cp"]), bool(fixed.get("sp"))
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ConfigError(f"--cp must be a positive context-parallel degree, got {fixed.get('cp')!r}")
-    if cp > 1 and config.attention != "fused":
-        raise ConfigError(f"--cp {cp} needs --attention fused: ring attention passes key/value blocks between fused "
-                          "attention kernels, it never materializes the scores")
+    if cp > 1 and config.attention == "materialized":
+        raise ConfigError(f"--cp {cp} needs a fused attention (--attention fused or flash2): ring attention passes "
+                          "key/value blocks between fused attention kernels, it never materializes the scores")
     if cp > 1 and config.seq % (2 * cp):
         raise ConfigError(f"--cp {cp} needs the sequence ({config.seq}) divisible by 2 x cp = {2 * cp}: with causal "
                           "load balancing each rank holds two mirrored chunks")

@@ -50,6 +50,9 @@ class ClusterSpec:
     # the measured matmul ceiling of a dtype whose GEMMs reach another fraction of its peak (fp8), else
     # matmul_efficiency
     matmul_efficiency_fp8: float | None = None
+    # the fraction of peak FlashAttention-2's kernel reaches, where the device has a faster one (Hopper's
+    # FlashAttention-3 / cuDNN kernels: ``attention_efficiency``); None: the same
+    attention_efficiency_flash2: float | None = None
     # collectives run by NCCL (its protocols' latencies); False for this host's calibrated figures
     nccl: bool = True
     # a node type rather than one cluster (the presets, a cluster file without ``nodes``): a job of more devices than
@@ -67,6 +70,12 @@ class ClusterSpec:
                               f"{self.name!r} has nodes = {self.nodes} ({self.devices} devices): raise its nodes, "
                               f"or leave the field out to plan as many nodes of its type as a job needs")
         return dataclasses.replace(self, nodes=nodes)
+
+    def attention_rate(self, kernel: str = "fused") -> float:
+        """The fraction of peak a fused attention kernel reaches: ``flash2`` FlashAttention-2's, else the device's
+        best (``--attention``)."""
+        best = self.attention_efficiency or self.matmul_efficiency
+        return (self.attention_efficiency_flash2 or best) if kernel == "flash2" else best
 
     def gemm_ceiling(self, dtype: str) -> float:
         return self.matmul_efficiency_fp8 if dtype == "fp8" and self.matmul_efficiency_fp8 else self.matmul_efficiency
@@ -111,8 +120,8 @@ class ClusterSpec:
                    devices_per_node=devices, nodes=1, intra=link, nics_per_node=1, inter=link,
                    description=model.source)
 
-    def group_machine(self, size: int, stride: int, dtype: str) -> MachineModel:
+    def group_machine(self, size: int, stride: int, dtype: str, attention_kernel: str = "fused") -> MachineModel:
         """The flat machine model the operator-level search uses for one group (e.g. the tensor-parallel group)."""
-        return GroupMachine(self, size, stride, dtype)
+        return GroupMachine(self, size, stride, dtype, attention_kernel)
 
 
