@@ -1,0 +1,180 @@
+"""The cluster model's costs as the systems it predicts run them: sustained tensor-core rates, Megatron-Core's tensor-
+parallel collectives and what hides them, the vocabulary-parallel loss and its memory traffic, ZeRO-1's and FSDP's
+data-parallel collectives, FlashAttention-2 against Hopper's fused kernels, presets at any node count (fixed figures,
+deterministic, no job)."""
+import dataclasses
+import json
+
+import pytest
+
+from autopar.cli.main import main as cli
+from autopar.errors import ConfigError
+from autopar.planner.cluster import load_cluster, parse_cluster, plan_gpt
+from autopar.planner.cluster.kernels import LOSS_TRAFFIC_BYTES_PER_LOGIT
+from autopar.planner.cluster.layers import LayerPlanner
+from autopar.planner.cluster.memory import REDUCE_BYTES
+from autopar.planner.cluster.tensor import block_seconds
+from autopar.planner.gpt import PRESETS, GPTConfig
+
+A100, H100 = load_cluster("a100-ib"), load_cluster("h100-ib")
+
+
+def machine_dict(name="h100-ib"):
+    return json.loads((load_cluster.__globals__["resources"].files("autopar.planner")
+                       .joinpath("machines", name + ".json").read_text()))
+
+
+# ------------------------------------------------------------------------------------------------- presets
+def test_a_preset_is_a_node_type_planned_at_any_node_count(capsys):
+    """h100-ib describes Eos (576 nodes); a 16,384-GPU job gets 2,048 of its nodes (Llama 3's 405B run), in seconds."""
+    assert cli(["plan", "llama", "-n", "16384", "--layers", "126", "--hidden", "16384", "--heads", "128",
+                "--kv-heads", "8", "--ffn", "53248", "--seq", "8192", "--machine", "h100-ib", "--global-batch", "2048",
+                "--tp", "8", "--sp", "--pp", "16", "--zero", "2", "--recompute", "none", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["configuration"]["devices"] == 16384 and out["planning_s"] < 30
+    assert 0.2 < out["mfu"] < 0.6
+
+
+def test_a_cluster_file_without_nodes_is_a_node_type_and_one_with_nodes_bounds_the_job():
+    data = machine_dict("a100-ib")
+    del data["nodes"]
+    spec = parse_cluster(data, "mine.json")
+    assert spec.scalable and spec.for_devices(4096).nodes == 512
+    data["nodes"] = 2
+    with pytest.raises(ConfigError, match=r"24 devices need 3 nodes of 8, but machine .* has nodes = 2 \(16 "
+                                          r"devices\): raise its nodes, or leave the field out"):
+        parse_cluster(data, "mine.json").for_devices(24)
+
+
+def test_h200_is_an_h100_with_more_and_faster_memory():
+    """The same GH100 at 700 W (sustained rates alike), 141 GB of HBM3e at 4.8 TB/s: Llama 3 70B on 64 of them fits
+    without recomputation where 64 H100s recompute, and memory-bound work runs faster."""
+    h200 = load_cluster("h200-ib")
+    assert h200.peak("bf16") == H100.peak("bf16") and h200.matmul_efficiency == H100.matmul_efficiency
+    assert h200.memory > 1.7 * H100.memory and h200.memory_bandwidth / H100.memory_bandwidth == pytest.approx(4.8 / 3.35)
+    cfg, pins = PRESETS["llama3-70b"], {"tp": 8, "pp": 1, "zero": 3, "micro_batch": 1}
+    on_h200 = plan_gpt(cfg, h200, 64, 64, fixed=pins).best
+    on_h100 = plan_gpt(cfg, H100, 64, 64, fixed=pins).best
+    assert on_h200.recompute_name == "off" and on_h100.recompute_name != "off"
+    assert on_h200.step < on_h100.step
+
+
+def test_tensor_core_rates_are_sustained_ones_each_with_its_source():
+    """A training run keeps its GPUs at their power limit: H100/H200 matmuls at the measured sustainable rate (MSMF,
+    every GPU of the node computing: 698.6 of 989.4 TFLOP/s), not the boost burst (MAMF, 794.5); A100's at its
+    sustained clock; attention and fp8 scaled alike; FlashAttention-2 on Hopper at its own 35 % forward."""
+    for name in ("h100-ib", "h200-ib"):
+        data = machine_dict(name)
+        assert data["device"]["matmul_efficiency"] == pytest.approx(698.6 / 989.4, abs=1e-3)
+        for field in ("matmul_efficiency", "matmul_efficiency_fp8", "attention_efficiency",
+                      "attention_efficiency_flash2"):
+            assert data["sources"][f"device.{field}"]
+    assert A100.matmul_efficiency == pytest.approx(271.2 / 312 * 1305 / 1410, abs=1e-3)
+    assert H100.attention_rate("flash2") < H100.attention_rate("fused")
+    assert A100.attention_rate("flash2") == A100.attention_rate("fused")  # FlashAttention-2 is Ampere's best
+
+
+def test_flash2_is_slower_where_attention_dominates_on_hopper_only():
+    long = dataclasses.replace(PRESETS["llama3-8b"], seq=32768)
+    pins = {"tp": 1, "pp": 1, "zero": 3, "micro_batch": 1, "recompute": True}
+    fused = plan_gpt(long, H100, 8, 8, fixed=pins).best.step
+    flash2 = plan_gpt(dataclasses.replace(long, attention="flash2"), H100, 8, 8, fixed=pins).best.step
+    assert flash2 > 1.3 * fused
+    on_a100 = [plan_gpt(dataclasses.replace(long, attention=a), A100, 8, 8, fixed=pins).best.step
+               for a in ("fused", "flash2")]
+    assert on_a100[0] == on_a100[1]
+
+
+# ------------------------------------------------------------------------------------------ tensor parallelism
+def test_megatron_tensor_parallel_hides_the_backward_collectives_behind_their_gemms():
+    """Sequence parallelism: the input's gather, the output's scatter and its gradient's gather are exposed; the
+    input gradient's scatter and the second gather run under the column-split GEMMs of the backward."""
+    machine = H100.group_machine(8, 1, "bf16")
+    from autopar.planner.cluster.tensor import GemmTimes
+    x = 8192 * 8192 * 2.0
+    ag, rs = machine.collective("all_gather", x, 8), machine.collective("reduce_scatter", x, 8)
+    slow = GemmTimes(1.0, 1.0, 1.0)  # GEMMs long enough to hide anything
+    col, row = block_seconds(machine, 8, x, slow, slow, sp=True)
+    assert col == pytest.approx(ag) and row == pytest.approx(rs + ag)
+    fast = GemmTimes(0.0, 0.0, 0.0)
+    col, _ = block_seconds(machine, 8, x, fast, fast, sp=True)
+    assert col == pytest.approx(ag + rs + ag)
+    ar = machine.collective("all_reduce", x, 8)  # without sequence parallelism: the forward's all-reduce only
+    assert block_seconds(machine, 8, x, slow, slow, sp=False) == pytest.approx((0.0, ar))
+
+
+def test_a_fused_input_is_gathered_once_and_the_loss_is_vocabulary_parallel():
+    """Megatron fuses q, k, v (and gate, up) into one GEMM: one gather a block however many projections the model
+    names; the head's logits stay split on the vocabulary (the loss all-reduces a row's maximum, sum and target)."""
+    planner = LayerPlanner(PRESETS["llama3-70b"], H100, "bf16")
+    layer = planner.layer(4, 1, 1, True)
+    assert set(layer.tp_comm) == {"q", "o", "gate", "down"}
+    machine = H100.group_machine(4, 1, "bf16")
+    x = 8192 * 8192 * 2.0
+    ag = machine.collective("all_gather", x, 4)
+    assert layer.tp_comm["q"] < 1.5 * ag
+    head = planner.head(4, 1, 1, True)
+    logits = 8192 * 128256 * 2.0
+    assert head.tp_comm["out"] < 0.1 * machine.collective("all_gather", logits, 4)
+
+
+def test_the_cross_entropy_streams_its_logits_through_memory():
+    """Its fp32 passes (kernels.LOSS_TRAFFIC_BYTES_PER_LOGIT: 48 bytes a logit) are time: a vocabulary of 131,072
+    on a 2,048-wide model costs about as much as the head's GEMM."""
+    cfg = GPTConfig(24, 2048, 16, seq=4096, vocab=131072)
+    head = LayerPlanner(cfg, H100, "bf16").head(1, 4)
+    traffic = 4 * 4096 * 131072 * sum(LOSS_TRAFFIC_BYTES_PER_LOGIT.values()) / H100.memory_bandwidth
+    gemm = sum(c.compute - c.optimizer for c in (head.costs[n].choices[head.choice[n]]
+                                                  for n in range(len(head.graph.nodes))))
+    assert head.time == pytest.approx(gemm + traffic, rel=0.05) and traffic > 0.5 * gemm
+
+
+def test_a_run_that_fits_only_with_a_fused_cross_entropy_is_planned_with_one(capsys):
+    """llm-foundry's MPT-350M at micro-batch 18 on A100 40 GB: 22 GiB of fp32 loss copies do not fit; its fused
+    cross entropy (the gradient written over the logits) does, and the plan says so."""
+    a100_40 = dataclasses.replace(A100, memory=40 * 2**30, memory_bandwidth=1555e9)
+    cfg = GPTConfig(24, 1024, 16, seq=2048, vocab=50368)
+    plan = plan_gpt(cfg, a100_40, 16, 288, fixed={"tp": 1, "pp": 1, "zero": 3, "micro_batch": 18, "recompute": False})
+    assert plan.to_dict()["loss"] == "fused" and "fused cross entropy" in plan.explain()
+    assert plan_gpt(cfg, a100_40, 16, 32, fixed={"micro_batch": 2}).to_dict()["loss"] == "fp32"
+
+
+# ------------------------------------------------------------------------------------------ data parallelism
+def test_zero1_hides_its_gathers_under_the_next_forward_one_layer_exposed():
+    """Megatron-Core's --overlap-param-gather: the updated weights gathered a layer's bucket at a time under the
+    first forward; only one chunk shows ("This overlap method exposes only one DP communication chunk")."""
+    cfg = GPTConfig(24, 2048, 16, seq=4096, vocab=131072)
+    one = plan_gpt(cfg, H100, 48, 192, fixed={"tp": 1, "pp": 1, "zero": 1, "micro_batch": 4}).best
+    whole = 1.5e9 * 2  # the weights' all-gather alone, were it exposed
+    ag = H100.for_devices(48).collective("all_gather", whole, 48)[0]
+    assert one.parts["data-parallel sync"] < 0.25 * ag
+
+
+def test_fsdp_holds_a_layers_unsharded_gradient_and_its_fp32_copy():
+    """A 1T model's 7.9B-parameter layers: two gathered (in hand, prefetched) and the unsharded gradient with its
+    fp32 reduce-scatter input -- 78 GB; pure ZeRO-3 fits nowhere on 80 GB A100s."""
+    cfg = GPTConfig(128, 25600, 160, attention="materialized")
+    unit = 12 * 25600**2
+    assert unit * (3 * 2 + REDUCE_BYTES) > 70e9
+    with pytest.raises(ConfigError, match="fits nowhere"):
+        plan_gpt(cfg, A100, 3072, 3072, fixed={"tp": 1, "pp": 1, "zero": 3, "recompute": True, "micro_batch": 1})
+
+
+@pytest.mark.slow
+def test_the_free_search_does_not_pick_pure_zero3_where_published_runs_show_it_slower():
+    """Narayanan et al. 2021 (Table 2): ZeRO-3 without model parallelism ran GPT-3 175B on 1,536 A100s at 44
+    TFLOP/s a GPU, PTD-P at 141; the search for it picks tensor and pipeline parallelism, and for 1T on 3,072 it
+    shards with tensor parallelism too."""
+    cfg = GPTConfig(128, 25600, 160, attention="materialized")
+    free = plan_gpt(cfg, A100, 3072, 3072).best
+    assert not (free.t == 1 and free.p == 1 and free.zero == 3)
+    gpt3 = plan_gpt(GPTConfig(96, 12288, 96, attention="materialized"), A100, 1536, 1536).best
+    assert gpt3.t * gpt3.p > 1 and gpt3.zero < 3
+
+
+def test_a_pinned_zero_level_with_one_replica_plans_as_level_zero():
+    cfg = GPTConfig(24, 2048, 16)
+    pins = {"tp": 8, "pp": 1, "micro_batch": 1}
+    one = plan_gpt(cfg, A100, 8, 8, fixed={**pins, "zero": 1}).best
+    zero = plan_gpt(cfg, A100, 8, 8, fixed={**pins, "zero": 0}).best
+    assert one.zero == 1 and one.step == pytest.approx(zero.step)
