@@ -52,7 +52,7 @@ def test_h200_is_an_h100_with_more_and_faster_memory():
     h200 = load_cluster("h200-ib")
     assert h200.peak("bf16") == H100.peak("bf16") and h200.matmul_efficiency == H100.matmul_efficiency
     assert h200.memory > 1.7 * H100.memory and h200.memory_bandwidth / H100.memory_bandwidth == pytest.approx(4.8 / 3.35)
-    cfg, pins = PRESETS["llama3-70b"], {"tp": 8, "pp": 1, "zero": 3, "micro_batch": 1}
+    cfg, pins = PRESETS["llama3-70b"], {"tp": 8, "sp": True, "pp": 1, "zero": 3, "micro_batch": 4}
     on_h200 = plan_gpt(cfg, h200, 64, 64, fixed=pins).best
     on_h100 = plan_gpt(cfg, H100, 64, 64, fixed=pins).best
     assert on_h200.recompute_name == "off" and on_h100.recompute_name != "off"

@@ -73,7 +73,7 @@ def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: t
     the input-gradient matmul as Megatron-LM does. In Megatron's layout the tensor group's collectives are those
     Megatron-Core runs and hides (``tensor.py``)."""
     graph = graph or capture(module, loss, inputs)
-    if sp and t > 1:
+    if t > 1:  # the tensor group runs Megatron's layout, as every stack the planner predicts does
         graph = _megatron_layout(graph, t)
     machine = spec.group_machine(t, 1, dtype, attention)
     costs = graph_costs(graph, machine, t)
@@ -87,7 +87,7 @@ def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: t
     # Megatron's layout (tensor.py): its collectives as Megatron-Core runs and hides them, the norms and residuals
     # whole on every rank of the group without sequence parallelism, split on the sequence with it
     megatron = t > 1 and is_megatron(graph, chosen, t)
-    tp_comm = layer_seconds(graph, chosen, machine, t, sp) if megatron else None
+    tp_comm, tp_forward = layer_seconds(graph, chosen, machine, t, sp) if megatron else (None, 0.0)
     if megatron:
         total = sum(c.compute for c in chosen) - optimizer + sum(tp_comm.values())
     else:
@@ -107,7 +107,8 @@ def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: t
     if sp:
         activations -= (1 - 1 / t) * whole_on_every_device(graph, chosen)
     core = [(node, c) for node, c in zip(graph.nodes, chosen) if attention_core(node)]
-    return LayerPlan(t, b, graph, costs, problem, choice, total + other, compute / 3.0, params, activations,
+    # the forward (what a recomputation runs again): a third of the compute and, in Megatron's layout, its collectives
+    return LayerPlan(t, b, graph, costs, problem, choice, total + other, compute / 3.0 + tp_forward, params, activations,
                      inputs[0].numel() * itemsize / split,
                      sum(kept_by_core(node, c) for node, c in core),
                      sum(c.compute - c.optimizer for _, c in core) / 3.0, tp_comm=tp_comm)

@@ -87,39 +87,52 @@ def block_seconds(machine, t: int, nbytes_in: float, col: GemmTimes, row: GemmTi
     """Exposed seconds of one block's tensor-parallel collectives (module docstring), as (the column-split side's,
     the row-split side's); ``row`` None: a column-split projection alone (the head's vocabulary projection, its loss
     vocabulary-parallel)."""
+    forward, backward = block_parts(machine, t, nbytes_in, col, row, sp)
+    return forward[0] + backward[0], forward[1] + backward[1]
+
+
+def block_parts(machine, t: int, nbytes_in: float, col: GemmTimes, row: GemmTimes | None,
+                sp: bool) -> tuple[tuple[float, float], tuple[float, float]]:
+    """:func:`block_seconds` split into the forward's (column side, row side) and the backward's: a recomputed
+    forward runs its collectives again."""
     ag = machine.collective("all_gather", nbytes_in, t)
     rs = machine.collective("reduce_scatter", nbytes_in, t)
     hide = lambda comm, gemm: max(0.0, comm - gemm)  # noqa: E731
     if not sp:
         ar = machine.collective("all_reduce", nbytes_in, t)
-        return hide(ar, col.weight_grad), (ar if row is not None else 0.0)
-    # the input's gather (forward), the output's scatter and its gradient's gather before the row-split input
-    # gradient (no GEMM runs before it to hide it); the input gradient's scatter and the input's second gather hide
-    # behind the column-split GEMMs of the backward
-    return ag + hide(rs, col.weight_grad) + hide(ag, col.input_grad), ((rs + ag) if row is not None else 0.0)
+        return (0.0, ar if row is not None else 0.0), (hide(ar, col.weight_grad), 0.0)
+    # forward: the input's gather, the output's scatter; backward: the output gradient's gather before the row-split
+    # input gradient (no GEMM runs before it to hide it), the input gradient's scatter and the input's second gather
+    # behind the column-split GEMMs
+    return (ag, rs if row is not None else 0.0), (hide(rs, col.weight_grad) + hide(ag, col.input_grad),
+                                                  ag if row is not None else 0.0)
 
 
-def layer_seconds(graph, chosen, machine, t: int, sp: bool) -> dict[str, float]:
+def layer_seconds(graph, chosen, machine, t: int, sp: bool) -> tuple[dict[str, float], float]:
     """The exposed tensor-parallel communication of a layer (or the head) planned in Megatron's layout, by the
-    projection it belongs to (a fused input's collectives on its first projection)."""
+    projection it belongs to (a fused input's collectives on its first projection), and the forward's part of it."""
     by_name = {short_name(n): (n, c) for n, c in zip(graph.nodes, chosen)}
     out: dict[str, float] = {}
+    forward = 0.0
     for col_names, row_names in BLOCKS:
         cols = [by_name[n] for n in col_names if n in by_name]
         rows = [by_name[n] for n in row_names if n in by_name]
         if not cols:
             continue
         node = cols[0][0]
-        col, row = block_seconds(machine, t, _input_bytes(node), _gemms(cols), _gemms(rows) if rows else None, sp)
-        out[node.name] = col
+        f, b = block_parts(machine, t, _input_bytes(node), _gemms(cols), _gemms(rows) if rows else None, sp)
+        out[node.name] = f[0] + b[0]
+        forward += f[0] + f[1]
         if rows:
-            out[rows[0][0].name] = row
+            out[rows[0][0].name] = f[1] + b[1]
     if "out" in by_name:  # the head: its vocabulary-parallel loss all-reduces a max, a sum and the target logit a row
         node, _ = by_name["out"]
         x = _input_bytes(node)
-        col, _ = block_seconds(machine, t, x, _gemms([by_name["out"]]), None, sp)
-        out[node.name] = col + 3 * machine.collective("all_reduce", x / (node.shapes[0][-1] * node.itemsize) * 4, t)
-    return out
+        f, b = block_parts(machine, t, x, _gemms([by_name["out"]]), None, sp)
+        loss = 3 * machine.collective("all_reduce", x / (node.shapes[0][-1] * node.itemsize) * 4, t)
+        out[node.name] = f[0] + b[0] + loss
+        forward += f[0] + loss / 3
+    return out, forward
 
 
 def _input_bytes(node) -> float:
