@@ -1,6 +1,6 @@
 """Planning time at scale: Llama-3-8B (32 layers, hidden 4096, GQA 32/8 heads, sequence 8192) on a 2-D mesh of
 64 and 1024 H100s, and a 405B Llama (126 layers, hidden 16384, 128/8 heads, ffn 53248, sequence 8192) on 16,384
-H100s (the h100-ib preset's nodes, 2,048 of them, in a cluster file), searched whole (tensor x pipeline x data x micro-batch x ZeRO x recomputation, every decoder
+H100s (the h100-ib preset, a node type: 2,048 of its nodes), searched whole (tensor x pipeline x data x micro-batch x ZeRO x recomputation, every decoder
 layer's operators by the exact ILP, repeated layers grouped as one). Several rounds, interleaved; the median of the
 planner's own clock and of the wall time of `autopar plan` as a user runs it (imports included).
 
@@ -14,26 +14,13 @@ import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 LLAMA_405B = ["--layers", "126", "--hidden", "16384", "--heads", "128", "--kv-heads", "8", "--ffn", "53248",
               "--seq", "8192"]
 # (name, model flags, devices, global batch)
 CASES = [("llama3-8b", ["--size", "llama3-8b"], 64, 1024), ("llama3-8b", ["--size", "llama3-8b"], 1024, 1024),
          ("llama-405b", LLAMA_405B, 16384, 2048)]
-
-
-def cluster_file(devices: int) -> str:
-    """The h100-ib preset with as many nodes as ``devices`` need, as a user's cluster file."""
-    from importlib import resources
-
-    data = json.loads(resources.files("autopar.planner").joinpath("machines", "h100-ib.json").read_text())
-    data["nodes"] = max(data["nodes"], -(-devices // data["devices_per_node"]))
-    path = Path(tempfile.gettempdir()) / f"autopar-plan-scale-{data['nodes']}-nodes.json"
-    path.write_text(json.dumps(data))
-    return str(path)
 
 
 def main() -> None:
@@ -45,7 +32,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for size, flags, devices, batch in CASES:
             cmd = [sys.executable, "-m", "autopar.cli.main", "plan", "llama", *flags, "-n", str(devices),
-                   "--global-batch", str(batch), "--machine", cluster_file(devices)]
+                   "--global-batch", str(batch), "--machine", "h100-ib"]
             t0 = time.perf_counter()
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             wall = time.perf_counter() - t0
@@ -61,7 +48,7 @@ def main() -> None:
     for entry in runs.values():
         entry["plan_s_median"] = statistics.median(entry["plan_s"])
         entry["wall_s_median"] = statistics.median(entry["wall_s"])
-    text = json.dumps({"rounds": args.rounds, "machine": "h100-ib preset (nodes as the case needs), planned on this host", "cases": runs},
+    text = json.dumps({"rounds": args.rounds, "machine": "h100-ib preset (as many nodes as the case needs), planned on this host", "cases": runs},
                       indent=2)
     print(text)
     if args.out:
