@@ -513,10 +513,13 @@ def test_the_loss_peaks_in_fp32_at_the_head():
 def test_fsdp_on_thousands_of_ranks_pays_a_ring_of_hops_for_every_layer():
     """ZeRO-3 gathers each layer's weights for its forward and backward and scatters its gradients: one collective
     a layer each, whose ring crosses every rank -- 2,048 ranks are ~2,300 hops each time. A small GPT there is
-    latency-bound under ZeRO-3; the search keeps its weights whole instead."""
+    latency-bound under ZeRO-3 over all of them (hybrid sharding over a node's 8 ranks keeps the rings short); the
+    search keeps its weights whole instead."""
     cfg = GPTConfig(24, 1024, 16, seq=1024)
     pin = {"tp": 1, "pp": 1, "micro_batch": 1, "recompute": False}
-    three = plan_gpt(cfg, A100, 2048, 2048, fixed={**pin, "zero": 3}).best
+    three = plan_gpt(cfg, A100, 2048, 2048, fixed={**pin, "zero": 3, "zero_shard": 2048}).best
+    hybrid = plan_gpt(cfg, A100, 2048, 2048, fixed={**pin, "zero": 3}).best
+    assert hybrid.shard_group == 8 and hybrid.parts["data-parallel sync"] < three.parts["data-parallel sync"]
     one = plan_gpt(cfg, A100, 2048, 2048, fixed={**pin, "zero": 1}).best
     nodes = 2048 // 8
     hops = nodes * A100.inter.latency + (2048 - nodes) * A100.intra.latency  # LL128: the links' own latencies

@@ -178,3 +178,25 @@ def test_a_pinned_zero_level_with_one_replica_plans_as_level_zero():
     one = plan_gpt(cfg, A100, 8, 8, fixed={**pins, "zero": 1}).best
     zero = plan_gpt(cfg, A100, 8, 8, fixed={**pins, "zero": 0}).best
     assert one.zero == 1 and one.step == pytest.approx(zero.step)
+
+
+def test_hybrid_sharding_shards_over_groups_and_all_reduces_across_them(capsys):
+    """--zero-shard 8 (FSDP2's HSDP, MindSpore's optimizer_weight_shard_size): ZeRO-3's state over groups of 8 (one
+    node's data-parallel ranks), replicated across the 16 groups, whose gradient shards are all-reduced: more
+    memory than sharding over all 128, fewer ranks in each gather."""
+    cfg = PRESETS["llama3-8b"]
+    pins = {"tp": 1, "pp": 1, "zero": 3, "micro_batch": 1, "recompute": True}
+    full = plan_gpt(cfg, H100, 128, 128, fixed=pins)
+    hybrid = plan_gpt(cfg, H100, 128, 128, fixed={**pins, "zero_shard": 8})
+    assert hybrid.best.shard_group == 8 and full.best.shard_group == 128
+    state = lambda plan: plan.best.memory_parts["weights+grads+optimizer"]  # noqa: E731
+    assert state(hybrid) > 8 * state(full) / 2
+    assert hybrid.to_dict()["configuration"]["zero_shard"] == 8
+    assert "over groups of 8 of the 128 replicas, replicated across 16" in hybrid.explain()
+    with pytest.raises(ConfigError, match="--zero-shard 8 shards ZeRO's state over groups of 8 ranks: it needs"):
+        plan_gpt(cfg, H100, 128, 128, fixed={**pins, "zero": 0, "zero_shard": 8})
+    with pytest.raises(ConfigError, match="a ZeRO shard group .--zero-shard. the data-parallel ranks"):
+        plan_gpt(cfg, H100, 128, 128, fixed={**pins, "zero_shard": 48})
+    assert cli(["plan", "llama", "--size", "llama3-8b", "-n", "16", "--machine", "h100-ib", "--zero", "3",
+                "--zero-shard", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["configuration"]["zero_shard"] == 8

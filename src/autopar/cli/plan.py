@@ -48,6 +48,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--vpp", type=int, default=None,
                    help="pin the virtual stages per device (interleaved 1F1B; 1: plain 1F1B)")
     g.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3), help="pin the ZeRO level")
+    g.add_argument("--zero-shard", type=int, default=None,
+                   help="shard ZeRO's state over groups of this many data-parallel ranks, replicated across the "
+                        "groups (hybrid sharding: FSDP2's HSDP, MiCS; MindSpore's optimizer_weight_shard_size)")
     g.add_argument("--cp", type=int, default=None,
                    help="pin the context-parallel degree (ring attention over the sequence; planned only where "
                         "pinned: autopar's runtime does not run it yet)")
@@ -151,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         raise ConfigError("--json is the cluster plan's (autopar plan gpt|llama ...); this model's plan is the table")
     cluster_only = [flag for flag, value in (("--tp", args.tp), ("--pp", args.pp), ("--vpp", args.vpp), ("--cp", args.cp),
-                                             ("--sp", args.sp), ("--zero", args.zero), ("--recompute", args.recompute),
+                                             ("--sp", args.sp), ("--zero", args.zero), ("--zero-shard", args.zero_shard),
+                                             ("--recompute", args.recompute),
                                              ("--recompute-layers", args.recompute_layers),
                                              ("--micro-batch", args.micro_batch), ("--machine", args.machine))
                     if value not in (None, False)]
@@ -211,7 +215,7 @@ def run_gpt(args: argparse.Namespace) -> int:
         dtype = args.dtype or "fp32"
     limit = memory_bytes(args.memory_limit, "--memory-limit") if args.memory_limit else None
     fixed = {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "micro_batch": args.micro_batch, "zero": args.zero,
-             "cp": args.cp, "sp": args.sp or None,
+             "cp": args.cp, "sp": args.sp or None, "zero_shard": args.zero_shard,
              "recompute": {None: None, "full": True, "on": True, "none": False, "off": False,
                            "selective": "selective", "block": "block"}[args.recompute],
              "recompute_layers": args.recompute_layers}

@@ -60,7 +60,8 @@ def collective_seconds(spec, kind: str, nbytes: float, size: int, stride: int = 
 
 
 def data_parallel_sync(spec, zero: int, m: int, grads: float, unit: float, layers: int, micro: float, replicas: int,
-                       stride: int, staged: bool = False, itemsize: int = 2, forward_share: float = 1 / 3) -> float:
+                       stride: int, staged: bool = False, itemsize: int = 2, forward_share: float = 1 / 3,
+                       groups: int = 1) -> float:
     """Seconds a step spends on the data-parallel group's collectives that the backward does not hide: ``grads``
     bytes of a stage's gradients over ``replicas`` ranks ``stride`` apart, ``m`` micro-batches of ``micro`` seconds.
 
@@ -74,8 +75,15 @@ def data_parallel_sync(spec, zero: int, m: int, grads: float, unit: float, layer
     pipeline stages is FSDP as torchtitan runs it there (``memory.weight_state_bytes``): each layer gathered once a
     step, under the first micro-batch's forward, and scattered once, under the last one's backward. FSDP reduces the
     gradients in fp32 (torchtitan's ``mixed_precision_reduce = "float32"``, FSDP's ``MixedPrecision(reduce_dtype=
-    torch.float32)``). ``forward_share``: the forward's part of ``micro`` (a quarter under full recomputation)."""
+    torch.float32)``). ``forward_share``: the forward's part of ``micro`` (a quarter under full recomputation).
+
+    ``groups`` > 1: hybrid sharding (FSDP2's HSDP, MiCS, MindSpore's ``optimizer_weight_shard_size``): ZeRO shards
+    over ``replicas`` consecutive ranks and replicates across ``groups`` such groups, ``replicas x stride`` ranks
+    apart, whose gradient shards are all-reduced after each reduce-scatter (FSDP2 all-reduces a unit's shard as soon
+    as it is scattered) -- the shard groups' collectives stay on fewer ranks, often one node's NVLink."""
     ar = lambda kind, nbytes: spec.collective(kind, nbytes, replicas, stride)[0]  # noqa: E731
+    across = lambda nbytes: spec.collective("all_reduce", nbytes / replicas, groups, stride * replicas)[0] \
+        if groups > 1 else 0.0  # noqa: E731 -- a shard's gradients over the replica groups
     backward_last = micro * (1 - forward_share)
     main = grads / itemsize * MAIN_GRAD_BYTES
     if zero == 0:
@@ -85,18 +93,19 @@ def data_parallel_sync(spec, zero: int, m: int, grads: float, unit: float, layer
         # gathered a layer at a time under the next step's first forward -- "This overlap method exposes only one
         # DP communication chunk" (NeMo's communication-overlap guide), a layer's (a virtual stage's under pipelines)
         chunk = unit / itemsize * MAIN_GRAD_BYTES
-        return (max(0.0, ar("reduce_scatter", main) - backward_last) + ar("reduce_scatter", chunk)
+        return (max(0.0, ar("reduce_scatter", main) + across(main) - backward_last) + ar("reduce_scatter", chunk)
                 + max(0.0, ar("all_gather", grads) - micro / 3) + ar("all_gather", unit))
     rest = max(0.0, grads - layers * unit)  # the embedding and the head: a unit each
     reduced = REDUCE_BYTES / itemsize  # FSDP reduces the gradients in fp32 (memory.REDUCE_BYTES)
     gathers = layers * ar("all_gather", unit) + ar("all_gather", rest)
-    scatters = (layers * ar("reduce_scatter", unit * reduced) + ar("reduce_scatter", rest * reduced))
+    scatters = (layers * (ar("reduce_scatter", unit * reduced) + across(unit * reduced))
+                + ar("reduce_scatter", rest * reduced) + across(rest * reduced))
     exposed = ar("all_gather", unit) + ar("reduce_scatter", unit * reduced)
     forward, backward = micro * forward_share, micro * (1 - forward_share)
     if staged and zero == 3:
         return max(0.0, gathers - forward) + max(0.0, scatters - backward) + exposed
     if zero == 2:
-        return m * max(0.0, ar("reduce_scatter", grads) - backward) + ar("all_gather", grads)
+        return m * max(0.0, ar("reduce_scatter", grads) + across(grads) - backward) + ar("all_gather", grads)
     # each phase hides what it can: the forward's gathers under the forward, the backward's gathers and scatters
     # (a recomputed forward reuses the backward's gather) under the backward
     return m * (max(0.0, gathers - forward) + max(0.0, gathers + scatters - backward) + exposed)

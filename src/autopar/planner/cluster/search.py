@@ -50,6 +50,7 @@ class Candidate:
     cp: int = 1  # context-parallel degree: the sequence split over cp ranks (ring attention)
     sp: bool = False  # sequence parallelism in the tensor group (norms, dropout, residuals split on the sequence)
     recompute_layers: int = 0  # "block": the layers of a device recomputed whole (Megatron's --recompute-method block)
+    shard: int = 0  # ZeRO's shard group (hybrid sharding: replicated across the groups); 0: every replica
     step: float = 0.0
     memory: float = 0.0
     parts: dict = field(default_factory=dict)  # seconds by cause
@@ -62,6 +63,11 @@ class Candidate:
     def mesh(self) -> str:
         return (f"dp {self.d}" + (f" x cp {self.cp}" if self.cp > 1 else "") + f" x tp {self.t}"
                 + (" (sp)" if self.sp else "") + f" x pp {self.p}" + (f" (vpp {self.v})" if self.v > 1 else ""))
+
+    @property
+    def shard_group(self) -> int:
+        """How many ranks ZeRO shards over: the shard group, or every replica (data x context)."""
+        return self.shard or self.d * self.cp
 
     def not_run_by_autopar(self) -> list[str]:
         """What of this plan autopar's runtime does not run yet: context and sequence parallelism are planned only
@@ -149,7 +155,8 @@ class MeshPlan:
                               "pp": c.p, "vpp": c.v, "micro_batch": c.b, "micro_batches": c.m, "zero": c.zero,
                               "recompute": {"off": "none"}.get(c.recompute_name, c.recompute_name),
                               "recompute_layers": c.recompute_layers,
-                              "attention": self.config.attention, "cp": c.cp, "sp": c.sp},
+                              "attention": self.config.attention, "cp": c.cp, "sp": c.sp,
+                              "zero_shard": c.shard_group if c.zero else None},
             "not_run_by_autopar": c.not_run_by_autopar(),
             "memory_tight": self.tight,
             "loss": "fused" if self.planner.fused_loss else "fp32",
@@ -175,7 +182,10 @@ class MeshPlan:
             + (f"interleaved 1F1B ({c.v} chunks of {stage_sizes(cfg.layers, c.p * c.v)} layers a device)"
                if c.v > 1 else "1F1B") + f", {c.m} micro-batches of {c.b}; "
             + (f"bubble (p-1)/(v m+p-1) = {c.bubble:.1%}" if c.v > 1 else f"bubble (p-1)/(m+p-1) = {c.bubble:.1%}"),
-            f"optimizer sharding: ZeRO level {c.zero}" + (" (off)" if c.zero == 0 else f" over {c.d * c.cp} replicas")
+            f"optimizer sharding: ZeRO level {c.zero}" + (" (off)" if c.zero == 0 else f" over {c.d * c.cp} replicas"
+                                                          if c.shard_group == c.d * c.cp else
+                                                          f" over groups of {c.shard_group} of the {c.d * c.cp} "
+                                                          f"replicas, replicated across {c.d * c.cp // c.shard_group}")
             + "; activation recomputation: " + (f"block ({c.recompute_layers} of a device's {math.ceil(cfg.layers / c.p)} "
                                                 f"layers recompute their forward whole)" if c.recompute == "block"
                                                 else c.recompute_name),
@@ -246,6 +256,7 @@ def evaluate(planner: LayerPlanner, k: Candidate) -> None:
     first_stage = last_stage if balanced else per_stage
     boundary = k.b * (cfg.seq // k.cp) * cfg.hidden * itemsize
     replicas = k.d * k.cp  # the weights are the same on the data- and context-parallel ranks
+    shard = k.shard_group  # ZeRO's shards: over every replica, or over groups of them (hybrid sharding)
     # the token embedding is vocabulary-parallel over the tensor group (an all-reduce of its output), a lookup
     embed_params = cfg.vocab * cfg.hidden / k.t + (0 if cfg.llama else cfg.seq * cfg.hidden)
     embed_time = 3 * boundary / spec.memory_bandwidth + 2 * spec.collective("all_reduce", boundary, k.t)[0]
@@ -267,18 +278,18 @@ def evaluate(planner: LayerPlanner, k: Candidate) -> None:
                        per_stage * layer.param_count if balanced else 0.0,
                        last_stage * layer.param_count + head.param_count)
     dp = data_parallel_sync(spec, k.zero, k.m, stage_params * itemsize, layer.param_count * itemsize, per_stage,
-                            micro, replicas, k.t, staged=k.p > 1, itemsize=itemsize,
-                            forward_share=layer.forward / layer_time)
+                            micro, shard if k.zero else replicas, k.t, staged=k.p > 1, itemsize=itemsize,
+                            forward_share=layer.forward / layer_time, groups=replicas // shard if k.zero else 1)
     tied = spec.collective("all_reduce", cfg.vocab * cfg.hidden / k.t * itemsize, 2,
                            k.t * replicas * (k.p - 1))[0] if k.p > 1 and not cfg.llama else 0.0  # Llama: untied
-    optimizer = stage_params / (replicas if k.zero >= 1 else 1) * ADAM_TRAFFIC / spec.memory_bandwidth
+    optimizer = stage_params / (shard if k.zero >= 1 else 1) * ADAM_TRAFFIC / spec.memory_bandwidth
     k.parts = {"pipeline": pipeline, "data-parallel sync": dp, "optimizer": optimizer}
     if tied:
         k.parts["tied embedding"] = tied
     k.step = sum(k.parts.values())
     # memory of the largest stage; ZeRO shards over the data- and context-parallel ranks (Megatron's distributed
     # optimizer)
-    state = weight_state_bytes(k.zero, stage_params, replicas, itemsize, layer.param_count, staged=k.p > 1)
+    state = weight_state_bytes(k.zero, stage_params, shard, itemsize, layer.param_count, staged=k.p > 1)
     flight = in_flight(k.p, k.m, k.v)
 
     def stage_acts(layers: int, flight: int) -> float:
@@ -299,7 +310,7 @@ def evaluate(planner: LayerPlanner, k: Candidate) -> None:
 
 
 _FLAGS = {"tp": "--tp", "pp": "--pp", "micro_batch": "--micro-batch", "zero": "--zero", "recompute": "--recompute",
-          "vpp": "--vpp"}
+          "vpp": "--vpp", "zero_shard": "--zero-shard"}
 
 
 def _pin_text(key: str, value, fixed: dict) -> str:
@@ -407,25 +418,40 @@ def _enumerate(planner: LayerPlanner, devices: int, global_batch: int, fixed: di
                 # (with one replica every level shards over one rank: a pinned level is kept, and costs level 0's)
                 levels = ((fixed["zero"] if fixed.get("zero") is not None else 0,) if d * cp == 1
                           else (0, 1) if p > 1 and fixed.get("zero") is None else (0, 1, 2, 3))
-                for zero in [z for z in levels if keep("zero", z)]:
-                    # selective recomputation where there are stored scores to drop (fused attention stores none)
-                    options = (False, "selective", "block", True) if config.attention == "materialized" else (
-                        False, "block", True)
-                    for recompute in [r for r in options if keep("recompute", r)] or [fixed["recompute"]]:
-                        for v in virtual_stages(config.layers, p, global_batch // (d * b), fixed.get("vpp")):
-                            k = Candidate(t, p, d, b, global_batch // (d * b), zero, recompute, v, cp, sp)
-                            if recompute == "block":
-                                k = _fewest_recomputed(planner, k, limit, fixed.get("recompute_layers"))
-                            else:
-                                evaluate(planner, k)
-                            considered += 1
-                            if smallest is None or k.memory < smallest.memory:
-                                smallest = k
-                            if k.memory <= limit:
-                                fitting.append(k)
-                            elif memory_limit is None and k.memory <= spec.memory:
-                                on_device.append(k)
+                for zero in [z for z in levels if keep("zero", z) and (z or fixed.get("zero_shard") is None)]:
+                    for shard in _shard_groups(spec, fixed, zero, t, d * cp, p):
+                        # selective recomputation where there are stored scores to drop (fused attention stores none)
+                        options = (False, "selective", "block", True) if config.attention == "materialized" else (
+                            False, "block", True)
+                        for recompute in [r for r in options if keep("recompute", r)] or [fixed["recompute"]]:
+                            for v in virtual_stages(config.layers, p, global_batch // (d * b), fixed.get("vpp")):
+                                k = Candidate(t, p, d, b, global_batch // (d * b), zero, recompute, v, cp, sp,
+                                              shard=shard)
+                                if recompute == "block":
+                                    k = _fewest_recomputed(planner, k, limit, fixed.get("recompute_layers"))
+                                else:
+                                    evaluate(planner, k)
+                                considered += 1
+                                if smallest is None or k.memory < smallest.memory:
+                                    smallest = k
+                                if k.memory <= limit:
+                                    fitting.append(k)
+                                elif memory_limit is None and k.memory <= spec.memory:
+                                    on_device.append(k)
     return fitting, on_device, smallest, considered
+
+
+def _shard_groups(spec, fixed: dict, zero: int, t: int, replicas: int, p: int) -> list[int]:
+    """ZeRO's shard groups to weigh (``Candidate.shard``; 0: every replica): the pinned one where it divides the
+    replicas; otherwise every replica and, for ZeRO-3 outside pipelines, one node's data-parallel ranks -- hybrid
+    sharding, whose gathers stay on the node's NVLink (FSDP2's HSDP, as torchtitan's ``data_parallel_replicate``)."""
+    pinned = fixed.get("zero_shard")
+    if pinned is not None:
+        return [0 if pinned == replicas else pinned] if zero and replicas % pinned == 0 else []
+    node = spec.devices_per_node // t if t <= spec.devices_per_node else 0
+    if zero == 3 and p == 1 and 1 < node < replicas and replicas % node == 0:
+        return [0, node]
+    return [0]
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -442,10 +468,11 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
     """The fastest (data, tensor, pipeline, ZeRO, recompute) plan of ``config`` on ``devices`` of ``spec``.
 
     ``fixed`` pins any of ``tp``, ``pp``, ``micro_batch``, ``zero``, ``recompute`` (False, True, "selective",
-    "block"), ``recompute_layers``, ``vpp``, ``cp``, ``sp`` (e.g. to predict a published configuration); the rest is
-    searched. ``_remedy``: where nothing fits, say what would (the remedies' own plans do not look further)."""
+    "block"), ``recompute_layers``, ``vpp``, ``cp``, ``sp``, ``zero_shard`` (e.g. to predict a published
+    configuration); the rest is searched. ``_remedy``: where nothing fits, say what would (the remedies' own plans do not look further)."""
     fixed = dict(fixed or {})
-    unknown = set(fixed) - {"tp", "pp", "micro_batch", "zero", "recompute", "vpp", "cp", "sp", "recompute_layers"}
+    unknown = set(fixed) - {"tp", "pp", "micro_batch", "zero", "recompute", "vpp", "cp", "sp", "recompute_layers",
+                            "zero_shard"}
     if unknown:
         raise ConfigError(f"unknown plan constraint(s): {', '.join(sorted(unknown))}")
     vpp = fixed.get("vpp")
@@ -461,6 +488,13 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
     if not (recompute is None or isinstance(recompute, bool) or recompute in ("selective", "block")):
         raise ConfigError(f"--recompute must be full, selective, block or none, got {recompute!r}")
     cp, sp = _context_and_sequence(config, fixed)
+    shard = fixed.get("zero_shard")
+    if shard is not None:
+        if isinstance(shard, bool) or not isinstance(shard, int) or shard < 1:
+            raise ConfigError(f"--zero-shard must be a positive number of ranks, got {shard!r}")
+        if fixed.get("zero") == 0:
+            raise ConfigError(f"--zero-shard {shard} shards ZeRO's state over groups of {shard} ranks: it needs "
+                              "--zero 1, 2 or 3, not --zero 0")
     layers_pin = fixed.get("recompute_layers")
     if layers_pin is not None:
         if isinstance(layers_pin, bool) or not isinstance(layers_pin, int) or layers_pin < 1:
@@ -498,7 +532,8 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
         raise ConfigError(f"no plan of {devices} devices for global batch {global_batch}{pinned}: the data-parallel "
                           f"degree must divide the batch, tensor parallelism the key/value heads ({config.kv_groups}) and one "
                           f"node ({spec.devices_per_node}), pp at most the layers ({config.layers}), cp the devices; "
-                          f"interleaving (vpp) needs the micro-batches divisible by pp and at least pp x vpp layers")
+                          f"interleaving (vpp) needs the micro-batches divisible by pp and at least pp x vpp layers; "
+                          f"a ZeRO shard group (--zero-shard) the data-parallel ranks (dp x cp)")
     too_big = considered - len(fitting)
     tight = not fitting and bool(on_device)
     if tight:  # the search's headroom is a margin of its own, not the device's: a pinned published run may fit
