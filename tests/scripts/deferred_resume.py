@@ -14,7 +14,7 @@ hosts without a shared file system do (no rank can read another's checkpoint). P
 Phase ``resume`` (a new process, as a restarted job is), per case: the network resumed from that save for the last 2
 steps. Writes ROOT/result.<rank>: per case the largest difference of the resumed run's losses and parameters against
 the full run's, how many whole initial values the resumed build computed (``computed``), which parameters it held as
-slices (``sliced``) and the one-line error, if the resume refused (and what training that Model again then said).
+slices (``sliced``), how fc1's weight lay (``layout``) and the one-line error, if the resume refused (and what training that Model again then said).
 """
 import json
 import os
@@ -99,10 +99,18 @@ def run(mode: str, steps: int, directory: Path | None, resume: bool, lazy: bool)
             again = "trained"
         except ConfigError as retry:
             again = str(retry)
-        raise Refused(str(exc), again) from None
+        raise Refused(str(exc), again, layout(net)) from None
     whole = {k: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for k, p in net.named_parameters()}
     sliced = sorted(k for k, p in net.named_parameters() if isinstance(p, DTensor) and p.to_local().numel() < p.numel())
-    return losses.losses, whole, sliced
+    return losses.losses, whole, sliced, layout(net)
+
+
+def layout(net) -> str:
+    """How fc1's weight lies on this rank: AUTO's pick under a tight budget rests on timings measured here (data
+    parallel + ZeRO-1, the weight's dim 0 split, or a searched layout, perhaps its dim 1 as ``rows`` saved it), and
+    each pick has its own right answer."""
+    w = net.fc1.weight
+    return str(tuple(w.placements)) if isinstance(w, DTensor) else "whole"
 
 
 results = {}
@@ -113,7 +121,7 @@ for case in cases:
     tag = key.replace("/", "-").replace(">", "-to-")
     private = build.endswith("_private")
     if phase == "save":
-        full_losses, full_params, _ = run(saved, 4, None, False, lazy=False)
+        full_losses, full_params, _ = run(saved, 4, None, False, lazy=False)[:3]
         torch.save((full_losses, full_params), root / f"full_{tag}.{rank}")
         saves = root / (f"{tag}-rank{rank}/ckpt" if private else f"{tag}_{rank}")
         run(saved, 2, saves, False, lazy=False)
@@ -123,15 +131,15 @@ for case in cases:
     if private:  # "./ckpt": the path every rank gives names its own directory alone
         os.chdir(root / f"{tag}-rank{rank}")
     try:
-        losses, params, sliced = run(resumed, 4, Path("ckpt") if private else root / f"{tag}_{rank}", True,
+        losses, params, sliced, placed = run(resumed, 4, Path("ckpt") if private else root / f"{tag}_{rank}", True,
                                      lazy=build.startswith("lazy"))
     except Refused as exc:
-        results[key] = {"error": exc.args[0], "again": exc.args[1]}
+        results[key] = {"error": exc.args[0], "again": exc.args[1], "layout": exc.args[2]}
         continue
     finally:
         os.chdir(here)
     results[key] = {
-        "steps": sorted(losses), "computed": len(computed), "sliced": sliced,
+        "steps": sorted(losses), "computed": len(computed), "sliced": sliced, "layout": placed,
         "loss_diff": max(abs(losses[s] - full_losses[s]) for s in losses),
         "param_diff": max((params[k] - full_params[k]).abs().max().item() for k in full_params)}
 if phase == "resume":
