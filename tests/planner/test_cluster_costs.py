@@ -139,6 +139,19 @@ def test_a_run_that_fits_only_with_a_fused_cross_entropy_is_planned_with_one(cap
     assert plan_gpt(cfg, a100_40, 16, 32, fixed={"micro_batch": 2}).to_dict()["loss"] == "fp32"
 
 
+def test_a_vocabulary_the_tensor_group_does_not_divide_is_padded_as_megatron_pads_it(capsys):
+    """GPT-2's 50,257 tokens: the tensor group splits a vocabulary padded to a multiple of its size (Megatron-LM's
+    --make-vocab-size-divisible-by) and the plan says so; a feed-forward width tp does not divide is one line."""
+    cfg = GPTConfig(12, 768, 12, seq=1024, vocab=50257)
+    plan = plan_gpt(cfg, A100, 16, 64, fixed={"tp": 2})
+    assert plan.best.t == 2 and plan.to_dict()["vocab_padded"] == 50258
+    assert "vocabulary is padded to 50,258 for the tensor group of 2" in plan.explain()
+    assert plan_gpt(cfg, A100, 16, 64, fixed={"tp": 1}).to_dict()["vocab_padded"] == 50257
+    assert plan_gpt(cfg, A100, 16, 64).best is not None  # the free search weighs every degree
+    with pytest.raises(ConfigError, match=r"the feed-forward width \(3000\)"):
+        plan_gpt(GPTConfig(12, 768, 12, seq=1024, ffn=3000), A100, 16, 64, fixed={"tp": 8})
+
+
 # ------------------------------------------------------------------------------------------ data parallelism
 def test_zero1_hides_its_gathers_under_the_next_forward_one_layer_exposed():
     """Megatron-Core's --overlap-param-gather: the updated weights gathered a layer's bucket at a time under the

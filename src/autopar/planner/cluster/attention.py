@@ -43,7 +43,8 @@ def attention_core(node) -> bool:
 
 def kept_by_core(node, choice) -> float:
     """Bytes the attention core keeps for its backward that selective recomputation drops: the materialized
-    scores and their softmax (``[b, heads, rows, s]``), or the fused kernel's output and log-sum-exp."""
+    scores and their softmax (``[b, heads, rows, s]``), or the fused kernel's log-sum-exp -- its output stays, the
+    input the projection after it keeps (counted here, as every node's output is)."""
     if node.kind == "attention":
-        return choice.activation_bytes
+        return choice.activation_bytes - choice.out_bytes
     return choice.out_bytes if node.kind == "softmax" or node.name.endswith(".scores") else 0.0

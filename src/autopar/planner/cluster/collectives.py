@@ -67,7 +67,8 @@ def data_parallel_sync(spec, zero: int, m: int, grads: float, unit: float, layer
 
     ZeRO 0 all-reduces them under the last backward, and 1 reduce-scatters there and all-gathers the updated weights
     under the next step's first forward, as Megatron-Core does -- its gradients in fp32 (``memory.MAIN_GRAD_BYTES``:
-    twice a bf16 gradient's bytes), a layer's chunk of each exposed; 2
+    twice a bf16 gradient's bytes), a layer's chunk of each exposed (with hybrid sharding its all-reduce across the
+    groups too); 2
     reduce-scatters every micro-batch; 3 is FSDP: every layer's weights (``unit`` bytes) gathered for its forward
     and again for its backward, its gradients scattered, every micro-batch -- one collective a layer each, so
     thousands of ranks pay thousands of hops a layer; the next layer's prefetched under this one's compute, but the
@@ -91,16 +92,16 @@ def data_parallel_sync(spec, zero: int, m: int, grads: float, unit: float, layer
     if zero == 1:  # Megatron-Core's distributed optimizer with --overlap-grad-reduce --overlap-param-gather: the
         # gradients reduce-scattered a layer's bucket at a time under the last backward, the updated weights
         # gathered a layer at a time under the next step's first forward -- "This overlap method exposes only one
-        # DP communication chunk" (NeMo's communication-overlap guide), a layer's (a virtual stage's under pipelines)
+        # DP communication chunk" (NeMo's communication-overlap guide): a layer's
         chunk = unit / itemsize * MAIN_GRAD_BYTES
         return (max(0.0, ar("reduce_scatter", main) + across(main) - backward_last) + ar("reduce_scatter", chunk)
-                + max(0.0, ar("all_gather", grads) - micro / 3) + ar("all_gather", unit))
+                + across(chunk) + max(0.0, ar("all_gather", grads) - micro * forward_share) + ar("all_gather", unit))
     rest = max(0.0, grads - layers * unit)  # the embedding and the head: a unit each
     reduced = REDUCE_BYTES / itemsize  # FSDP reduces the gradients in fp32 (memory.REDUCE_BYTES)
     gathers = layers * ar("all_gather", unit) + ar("all_gather", rest)
     scatters = (layers * (ar("reduce_scatter", unit * reduced) + across(unit * reduced))
                 + ar("reduce_scatter", rest * reduced) + across(rest * reduced))
-    exposed = ar("all_gather", unit) + ar("reduce_scatter", unit * reduced)
+    exposed = ar("all_gather", unit) + ar("reduce_scatter", unit * reduced) + across(unit * reduced)
     forward, backward = micro * forward_share, micro * (1 - forward_share)
     if staged and zero == 3:
         return max(0.0, gathers - forward) + max(0.0, scatters - backward) + exposed

@@ -44,13 +44,15 @@ class LayerPlan:
     activation_bytes: float
     input_bytes: float  # the layer input a recomputing layer keeps
     # what selective recomputation (Korthikanti et al. 2022, arXiv 2205.05198 sec. 5) drops and recomputes: the
-    # materialized attention's s x s scores and softmax, or the fused kernel's output (attention.attention_core)
+    # materialized attention's s x s scores and softmax, or the fused kernel's log-sum-exp (attention.kept_by_core)
     core_activation_bytes: float = 0.0
     core_forward: float = 0.0  # seconds of its forward (the scores matmul, the softmax, the context matmul)
     context_ring: float = 0.0  # seconds of context parallelism's key/value ring not hidden behind the attention
     # Megatron's layout: the exposed tensor-parallel collectives by the projection they belong to (tensor.py), in
     # place of the operator-level search's own pricing of them
     tp_comm: dict | None = None
+    extra_rows: tuple = ()  # rows of work outside the captured operators (the head's cross entropy), as rows() gives
+
 
     def rows(self) -> list[tuple]:
         out = []
@@ -60,7 +62,7 @@ class LayerPlan:
                 self.costs[n].comm(c, self.problem.machine)
             out.append((node.name, node.kind, node.shapes_text(), str(c.strategy), c.label,
                         (c.compute - c.optimizer) * 1e3, comm * 1e3))
-        return out
+        return out + list(self.extra_rows)
 
 
 def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: tuple, t: int, spec: ClusterSpec,
@@ -99,7 +101,6 @@ def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: t
     # over the group): memory-bound, forward + backward ~ 3x the traffic
     other = machine.compute("other", 3.0 * graph.other_flops / split, 3.0 * (
         2 * graph.other_activation_bytes / split + graph.elementwise_bytes / t))
-    compute = sum(c.compute for c in chosen) - optimizer + other
     itemsize = inputs[0].element_size()
     params = (sum(c.param_bytes for c in chosen) + other_param_bytes(module, graph)) / itemsize
     activations = sum(c.activation_bytes for c in chosen) + graph.other_activation_bytes / split \
@@ -107,11 +108,19 @@ def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: t
     if sp:
         activations -= (1 - 1 / t) * whole_on_every_device(graph, chosen)
     core = [(node, c) for node, c in zip(graph.nodes, chosen) if attention_core(node)]
-    # the forward (what a recomputation runs again): a third of the compute and, in Megatron's layout, its collectives
-    return LayerPlan(t, b, graph, costs, problem, choice, total + other, compute / 3.0 + tp_forward, params, activations,
+    # the forward (what a recomputation runs again): a third of each operator's compute (a fused attention's 1 of
+    # its 3.5 passes) and, in Megatron's layout, its collectives
+    forward = sum((c.compute - c.optimizer) / _passes(node) for node, c in zip(graph.nodes, chosen)) + other / 3.0
+    return LayerPlan(t, b, graph, costs, problem, choice, total + other, forward + tp_forward, params, activations,
                      inputs[0].numel() * itemsize / split,
                      sum(kept_by_core(node, c) for node, c in core),
-                     sum(c.compute - c.optimizer for _, c in core) / 3.0, tp_comm=tp_comm)
+                     sum((c.compute - c.optimizer) / _passes(node) for node, c in core), tp_comm=tp_comm)
+
+
+def _passes(node) -> float:
+    """An operator's forward + backward in forward passes: 3 (the backward's two matmuls), a fused attention's 3.5
+    (its backward recomputes the scores: FlashAttention-2, arXiv 2307.08691 sec. 4.1, as costs.py counts it)."""
+    return 3.5 if node.kind == "attention" else 3.0
 
 
 def _megatron_layout(graph: Graph, t: int) -> Graph:
@@ -140,8 +149,27 @@ class LayerPlanner:
         c = config
         with torch.device("meta"):
             self.layer_module = make_layer(c).to(self.torch_dtype)
-            self.head_module = GPTHead(c.hidden, c.vocab, rms=c.llama).to(self.torch_dtype)
+        self._head_modules: dict = {}  # padded vocabulary -> the head's module (meta)
         self._graphs: dict = {}  # (layer | head, micro-batch, cp) -> its capture: the same for every tensor degree
+
+    def with_fused_loss(self) -> "LayerPlanner":
+        """The same planner with a fused cross entropy: its layers' plans and captures shared (the loss is the
+        head's alone), its heads planned again."""
+        fused = LayerPlanner(self.config, self.spec, self.dtype, fused_loss=True)
+        fused._layers, fused._graphs, fused._head_modules = self._layers, self._graphs, self._head_modules
+        return fused
+
+    def padded_vocab(self, t: int) -> int:
+        """The vocabulary a tensor group of ``t`` splits: padded up to a multiple of ``t`` where it is not one, as
+        Megatron-LM pads it (``--make-vocab-size-divisible-by``; nanoGPT's 50304 for GPT-2's 50257)."""
+        return -(-self.config.vocab // t) * t
+
+    def head_module(self, t: int) -> torch.nn.Module:
+        v = self.padded_vocab(t)
+        if v not in self._head_modules:
+            with torch.device("meta"):
+                self._head_modules[v] = GPTHead(self.config.hidden, v, rms=self.config.llama).to(self.torch_dtype)
+        return self._head_modules[v]
 
     def _graph(self, which: str, b: int, cp: int, module, loss, inputs) -> Graph:
         if (which, b, cp) not in self._graphs:
@@ -163,8 +191,9 @@ class LayerPlanner:
             c = self.config
             x = torch.empty(b, c.seq // cp, c.hidden, dtype=self.torch_dtype, device="meta")
             y = torch.empty(b, c.seq // cp, dtype=torch.long, device="meta")
-            graph = self._graph("head", b, cp, self.head_module, TokenLoss(), (x, y))
-            plan = plan_module(self.head_module, TokenLoss(), (x, y), t, self.spec, self.dtype, graph, sp)
+            module = self.head_module(t)
+            graph = self._graph(f"head{self.padded_vocab(t)}", b, cp, module, TokenLoss(), (x, y))
+            plan = plan_module(module, TokenLoss(), (x, y), t, self.spec, self.dtype, graph, sp)
             # the logits (the projection's output, as the plan keeps them) give way to the fp32 loss's peak
             logits = sum(plan.costs[n].choices[plan.choice[n]].out_bytes
                          for n, node in enumerate(plan.graph.nodes) if node.name.split(".")[-1] == "out")
@@ -173,7 +202,11 @@ class LayerPlanner:
             traffic = FUSED_LOSS_TRAFFIC_BYTES_PER_LOGIT if self.fused_loss else LOSS_TRAFFIC_BYTES_PER_LOGIT
             per = {k: logits / self.itemsize * v / self.spec.memory_bandwidth for k, v in traffic.items()}
             peak = logits if self.fused_loss else loss_peak_bytes(logits, self.itemsize)
+            row = ("cross entropy", "loss", f"{logits / self.itemsize:,.0f} logits",
+                   "fused" if self.fused_loss else "fp32", "vocabulary-parallel" if t > 1 else "whole",
+                   (per["forward"] + per["backward"]) * 1e3, 0.0)
             self._heads[(t, b, cp, sp)] = dataclasses.replace(
                 plan, activation_bytes=plan.activation_bytes - logits + peak,
-                time=plan.time + per["forward"] + per["backward"], forward=plan.forward + per["forward"])
+                time=plan.time + per["forward"] + per["backward"], forward=plan.forward + per["forward"],
+                extra_rows=(row,))
         return self._heads[(t, b, cp, sp)]

@@ -50,14 +50,16 @@ def weight_state_bytes(zero: int, params: float, replicas: int, itemsize: int, u
     the weights whole, gradients and optimizer state sharded -- Llama 3's FSDP, arXiv 2407.21783 sec. 3.3.2: "shards
     the optimizer states and gradients, but for model shards we do not reshard after forward computation".)"""
     r = replicas
-    if staged and zero == 3:
+    if staged and zero == 3:  # the stage's gradients whole in fp32, whatever the compute dtype
         return params * ((WEIGHT_GRAD_BYTES + OPTIMIZER_BYTES) / r + itemsize + REDUCE_BYTES)
+    # a gathered unit's gradient, and in low precision its fp32 copy to reduce (fp32 training reduces its own)
+    reduce = REDUCE_BYTES if itemsize < REDUCE_BYTES else 0
     optimizer = OPTIMIZER_BYTES if itemsize < 4 else OPTIMIZER_BYTES - 4  # fp32 training keeps no master copy
     return {0: params * (itemsize + MAIN_GRAD_BYTES + optimizer),
             1: params * (itemsize + MAIN_GRAD_BYTES + optimizer / r),
             2: params * (itemsize + (itemsize + OPTIMIZER_BYTES) / r),
             3: params * (WEIGHT_GRAD_BYTES + OPTIMIZER_BYTES) / r + unit_params * (2 * itemsize + itemsize
-                                                                                    + REDUCE_BYTES)}[zero]
+                                                                                    + reduce)}[zero]
 
 
 def loss_peak_bytes(logits_bytes: float, itemsize: int) -> float:

@@ -160,6 +160,7 @@ class MeshPlan:
             "not_run_by_autopar": c.not_run_by_autopar(),
             "memory_tight": self.tight,
             "loss": "fused" if self.planner.fused_loss else "fp32",
+            "vocab_padded": self.planner.padded_vocab(c.t),
             "breakdown_s": dict(c.parts),
             "memory_breakdown_gib": {k: v / gib for k, v in c.memory_parts.items()},
         }
@@ -202,6 +203,9 @@ class MeshPlan:
             lines.append(f"context parallelism: ring attention over {c.cp} ranks, {cfg.seq // c.cp} tokens each (two "
                          f"mirrored chunks); key/value ring not hidden by the attention: "
                          f"{layer.context_ring * 1e3:.2f} ms a layer")
+        if self.planner.padded_vocab(c.t) != cfg.vocab:
+            lines.append(f"note: the vocabulary is padded to {self.planner.padded_vocab(c.t):,} for the tensor group "
+                         f"of {c.t} to split it evenly (Megatron-LM's --make-vocab-size-divisible-by)")
         if self.planner.fused_loss:
             lines.append("note: it fits only with a fused cross entropy, which writes its gradient over the logits "
                          "(flash-attn's CrossEntropyLoss(inplace_backward=True), Liger's) instead of keeping fp32 "
@@ -397,7 +401,7 @@ def _enumerate(planner: LayerPlanner, devices: int, global_batch: int, fixed: di
     # every divisor of a node, and one step across nodes (two nodes' worth), for the cost model to reject
     tp_options = [t for t in list(range(1, spec.devices_per_node + 1)) + [2 * spec.devices_per_node]
                   if (t > spec.devices_per_node or spec.devices_per_node % t == 0) and (devices // cp) % t == 0
-                  and config.kv_groups % t == 0 and keep("tp", t)
+                  and config.kv_groups % t == 0 and config.ffn_size % t == 0 and keep("tp", t)
                   and (not sp or (t > 1 and config.seq % (t * cp) == 0))]
     for t in tp_options:
         for p in range(1, min(config.layers, devices // (t * cp)) + 1):
@@ -518,22 +522,23 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
     args = (devices, global_batch, fixed, cp, sp, limit, memory_limit, max_micro_batch, progress)
     planner = LayerPlanner(config, spec, dtype)
     fitting, on_device, smallest, considered = _enumerate(planner, *args)
-    if smallest is not None and not fitting and not on_device:
-        # nothing fits with the cross entropy's fp32 copies (memory.LOSS_BYTES_PER_LOGIT): a run that did fit ran a
-        # fused one, its gradient written over the logits (flash-attn's ``CrossEntropyLoss(inplace_backward=True)``,
-        # as llm-foundry runs it; Liger's); the plan says so
-        fused = LayerPlanner(config, spec, dtype, fused_loss=True)
+    if smallest is not None and not fitting:
+        # nothing fits the headroom with the cross entropy's fp32 copies (memory.LOSS_BYTES_PER_LOGIT): a run that
+        # did fit ran a fused one, its gradient written over the logits (flash-attn's
+        # ``CrossEntropyLoss(inplace_backward=True)``, as llm-foundry runs it; Liger's); the plan says so. The same
+        # candidates again, their layers' plans reused (the loss is the head's alone)
+        fused = planner.with_fused_loss()
         found = _enumerate(fused, *args)
-        if found[0] or found[1]:
-            planner, (fitting, on_device, _, more) = fused, found
-            considered += more
+        if found[0] or (found[1] and not on_device):
+            planner, (fitting, on_device, _, _) = fused, found
     if smallest is None:
         pinned = "".join(f", {k} {v}" for k, v in fixed.items() if v is not None)
-        raise ConfigError(f"no plan of {devices} devices for global batch {global_batch}{pinned}: the data-parallel "
-                          f"degree must divide the batch, tensor parallelism the key/value heads ({config.kv_groups}) and one "
-                          f"node ({spec.devices_per_node}), pp at most the layers ({config.layers}), cp the devices; "
-                          f"interleaving (vpp) needs the micro-batches divisible by pp and at least pp x vpp layers; "
-                          f"a ZeRO shard group (--zero-shard) the data-parallel ranks (dp x cp)")
+        raise ConfigError(
+            f"no plan of {devices} devices for global batch {global_batch}{pinned}: the data-parallel degree must "
+            f"divide the batch, tensor parallelism the key/value heads ({config.kv_groups}), the feed-forward width "
+            f"({config.ffn_size}) and one node ({spec.devices_per_node}), pp at most the layers ({config.layers}), cp "
+            f"the devices; interleaving (vpp) needs the micro-batches divisible by pp and at least pp x vpp layers; "
+            f"a ZeRO shard group (--zero-shard) the data-parallel ranks (dp x cp)")
     too_big = considered - len(fitting)
     tight = not fitting and bool(on_device)
     if tight:  # the search's headroom is a margin of its own, not the device's: a pinned published run may fit

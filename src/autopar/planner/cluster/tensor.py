@@ -23,7 +23,11 @@ block input of ``X`` bytes on a tensor group of ``t`` (Korthikanti et al. 2022, 
 
 A collective hidden behind a GEMM costs ``max(0, collective - GEMM)``. Megatron fuses the projections of one input
 into one GEMM, so an input is gathered once however many projections read it; the operator-level search prices a
-gather per consumer, which is why the layer's tensor-parallel communication is priced here, not by it.
+gather per consumer, which is why the layer's tensor-parallel communication is priced here, not by it. The
+collectives above are the layer's only ones: the search's prices for moving tensors between its other operators are
+dropped, since in this layout none move -- the attention runs on the heads the column split leaves each rank, and the
+norms and residuals on what the row side's collective delivers (whole, or the sequence shard under sequence
+parallelism).
 """
 from __future__ import annotations
 
@@ -131,7 +135,7 @@ def layer_seconds(graph, chosen, machine, t: int, sp: bool) -> tuple[dict[str, f
         f, b = block_parts(machine, t, x, _gemms([by_name["out"]]), None, sp)
         loss = 3 * machine.collective("all_reduce", x / (node.shapes[0][-1] * node.itemsize) * 4, t)
         out[node.name] = f[0] + b[0] + loss
-        forward += f[0] + loss / 3
+        forward += f[0] + loss  # the three run in the loss's forward; its backward needs none
     return out, forward
 
 
