@@ -79,6 +79,18 @@ def plan_row(cfg, spec, gpus, batch, pins, dtype):
     return best
 
 
+def ordered_pairs(runs: list[dict], published: str, predicted: str):
+    """Each pair of ``runs`` whose ``published`` speeds differ by more than 10 %, as (faster published, slower
+    published, whether the ``predicted`` speeds order them the same way) -- the one ordering rule every bench uses."""
+    for i, a in enumerate(runs):
+        for b in runs[i + 1:]:
+            pa, pb = a[published], b[published]
+            if abs(pa - pb) / min(pa, pb) <= 0.10:
+                continue
+            fast, slow = (a, b) if pa > pb else (b, a)
+            yield fast, slow, fast[predicted] > slow[predicted]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="also write the JSON here")

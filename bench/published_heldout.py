@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from published_gpt import plan_row  # bench/ is the script's own folder
+from published_gpt import ordered_pairs, plan_row  # bench/ is the script's own folder
 
 from autopar.errors import ConfigError
 from autopar.planner.cluster import load_cluster, plan_gpt
@@ -330,20 +330,14 @@ def ordering(planned: list[dict]) -> dict:
     """Pairs of runs of one job -- one source (one software stack and cluster), one model shape, sequence and dtype
     -- whose published per-device throughput differs by more than 10 %: how many the planner orders the same way."""
     shapes = {r[0]: (r[1].split(" @")[0].split(",")[0], r[2], r[7]) for r in RUNS}
-    pairs, right, listed = 0, 0, []
-    for i, a in enumerate(planned):
-        for b in planned[i + 1:]:
-            if shapes[a["run"]] != shapes[b["run"]]:
-                continue
-            pa, pb = a["published_per_device"], b["published_per_device"]
-            if abs(pa - pb) / min(pa, pb) <= 0.10:
-                continue
-            pairs += 1
-            same = (pa > pb) == (a["predicted_per_device"] > b["predicted_per_device"])
-            right += same
-            listed.append({"faster_published": a["run"] if pa > pb else b["run"],
-                           "slower_published": b["run"] if pa > pb else a["run"], "ordered_right": same})
-    return {"pairs_more_than_10_pct_apart": pairs, "ordered_right": right, "pairs": listed}
+    jobs: dict = {}
+    for r in planned:
+        jobs.setdefault(shapes[r["run"]], []).append(r)
+    listed = [{"faster_published": fast["run"], "slower_published": slow["run"], "ordered_right": same}
+              for runs in jobs.values()
+              for fast, slow, same in ordered_pairs(runs, "published_per_device", "predicted_per_device")]
+    return {"pairs_more_than_10_pct_apart": len(listed), "ordered_right": sum(p["ordered_right"] for p in listed),
+            "pairs": listed}
 
 
 def free_search(planned: list[dict]) -> list[dict]:

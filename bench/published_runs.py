@@ -29,7 +29,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from published_gpt import plan_row  # bench/ is the script's own folder
+from published_gpt import ordered_pairs, plan_row  # bench/ is the script's own folder
 
 from autopar.errors import ConfigError
 from autopar.planner.cluster import load_cluster
@@ -117,20 +117,10 @@ def ordering(rows: list[dict]) -> dict:
     for r in rows:
         if r.get("planned") and r.get("group"):
             groups[r["group"]].append(r)
-    pairs = right = 0
-    wrong = []
-    for runs in groups.values():
-        for i, a in enumerate(runs):
-            for b in runs[i + 1:]:
-                pa, pb = a["speed_published"], b["speed_published"]
-                if abs(pa - pb) / min(pa, pb) <= 0.10:
-                    continue
-                pairs += 1
-                ok = (pa > pb) == (a["speed_predicted"] > b["speed_predicted"])
-                right += ok
-                if not ok:
-                    wrong.append((a["name"], b["name"]))
-    return {"pairs_more_than_10_pct_apart": pairs, "ordered_right": right, "misordered": wrong}
+    pairs = [(fast, slow, same) for runs in groups.values()
+             for fast, slow, same in ordered_pairs(runs, "speed_published", "speed_predicted")]
+    return {"pairs_more_than_10_pct_apart": len(pairs), "ordered_right": sum(same for *_, same in pairs),
+            "misordered": [(fast["name"], slow["name"]) for fast, slow, same in pairs if not same]}
 
 
 def source_of(name: str) -> str:
