@@ -79,6 +79,14 @@ def plan_row(cfg, spec, gpus, batch, pins, dtype):
     return best
 
 
+def predicted(plan, metric: str) -> float:
+    """The plan's figure in a source's unit: a step time, tokens/s a GPU, model TFLOP/s a GPU or MFU."""
+    d = plan.to_dict()
+    return {"step_s": d["step_s"], "tokens_per_s_per_gpu": d["tokens_per_s_per_device"],
+            "tflops_per_gpu": d["model_tflops_per_device"], "model_tflops_per_gpu": d["model_tflops_per_device"],
+            "mfu": d["mfu"]}[metric]
+
+
 def ordered_pairs(runs: list[dict], published: str, predicted: str):
     """Each pair of ``runs`` whose ``published`` speeds differ by more than 10 %, as (faster published, slower
     published, whether the ``predicted`` speeds order them the same way) -- the one ordering rule every bench uses."""

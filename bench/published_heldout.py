@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from published_gpt import ordered_pairs, plan_row  # bench/ is the script's own folder
+from published_gpt import ordered_pairs, plan_row, predicted  # bench/ is the script's own folder
 
 from autopar.errors import ConfigError
 from autopar.planner.cluster import load_cluster, plan_gpt
@@ -243,8 +243,7 @@ def machine(name: str, gpus: int):
     spec = load_cluster("h100-ib" if name == H96 else name)
     if name == H96:
         spec = dataclasses.replace(spec, name=H96, memory=96 * 2.0**30)
-    nodes = -(-gpus // spec.devices_per_node)
-    return dataclasses.replace(spec, nodes=nodes) if nodes > spec.nodes else spec
+    return spec.for_devices(gpus)
 
 
 # The attention kernel each stack runs where it is not Transformer Engine's: torchtitan calls PyTorch's SDPA (its flash
@@ -257,12 +256,6 @@ def config(shape, source: str = "") -> GPTConfig:
     attention = "flash2" if source.startswith(FLASH2) else "fused"
     return GPTConfig(layers, hidden, heads, seq=seq, vocab=vocab, ffn=ffn, kv_heads=kv, family=family,
                      attention=attention)
-
-
-def predicted(plan, metric: str) -> float:
-    d = plan.to_dict()
-    return {"step_s": d["step_s"], "tokens_per_s_per_gpu": d["tokens_per_s_per_device"],
-            "model_tflops_per_gpu": d["model_tflops_per_device"]}[metric]
 
 
 def per_device(metric: str, value: float, row) -> float:

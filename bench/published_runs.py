@@ -29,7 +29,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from published_gpt import ordered_pairs, plan_row  # bench/ is the script's own folder
+from published_gpt import ordered_pairs, plan_row, predicted  # bench/ is the script's own folder
 
 from autopar.errors import ConfigError
 from autopar.planner.cluster import load_cluster
@@ -62,12 +62,6 @@ def config(row: dict) -> GPTConfig:
     m = row["model"]
     return GPTConfig(m["layers"], m["hidden"], m["heads"], seq=m["seq"], vocab=m["vocab"], ffn=m["ffn"],
                      kv_heads=m["kv_heads"], family=m["family"], attention=row["attention"])
-
-
-def predicted(plan, metric: str) -> float:
-    d = plan.to_dict()
-    return {"step_s": d["step_s"], "tokens_per_s_per_gpu": d["tokens_per_s_per_device"],
-            "tflops_per_gpu": d["model_tflops_per_device"], "mfu": d["mfu"]}[metric]
 
 
 def speed(metric: str, value: float, row: dict) -> float:

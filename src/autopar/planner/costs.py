@@ -184,6 +184,12 @@ def rep_placements(mesh):
     return tuple(Replicate() for _ in mesh)
 
 
+def forward_backward_passes(node: OpNode) -> float:
+    """An operator's forward + backward, in forward passes: 3 (the backward's two matmuls); a fused attention's
+    3.5 (its backward recomputes the scores: FlashAttention-2, arXiv 2307.08691 sec. 4.1: 5 matmuls against 2)."""
+    return 3.5 if node.kind == "attention" else 3.0
+
+
 def nbytes(shape, itemsize: int) -> float:
     return float(math.prod(shape) if shape else 1) * itemsize
 
@@ -296,8 +302,8 @@ class NodeCosts:
                 machine.gemm_seconds(b, n, k, m, linear)
             compute = max(forward + backward, 3.0 * moved / machine.memory_bandwidth)
             backward = compute * backward / (forward + backward)
-        else:  # forward + 2x backward; a fused attention's backward recomputes the scores: 2.5x (FlashAttention-2,
-            passes = 3.5 if node.kind == "attention" else 3.0  # arXiv 2307.08691 sec. 4.1: 5 matmuls against 2)
+        else:
+            passes = forward_backward_passes(node)
             compute = machine.compute(kind, passes * node.flops / parts, 3.0 * moved)
             backward = compute * (passes - 1.0) / passes
         # the optimizer step over this device's slice, at the calibrated rate of the layout modes (DTensor

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from autopar.planner.cluster.spec import ClusterSpec
-from autopar.planner.costs import nbytes
+from autopar.planner.costs import forward_backward_passes, nbytes
 
 
 def with_context_parallel(plan, cp: int, spec: ClusterSpec):
@@ -26,8 +26,9 @@ def with_context_parallel(plan, cp: int, spec: ClusterSpec):
         kv = sum(nbytes(c.plan.inputs[i].slice_shape, node.itemsize) for i in (1, 2))
         ring = spec.collective("all_gather", cp * kv, cp, plan.t)[0]  # cp - 1 blocks of k and v, one hop each
         extra += (cp - 1) * attention
-        extra_forward += (cp - 1) * attention / 3.5
-        exposed += max(0.0, ring - cp * attention / 3.5) + max(0.0, 2 * ring - cp * attention * 2.5 / 3.5)
+        passes = forward_backward_passes(node)
+        extra_forward += (cp - 1) * attention / passes
+        exposed += max(0.0, ring - cp * attention / passes) + max(0.0, 2 * ring - cp * attention * (passes - 1) / passes)
     return dataclasses.replace(plan, time=plan.time + extra + exposed, forward=plan.forward + extra_forward,
                                context_ring=exposed)
 

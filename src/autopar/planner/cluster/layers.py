@@ -17,7 +17,7 @@ from autopar.planner.cluster.kernels import FUSED_LOSS_TRAFFIC_BYTES_PER_LOGIT, 
 from autopar.planner.cluster.memory import kept_twice, loss_peak_bytes, whole_on_every_device
 from autopar.planner.cluster.spec import ClusterSpec
 from autopar.planner.cluster.tensor import is_megatron, layer_seconds, megatron_strategy
-from autopar.planner.costs import NodeCosts, graph_costs
+from autopar.planner.costs import NodeCosts, forward_backward_passes, graph_costs
 from autopar.planner.gpt import GPTConfig, GPTHead, TokenLoss, make_layer
 from autopar.planner.graph import Graph, capture
 from autopar.planner.plan import other_param_bytes
@@ -52,7 +52,6 @@ class LayerPlan:
     # place of the operator-level search's own pricing of them
     tp_comm: dict | None = None
     extra_rows: tuple = ()  # rows of work outside the captured operators (the head's cross entropy), as rows() gives
-
 
     def rows(self) -> list[tuple]:
         out = []
@@ -110,17 +109,11 @@ def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: t
     core = [(node, c) for node, c in zip(graph.nodes, chosen) if attention_core(node)]
     # the forward (what a recomputation runs again): a third of each operator's compute (a fused attention's 1 of
     # its 3.5 passes) and, in Megatron's layout, its collectives
-    forward = sum((c.compute - c.optimizer) / _passes(node) for node, c in zip(graph.nodes, chosen)) + other / 3.0
+    forward = sum((c.compute - c.optimizer) / forward_backward_passes(node) for node, c in zip(graph.nodes, chosen)) + other / 3.0
     return LayerPlan(t, b, graph, costs, problem, choice, total + other, forward + tp_forward, params, activations,
                      inputs[0].numel() * itemsize / split,
                      sum(kept_by_core(node, c) for node, c in core),
-                     sum((c.compute - c.optimizer) / _passes(node) for node, c in core), tp_comm=tp_comm)
-
-
-def _passes(node) -> float:
-    """An operator's forward + backward in forward passes: 3 (the backward's two matmuls), a fused attention's 3.5
-    (its backward recomputes the scores: FlashAttention-2, arXiv 2307.08691 sec. 4.1, as costs.py counts it)."""
-    return 3.5 if node.kind == "attention" else 3.0
+                     sum((c.compute - c.optimizer) / forward_backward_passes(node) for node, c in core), tp_comm=tp_comm)
 
 
 def _megatron_layout(graph: Graph, t: int) -> Graph:

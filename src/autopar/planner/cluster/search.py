@@ -12,7 +12,7 @@ and reused for every layer. Around it the search enumerates:
 - ZeRO level 0-3 over the data- and context-parallel ranks (pipelines take level 0/1, as Megatron's distributed
   optimizer, unless pinned higher);
 - activation recomputation: none, selective (the attention core run again in the backward, Korthikanti et al.
-  2022: a materialized attention drops its scores and their softmax; a fused one, where pinned, its output --
+  2022: a materialized attention drops its scores and their softmax; a fused one, where pinned, its log-sum-exp --
   searched only where there are scores to drop), block (the fewest layers of a device recomputed whole that fit)
   or full.
 
@@ -398,6 +398,9 @@ def _enumerate(planner: LayerPlanner, devices: int, global_batch: int, fixed: di
     config, spec = planner.config, planner.spec
     keep = lambda key, value: fixed.get(key) is None or fixed[key] == value  # noqa: E731
     fitting, on_device, smallest, considered = [], [], None, 0
+    # selective recomputation where there are stored scores to drop (fused attention stores none)
+    options = (False, "selective", "block", True) if config.attention == "materialized" else (False, "block", True)
+    recomputes = [r for r in options if keep("recompute", r)] or [fixed["recompute"]]
     # every divisor of a node, and one step across nodes (two nodes' worth), for the cost model to reject
     tp_options = [t for t in list(range(1, spec.devices_per_node + 1)) + [2 * spec.devices_per_node]
                   if (t > spec.devices_per_node or spec.devices_per_node % t == 0) and (devices // cp) % t == 0
@@ -424,10 +427,7 @@ def _enumerate(planner: LayerPlanner, devices: int, global_batch: int, fixed: di
                           else (0, 1) if p > 1 and fixed.get("zero") is None else (0, 1, 2, 3))
                 for zero in [z for z in levels if keep("zero", z) and (z or fixed.get("zero_shard") is None)]:
                     for shard in _shard_groups(spec, fixed, zero, t, d * cp, p):
-                        # selective recomputation where there are stored scores to drop (fused attention stores none)
-                        options = (False, "selective", "block", True) if config.attention == "materialized" else (
-                            False, "block", True)
-                        for recompute in [r for r in options if keep("recompute", r)] or [fixed["recompute"]]:
+                        for recompute in recomputes:
                             for v in virtual_stages(config.layers, p, global_batch // (d * b), fixed.get("vpp")):
                                 k = Candidate(t, p, d, b, global_batch // (d * b), zero, recompute, v, cp, sp,
                                               shard=shard)
