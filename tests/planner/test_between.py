@@ -114,8 +114,10 @@ def test_attention_is_charged_as_split_as_its_query_and_a_shared_input_is_reduce
 
 def test_a_meta_built_network_is_planned_as_it_is_and_a_forward_meta_cannot_trace_is_named():
     """Planned on the meta device: nothing made (its parameters stay meta, a buffer made already is put back the
-    same object); a forward whose sizes are set by values (MoE routing) is a MetaTraceError naming why -- the runtime
-    then builds it whole with one warning -- while the planner's own errors stay themselves."""
+    same object); a mixture of experts too, its experts traced with a uniform routing drawn for them (a meta router
+    has no values: it used to be built whole to be planned); a forward whose sizes are set by other values (a mask
+    of the activations) is a MetaTraceError naming why -- the runtime then builds it whole with one warning -- while
+    the planner's own errors stay themselves."""
     from autopar.errors import StrategyError
     from autopar.models import LlamaBlock, MoEBlock
     from autopar.planner.plan import MetaTraceError
@@ -130,9 +132,24 @@ def test_a_meta_built_network_is_planned_as_it_is_and_a_forward_meta_cannot_trac
     assert all(p.is_meta for p in block.parameters()) and block.cos is cos and not cos.is_meta
     with torch.device("meta"):
         moe = MoEBlock(16, 4, 32, 2)
+    plan = plan_network(moe, torch.nn.MSELoss(), (torch.randn(2, 8, 16), torch.randn(2, 8, 16)), 2,
+                        MachineModel(device_num=2))
+    (experts, _, hidden, _, count, chosen), = plan.graph.experts
+    assert experts is moe.experts and hidden == (16, 16) and (count, chosen) == (4, 2)
+    assert "expert parallel 2" in " ".join(plan.variants) and all(p.is_meta for p in moe.parameters())
+
+    class Masked(torch.nn.Module):  # rows kept by their values
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.lin(x[x.sum(-1) > 0]).sum() + 0 * x.sum()
+
+    with torch.device("meta"):
+        masked = Masked()
     with pytest.raises(MetaTraceError, match="nonzero"):
-        plan_network(moe, torch.nn.MSELoss(), (torch.randn(2, 8, 16), torch.randn(2, 8, 16)), 2,
-                     MachineModel(device_num=2))
+        plan_network(masked, None, (torch.randn(2, 8, 16),), 2, MachineModel(device_num=2))
     with pytest.raises(StrategyError):  # (not taken for a trace failure: no plan fits 1 byte)
         plan_network(block, torch.nn.MSELoss(), sample, 2, MachineModel(device_num=2), memory_limit=1.0)
 

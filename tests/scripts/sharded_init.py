@@ -2,8 +2,8 @@
 spelling), ``nn.utils.no_init_parameters`` (MindSpore's), a plain ``torch.device("meta")`` (FSDP2's idiom) -- are
 materialised by the parallel mode, each rank only what it keeps, with the values one process draws eagerly from
 the same seed, bit for bit; then they train as one process on the global batch. Door moe (autopar's MoE block under
-``deferred_init``, for AUTO: its routing sizes the experts' work by values, which a meta trace has not -- built whole
-to be planned, with a warning).
+``deferred_init``): each rank makes only its experts under expert parallelism; AUTO plans it on the meta device, the
+routing a meta router cannot give drawn uniformly for the trace.
 
 argv: OUT_PREFIX CASES_JSON ([[door, mode], ...]). Doors: gpt (a nanoGPT-like GPT: ``apply(_init_weights)`` after
 the default init, a tied head, a scaled ``c_proj``), llama (Hugging Face ``LlamaForCausalLM``, its own
@@ -144,14 +144,16 @@ MLP = {"gpt": ("mlp.c_fc", "mlp.c_proj"), "loaded": ("mlp.c_fc", "mlp.c_proj"), 
 
 def set_mode(door: str, mode: str, net) -> None:
     autopar.reset_auto_parallel_context()
-    name = {"megatron": "semi_auto_parallel", "auto": "auto_parallel", "auto_tight": "auto_parallel"}.get(
-        mode, "data_parallel")
+    name = {"megatron": "semi_auto_parallel", "expert": "semi_auto_parallel", "auto": "auto_parallel",
+            "auto_tight": "auto_parallel"}.get(mode, "data_parallel")
     autopar.set_auto_parallel_context(parallel_mode=name, gradients_mean=True, parameter_broadcast=door == "seeds")
     if mode == "auto_tight":  # the GPT's data parallel needs 836 KiB a rank by the plan, ZeRO-3 577: AUTO must split
         autopar.set_auto_parallel_context(max_device_memory="700KB")
     if mode == "zero3":
         autopar.set_auto_parallel_context(enable_parallel_optimizer=True,
                                           parallel_optimizer_config={"optimizer_level": "level3"})
+    if mode == "expert":  # each rank keeps E/n experts
+        autopar.shard(net, {"experts": "expert"})
     if mode == "megatron":
         autopar.set_auto_parallel_context(enable_parallel_optimizer=True)
         columns, rows = MLP[door]

@@ -191,10 +191,11 @@ def route_alike(module: torch.nn.Module, args):
             and local.dim() == 2 and not local.is_floating_point() and local.dtype != torch.bool
             and not hasattr(local, "_dryrun_value") and local.shape[-1] <= experts):
         return None
+    from autopar.layout.leaves import uniform_routing
+
     rows, k = local.shape
     with unset_fake_temporarily():
-        draws = torch.rand(rows, experts, generator=torch.Generator().manual_seed(dist.get_rank()))
-        local._dryrun_value = draws.topk(k, dim=-1).indices.to(local.dtype)
+        local._dryrun_value = uniform_routing(rows, experts, k, local.dtype, seed=dist.get_rank())
     _seeded = True
     return None
 

@@ -37,6 +37,14 @@ def stacked_experts(module: torch.nn.Module) -> bool:
         and all(p.dim() >= 2 and p.shape[0] == experts for p in stacked)
 
 
+def uniform_routing(rows: int, experts: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A router's ``[rows, k]`` choice where its values are not computed (a dry run's fake router, a meta-built
+    network's trace): each row's ``k`` experts drawn uniformly without repeats, as an untrained or load-balanced
+    router gives -- so the sizes routing sets (``nonzero``: the tokens each expert takes) are a healthy job's."""
+    draws = torch.rand(rows, experts, generator=torch.Generator().manual_seed(seed))
+    return draws.topk(k, dim=-1).indices.to(dtype)
+
+
 _TOKEN_WISE = (torch.nn.Linear, torch.nn.Embedding, torch.nn.LayerNorm, torch.nn.RMSNorm, torch.nn.Dropout,
                torch.nn.modules.loss._Loss, *LAYOUT_TRANSPARENT)
 # transformers' own per-token modules, by the names every model file gives them (a norm over the last dimension; the

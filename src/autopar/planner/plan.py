@@ -262,6 +262,54 @@ def _all_on_meta(*modules):
         yield
 
 
+@contextlib.contextmanager
+def _routing_known(network: torch.nn.Module):
+    """For the trace of a meta-built network: a mixture of experts' routing gets values, so the sizes it sets (the
+    tokens each expert takes: ``where``, ``nonzero``) are known -- each module of stacked experts (Hugging Face's
+    ``MixtralExperts`` form, ``forward(hidden_states, top_k_index, top_k_weights)``) is handed a uniform routing on
+    the host in place of the meta router's choice (the same on every rank: every rank plans alike), what is computed
+    from it alone runs on the host, and an operator that meets it beside meta tensors takes it as a meta tensor of
+    its shape. The experts' work is then traced as a load-balanced router sends it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    from autopar.layout.leaves import stacked_experts, uniform_routing
+
+    def routed(module, args):
+        index = args[1] if len(args) >= 3 else None
+        if not (isinstance(index, torch.Tensor) and index.is_meta and index.dim() == 2
+                and not index.is_floating_point() and index.dtype != torch.bool
+                and index.shape[-1] <= module.num_experts):
+            return None
+        return (args[0], uniform_routing(index.shape[0], module.num_experts, index.shape[1], index.dtype, 0),
+                *args[2:])
+
+    def on_meta(tree):
+        return tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) and t.dim() > 0 else t, tree)
+
+    class MetaBesideHost(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            if any(t.is_meta for t in leaves):
+                args, kwargs = on_meta((args, kwargs))
+                return func(*args, **kwargs)
+            try:
+                return func(*args, **kwargs)
+            except (RuntimeError, NotImplementedError):  # a kernel the host lacks for the routing's dtype (histc
+                # of integers, which the model chose because its hidden states are not on the CPU): its values
+                # stay unknown
+                return func(*on_meta(args), **on_meta(kwargs))
+
+    handles = [m.register_forward_pre_hook(routed) for m in network.modules() if stacked_experts(m)]
+    try:
+        with MetaBesideHost() if handles else contextlib.nullcontext():
+            yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def _to_meta(tree):
     from torch.utils._pytree import tree_map
 
@@ -524,7 +572,7 @@ def _plan_network(network: torch.nn.Module, loss_fn: torch.nn.Module | None, sam
                   sample_kwargs: dict | None = None, data_parallel_step=None) -> Plan:
     if built_on_meta(network):  # traced as it is: nothing of its size is made (built_on_meta)
         try:
-            with _all_on_meta(network, loss_fn):
+            with _all_on_meta(network, loss_fn), _routing_known(network):
                 graph = capture(network, loss_fn, _to_meta(tuple(sample)), every_operator=search_mode ==
                                 "sharding_propagation", kwargs=_to_meta(dict(sample_kwargs or {})))
         except AutoparError:
