@@ -5,6 +5,9 @@ planned without being made). Prints one ``BENCH {...}`` line per rank: peak RSS 
 after the first step -- setting up done -- and at the end), the network's full parameter bytes, and the seconds to
 build and to the first step's end.
 
+With ``$BENCH_RANK_MEMORY_BYTES`` the rank first moves itself into a memory cgroup of that limit
+(``bench/rank_memory.py``): the kernel kills it if it needs more.
+
 argv: BUILD LAYERS HIDDEN VOCAB SEQ STEPS [MODE [MAX_DEVICE_MEMORY]]"""
 import json
 import resource
@@ -12,7 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import rank_memory  # noqa: E402
+
+capped = rank_memory.join_capped()  # before torch: the interpreter's own memory counts against the cap
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "scripts"))
 from gpt import GPT, GPTConfig  # noqa: E402
@@ -53,6 +60,8 @@ for step in range(steps):
     opt.zero_grad(set_to_none=True)
     if step == 0:
         first_step_s, after_first = time.perf_counter() - t0, rss_mib()
+        first_end = time.perf_counter()
+steady_s = (time.perf_counter() - first_end) / (steps - 1) if steps > 1 else float("nan")
 from autopar.parallel.state import state_of  # noqa: E402
 from autopar.parallel.summary import describe  # noqa: E402
 
@@ -60,4 +69,6 @@ plan = describe(state_of(model), model) if state_of(model) is not None else mode
 print("BENCH " + json.dumps({"rank": rank, "world": n, "build": build, "full_param_mib": full_bytes / 2**20,
                              "rss_after_build_mib": after_build, "rss_after_first_step_mib": after_first,
                              "rss_peak_mib": rss_mib(), "build_s": built_s, "to_first_step_s": first_step_s,
-                             "loss": float(loss), "mode": mode, "plan": plan}), flush=True)
+                             "steady_step_s": steady_s,
+                             "loss": float(loss), "mode": mode, "plan": plan, "capped": capped is not None}),
+      flush=True)

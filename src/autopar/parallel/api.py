@@ -123,7 +123,7 @@ def attach(network: torch.nn.Module, loss_fn: Any = None, optimizer: torch.optim
         loss_fn.to(_device())
     from autopar.perf import tuning
 
-    tuning.tune_allocator(network)  # every mode: it changes no result, only how often freed memory is faulted in
+    tuning.tune_allocator(network, _device())  # every mode: it changes no result, only how often freed memory is faulted in
     state = bind(ParallelState(mode, world), network)
     try:
         _dispatch(state, network, loss_fn, optimizer, sample, ctx, sample_kwargs or {}, plan)

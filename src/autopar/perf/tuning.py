@@ -14,7 +14,12 @@ what it was worth. None changes results beyond float tolerance.
   of handing it back to the kernel every step, large blocks included (:func:`tune_allocator`). Whether glibc trims
   depends on the allocation history; fed by the tutorial's dataset pipeline, every ResNet-50 step re-faulted ~73 MB
   (18,600 minor page faults, 43 ms of kernel time on a 0.28 s step) -- the "framework" share of a step in
-  ``bench/``.
+  ``bench/``. ``AUTOPAR_MALLOC=lean`` does the opposite, for a job whose memory is tight (a ZeRO-3 network bigger
+  than a rank): every block of 1 MiB or more is a mapping of its own, handed back to the kernel when freed, so a
+  rank's resident set is what its tensors hold. glibc's own thresholds keep 8-32 MiB blocks (a layer's weight
+  gradients, the collectives' buffers) in a heap the per-layer gathers fragment: a 1 GiB GPT's ZeRO-3 step on 2
+  ranks peaked at 3,232 MiB RSS with them, 2,496 MiB lean (the dry run's tensors: 1,720 MiB above the
+  interpreter's 534), at 1.30x the step time (page faults) -- ``bench/results/sharded_init_malloc.json``.
 - ``AUTOPAR_BUCKET_MB`` (default 25, DDP's): DATA_PARALLEL's gradient bucket size.
 - ``AUTOPAR_SHARED_MEMORY`` (default 1): DATA_PARALLEL ranks that all run on one CPU host keep their gradients in
   shared memory and sum them there (:mod:`autopar.parallel.grads.buckets`) instead of through gloo's loopback TCP.
@@ -47,8 +52,13 @@ class Tuning:
     bucket_mb: float
     channels_last: bool
     small_conv: bool
-    malloc: bool
+    malloc: bool | str  # True: keep freed memory (the default), False: glibc's own thresholds, "lean": hand it back
     shared_memory: bool
+
+
+def _malloc_setting() -> bool | str:
+    raw = (os.environ.get("AUTOPAR_MALLOC") or "").strip().lower()
+    return "lean" if raw == "lean" else env_flag("AUTOPAR_MALLOC", True)
 
 
 def current() -> Tuning:
@@ -57,7 +67,7 @@ def current() -> Tuning:
         bucket_mb=float(os.environ.get("AUTOPAR_BUCKET_MB") or 25.0),
         channels_last=env_flag("AUTOPAR_CHANNELS_LAST", False),
         small_conv=env_flag("AUTOPAR_SMALL_CONV", True),
-        malloc=env_flag("AUTOPAR_MALLOC", True),
+        malloc=_malloc_setting(),
         shared_memory=env_flag("AUTOPAR_SHARED_MEMORY", True),
     )
 
@@ -82,11 +92,12 @@ def tune_network(network: torch.nn.Module) -> bool:
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc refuses more on 64-bit hosts
+_LEAN_MMAP_THRESHOLD = 1 << 20  # AUTOPAR_MALLOC=lean: a block this large or larger is a mapping of its own
 _TRIM_THRESHOLD = 1 << 30
 _allocator_tuned = False
 
 
-def tune_allocator(network: torch.nn.Module) -> bool:
+def tune_allocator(network: torch.nn.Module, device: torch.device | None = None) -> bool:
     """Keep freed CPU memory in glibc's heap across training steps; True if the allocator was (or already is) tuned.
 
     A step frees and re-allocates the same activations. glibc serves blocks above a moving threshold with fresh
@@ -95,13 +106,21 @@ def tune_allocator(network: torch.nn.Module) -> bool:
     every larger block -- a 64 MB weight's gradient, made anew each step -- was still mapped and faulted in), end
     that; the price is that memory freed after the peak stays with the process, which a training loop reuses every
     step anyway. The wide MLP of ``bench/auto_vs_hand.py`` on 4 ranks: data parallel's step 567-576 -> 353-452 ms,
-    its CPU per rank 272-280 -> 175-180 ms (the 64 MB gradients' page faults). Process-wide and idempotent; a no-op
-    off glibc, for networks on the GPU, or with ``AUTOPAR_MALLOC=0``.
+    its CPU per rank 272-280 -> 175-180 ms (the 64 MB gradients' page faults). ``AUTOPAR_MALLOC=lean``: a fixed
+    1 MiB mapping threshold instead (see the module docstring). Process-wide and idempotent; a no-op
+    off glibc, for networks on the GPU (``device``: the job's, where the network is still on the meta device), for
+    a network built on the meta device (unless ``lean``: its memory is what matters), or with ``AUTOPAR_MALLOC=0``.
     """
     global _allocator_tuned
     if _allocator_tuned:
         return True
-    if not current().malloc or not any(p.device.type == "cpu" for p in network.parameters()):
+    # the job's device: a network built on the meta device is materialised there later
+    on_cpu = device.type == "cpu" if device is not None else any(p.device.type == "cpu" for p in network.parameters())
+    if not current().malloc or not on_cpu:
+        return False
+    if current().malloc is True and any(p.is_meta for p in network.parameters()):
+        # built on the meta device because its memory is tight: freed memory is not kept (a 1 GiB GPT's ZeRO-3 step
+        # on 2 ranks, meta-built: 3,222 MiB RSS with glibc's own thresholds, 4,585 with freed memory kept in one run)
         return False
     import platform
 
@@ -113,8 +132,11 @@ def tune_allocator(network: torch.nn.Module) -> bool:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
-    _allocator_tuned = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)) and bool(mallopt(_M_MMAP_MAX, 0))
+    if current().malloc == "lean":  # a fixed threshold: glibc no longer raises it as mapped blocks are freed
+        _allocator_tuned = bool(mallopt(_M_MMAP_THRESHOLD, _LEAN_MMAP_THRESHOLD))
+    else:
+        _allocator_tuned = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(
+            mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)) and bool(mallopt(_M_MMAP_MAX, 0))
     return _allocator_tuned
 
 
