@@ -152,6 +152,13 @@ def _local_experts(module, forward, h, index, weights, start: int, *args, **kwar
         if flagged:
             module._is_expert_parallel = True
         out = forward(module, h, local, weights, *args, **kwargs)
+        if torch.is_grad_enabled() and not out.requires_grad:
+            # no token chose this rank's experts (the module skipped every one of them): its result still goes
+            # through the collectives whose backward every rank of the group joins, and brings back the other
+            # ranks' terms, differentiable in this rank's tokens and routing -- and its experts' gradients are
+            # zeros, not missing (clipping reduces every expert's norm on every rank alike)
+            out = out + 0 * sum(t.sum() for t in (h, weights, *(module._parameters[a] for a in stacked))
+                                if t.requires_grad)
     finally:
         module.num_experts = experts
         if flagged:
