@@ -116,9 +116,10 @@ def tune_allocator(network: torch.nn.Module, device: torch.device | None = None)
         return True
     # the job's device: a network built on the meta device is materialised there later
     on_cpu = device.type == "cpu" if device is not None else any(p.device.type == "cpu" for p in network.parameters())
-    if not current().malloc or not on_cpu:
+    malloc = current().malloc
+    if not malloc or not on_cpu:
         return False
-    if current().malloc is True and any(p.is_meta for p in network.parameters()):
+    if malloc is True and any(p.is_meta for p in network.parameters()):
         # built on the meta device because its memory is tight: freed memory is not kept (a 1 GiB GPT's ZeRO-3 step
         # on 2 ranks, meta-built: 3,222 MiB RSS with glibc's own thresholds, 4,585 with freed memory kept in one run)
         return False
@@ -132,7 +133,7 @@ def tune_allocator(network: torch.nn.Module, device: torch.device | None = None)
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
-    if current().malloc == "lean":  # a fixed threshold: glibc no longer raises it as mapped blocks are freed
+    if malloc == "lean":  # a fixed threshold: glibc no longer raises it as mapped blocks are freed
         _allocator_tuned = bool(mallopt(_M_MMAP_THRESHOLD, _LEAN_MMAP_THRESHOLD))
     else:
         _allocator_tuned = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(
