@@ -15,6 +15,7 @@ one fused kernel. Table 1 counts recomputation's FLOPs (its Eq. 3), so those row
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -60,6 +61,20 @@ RUNS = [
     ("175B", DGXC, 96, 12288, 96, 128, 256, 4, 8, 1, None, "h100-ib", {"step_s": 8.309}),
     ("175B", DGXC, 96, 12288, 96, 1024, 2048, 4, 8, 1, None, "h100-ib", {"step_s": 8.453}),
 ]
+
+
+def grand_teton(spec):
+    """Meta's Grand Teton H100, which torchtitan's H100 tables ran on, from the ``h100-ib`` preset: "96GB HBM2e with
+    2.4 TB/sec peak memory bandwidth", "the default 500W power limit" (pytorch/torchtitan
+    benchmarks/llama3_h100_202412_torchtitan.md, 'Hardware'), and, its footnote 2, "HBM2e-based SXM H100 with lower
+    TDP, the actual peak TFLOPs number is between SXM and NVL, and we don't know its exact value". The peak is taken
+    midway between the two datasheets' dense figures -- H100 SXM 989.4 TFLOPS bf16, H100 NVL 835.5 (1,671 with
+    sparsity; NVIDIA H100 datasheet), fp8 twice each -- so 0.922 x the preset's in every dtype, +-8.4 % to either
+    end; the kernels' fractions of peak are the preset's."""
+    scale = (989.4 + 835.5) / 2 / 989.4
+    return dataclasses.replace(spec, name="h100-grand-teton", device_name="H100-SXM-96GB-HBM2e at 500 W",
+                               flops={k: v * scale for k, v in spec.flops.items()}, memory=96 * 2.0**30,
+                               memory_bandwidth=2.4e12)
 
 
 def plan_row(cfg, spec, gpus, batch, pins, dtype):

@@ -18,13 +18,12 @@ more than 10 %, whether the planner orders them the same way.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
 from pathlib import Path
 
-from published_gpt import ordered_pairs, plan_row, predicted  # bench/ is the script's own folder
+from published_gpt import grand_teton, ordered_pairs, plan_row, predicted  # bench/ is the script's own folder
 
 from autopar.errors import ConfigError
 from autopar.planner.cluster import load_cluster, plan_gpt
@@ -73,7 +72,7 @@ def mpt(layers, hidden, heads):
     return ("gpt", layers, hidden, heads, 0, 0, 50368, 2048)
 
 
-H96 = "h100-ib@96GiB"  # torchtitan's H100 96 GB: the h100-ib preset with its memory; its 500 W cap is not modelled
+H96 = "h100-grand-teton"  # torchtitan's H100 96 GB HBM2e at 500 W (published_gpt.grand_teton)
 
 # (name, source and quoted row, model, gpus, machine, global batch, pins, dtype, (metric, value), note)
 RUNS = [
@@ -242,7 +241,7 @@ def machine(name: str, gpus: int):
     """The preset of the run's node type, with as many nodes as the run used (a cluster file would say so)."""
     spec = load_cluster("h100-ib" if name == H96 else name)
     if name == H96:
-        spec = dataclasses.replace(spec, name=H96, memory=96 * 2.0**30)
+        spec = grand_teton(spec)
     return spec.for_devices(gpus)
 
 

@@ -29,7 +29,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from published_gpt import ordered_pairs, plan_row, predicted  # bench/ is the script's own folder
+from published_gpt import grand_teton, ordered_pairs, plan_row, predicted  # bench/ is the script's own folder
 
 from autopar.errors import ConfigError
 from autopar.planner.cluster import load_cluster
@@ -47,6 +47,8 @@ def machine(row: dict):
     spec = load_cluster(PRESET[row["gpu"]])
     if row["gpu"] == "a100-40":
         spec = dataclasses.replace(spec, name="a100-40gb", device_name="A100-SXM4-40GB", **A100_40GB)
+    if row["gpu"] == "h100" and row.get("power_limit_w") == 500:  # torchtitan's (published_gpt.grand_teton)
+        spec = grand_teton(spec)
     if row.get("memory_gib"):
         spec = dataclasses.replace(spec, memory=row["memory_gib"] * 2.0**30)
     if row.get("gpus_per_node", 8) != spec.devices_per_node:
