@@ -93,3 +93,40 @@ def test_attention_is_timed_as_the_network_calls_it_and_charged_to_its_query(tmp
     assert len(timed) == 1 and "(2, 4, 32, 16)" in next(k for k in machine.op_timer.table if "sdpa" in k)
     q = next(nc for nc in plan.costs if nc.node.name == "q")
     assert q.dp_compute >= timed[0][1]  # the query's node carries the attention under data parallel
+
+
+def test_stacked_experts_are_timed_as_data_parallel_and_expert_parallelism_run_them(tmp_path):
+    """A module of stacked experts timed twice: every expert over this rank's tokens (data parallel), and the
+    rank's E / n experts over the tokens the all-to-all brings it (expert parallelism); the module is left as it
+    was -- its own weights, no gradients -- and a plan in a job prices the expert split from the two."""
+    from autopar.models import MoEBlock
+    from autopar.planner import dimensions
+    from autopar.planner.plan import dispatch_of
+
+    torch.manual_seed(0)
+    block = MoEBlock(32, 4, 48, 2)
+    experts = block.experts
+    weights = dict(experts.named_parameters())
+    timer = OpTimer(torch.device("cpu"), tmp_path / "ops.json")
+    timed = timer.experts(experts, 64, 32, 2, 2, 2)
+    assert timed is not None and timed[0] > 0 and timed[1] > 0
+    assert all(p is weights[n] and p.grad is None for n, p in experts.named_parameters())
+    assert experts.num_experts == 4 and any("experts" in k for k in timer.table)
+    assert timer.experts(experts, 64, 32, 2, 2, 3) is None  # 3 ranks do not divide 4 experts
+    with torch.device("meta"):
+        assert timer.experts(MoEBlock(32, 4, 48, 2).experts, 64, 32, 2, 2, 2) is None  # no values to time
+
+    machine = MachineModel(device_num=2)
+    machine.op_timer = OpTimer(torch.device("cpu"), tmp_path / "ops2.json")
+    sample = (torch.randn(8, 4, 32), torch.randn(8, 4, 32))
+    plan = plan_network(block, torch.nn.MSELoss(), sample, 2, machine)
+    dp, ep = dimensions.experts_timed(plan.graph, machine, 2)
+    d, inside = plan.dp_totals, {id(p) for p in experts.parameters()}
+    sizes = {id(p): float(p.numel() * p.element_size()) for p in block.parameters()}
+    args = (plan.graph, machine, d, 2, [b for k, b in sizes.items() if k not in inside],
+            [b for k, b in sizes.items() if k in inside], dispatch_of(plan.problem))
+    timed_compute, untimed_compute = dimensions.expert_totals(*args, (dp, ep))[0], dimensions.expert_totals(*args)[0]
+    assert plan.variants["data parallel + expert parallel 2"][2].compute == timed_compute
+    # data parallel's step (as measured, where it was) with its experts' time replaced by their split time
+    base = d.step if d.measured else d.compute
+    assert abs(timed_compute - untimed_compute - (max(0.0, base - dp) + ep - d.compute)) < 1e-12

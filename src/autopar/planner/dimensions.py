@@ -126,21 +126,51 @@ def expert_parallel_ok(graph: Graph, n: int) -> bool:
         experts % n == 0 and math.prod(hidden[:-1]) % n == 0 for _, _, hidden, _, experts, _ in graph.experts)
 
 
+def experts_timed(graph: Graph, machine: MachineModel, n: int) -> tuple[float, float] | None:
+    """(data parallel's, expert parallelism's) seconds of the network's modules of stacked experts, forward and
+    backward, timed in a job (:meth:`autopar.planner.op_timer.OpTimer.experts`); None outside one, or where a
+    module could not be timed."""
+    timer = getattr(machine, "op_timer", None)
+    if timer is None or not hasattr(timer, "experts"):
+        return None
+    dp = ep = 0.0
+    for module, _, hidden, _, _, chosen in graph.experts:
+        timed = timer.experts(module, math.prod(hidden[:-1]), hidden[-1], chosen, _divides(graph, n), n)
+        if timed is None:
+            return None
+        dp, ep = dp + timed[0], ep + timed[1]
+    return dp, ep
+
+
 def expert_totals(graph: Graph, machine: MachineModel, dp_totals, n: int, grads: list[float],
-                  expert_grads: list[float], dispatch: float):
+                  expert_grads: list[float], dispatch: float, timed: tuple[float, float] | None = None):
     """Data parallel with every module of stacked experts split by expert over the ``n`` ranks, from data
     parallel's step; ``grads``: the bytes of every trainable parameter outside the experts, ``expert_grads``: of
-    those inside. Returns (compute, communication, memory)."""
+    those inside. ``timed``: the experts' modules' seconds under data parallel and under expert parallelism, timed
+    in the job (:func:`experts_timed`): the data-parallel step, as measured, has its experts' modules replaced by
+    their time split by expert -- where the step was measured whole, the step as measured (what it takes beyond
+    the summed operators is the experts' own indexing and scattering as much as communication: DDP hides the
+    gradients' all-reduce behind their backward); else from FLOPs, the same compute as data parallel's. Returns
+    (compute, communication, memory)."""
     expert_bytes = sum(expert_grads)
     extra, comm = _layout_overheads(machine, n, grads, sum(grads) + expert_bytes / n, dispatch)
     # (the experts' gradients are this rank's own: no all-reduce -- their share of the fused step is taken off)
     extra -= expert_bytes / machine.optimizer_rate("fused")
+    base = dp_totals.compute
+    if timed is not None:
+        dp_experts, ep_experts = timed
+        base = max(0.0, (dp_totals.step if dp_totals.measured else dp_totals.compute) - dp_experts) + ep_experts
     gathered = 0.0
     for _, _, hidden, item, _, chosen in graph.experts:  # each token sent to the ranks of its experts (at most
         # min(k, n) of them, spread evenly: the planner does not know the routing) and its result back, both
         # backward; a rank runs its experts over about min(k, n)/n of the tokens
         sent = math.prod(hidden) * item / n * min(chosen, n)  # this rank's tokens, as many times as they go out
         comm += 4 * machine.collective("all_to_all", sent, n)
+        # and their routing with them (the dispatcher's counts, each token's experts and weights; the weights'
+        # gradient back): small messages, each a collective's latency
+        routes = math.prod(hidden[:-1]) / n * min(chosen, n) * chosen
+        comm += (machine.collective("all_to_all", 8.0 * n, n) + machine.collective("all_to_all", 8.0 * routes, n)
+                 + 2 * machine.collective("all_to_all", item * routes, n))
         gathered += sent * 2  # what it received and the results it sends back, kept for the backward
     saved = expert_bytes * (2 + OPTIMIZER_SLOTS) * (n - 1) / n
-    return dp_totals.compute + extra, comm, dp_totals.memory - saved + gathered
+    return base + extra, comm, dp_totals.memory - saved + gathered

@@ -719,7 +719,8 @@ def _weigh_dimensions(plan: Plan, network: torch.nn.Module, memory_limit: float 
     if dimensions.expert_parallel_ok(graph, n):
         experts = [b for k, b in sizes.items() if k in in_experts]
         plan.variants[f"data parallel + expert parallel {n}"] = Variant(
-            1, True, Totals(*dimensions.expert_totals(graph, machine, d, n, grads, experts, dispatch)))
+            1, True, Totals(*dimensions.expert_totals(graph, machine, d, n, grads, experts, dispatch,
+                                                      dimensions.experts_timed(graph, machine, n))))
     fitting = {k: v for k, v in plan.variants.items() if memory_limit is None or v[2].memory <= memory_limit}
     if not fitting:
         return
