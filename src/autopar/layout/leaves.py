@@ -2,6 +2,8 @@
 on whatever layout they are given; every other leaf module runs data-parallel on the local batch."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -35,6 +37,28 @@ def stacked_experts(module: torch.nn.Module) -> bool:
     # (stacked weight matrices -- at least one 3-D -- not a router's [num_experts, hidden] weight)
     return isinstance(module, torch.nn.Module) and isinstance(experts, int) and any(p.dim() >= 3 for p in stacked) \
         and all(p.dim() >= 2 and p.shape[0] == experts for p in stacked)
+
+
+@contextlib.contextmanager
+def holding_experts(module: torch.nn.Module, weights: dict, count: int, split: bool = True):
+    """``module`` (stacked experts) computing with ``weights`` (attribute -> tensor) in place of its stacked
+    parameters and with ``count`` experts, its own put back after -- the expert runtime's local experts, the
+    planner's timing of them; transformers' experts are told theirs are ``split`` (``_is_expert_parallel``)."""
+    own = {attr: module._parameters[attr] for attr in weights}
+    before = module.num_experts
+    flagged = hasattr(module, "_is_expert_parallel")
+    flag = getattr(module, "_is_expert_parallel", None)
+    try:
+        module._parameters.update(weights)
+        module.num_experts = count
+        if flagged:
+            module._is_expert_parallel = split
+        yield module
+    finally:
+        module.num_experts = before
+        if flagged:
+            module._is_expert_parallel = flag
+        module._parameters.update(own)
 
 
 def uniform_routing(rows: int, experts: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:

@@ -131,7 +131,7 @@ def experts_timed(graph: Graph, machine: MachineModel, n: int) -> tuple[float, f
     backward, timed in a job (:meth:`autopar.planner.op_timer.OpTimer.experts`); None outside one, or where a
     module could not be timed."""
     timer = getattr(machine, "op_timer", None)
-    if timer is None or not hasattr(timer, "experts"):
+    if timer is None:
         return None
     dp = ep = 0.0
     for module, _, hidden, _, _, chosen in graph.experts:

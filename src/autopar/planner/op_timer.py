@@ -197,36 +197,27 @@ class OpTimer:
     def _experts_seconds(self, module, stacked: dict, count: int, hidden, index, weights) -> float:
         """:meth:`typical` forward+backward seconds of ``module`` holding the first ``count`` of its experts (fresh
         copies of its stacked weights, put back after), over ``hidden`` routed by ``index`` / ``weights``."""
-        device = self.device
-        own = {a: module._parameters[a] for a in stacked}
-        before = module.num_experts
+        from autopar.layout.leaves import holding_experts
+
+        device, experts = self.device, module.num_experts
         others = [p for p in module.parameters() if all(p is not q for q in stacked.values())]
         grads = [p.grad for p in others]
-        flagged = hasattr(module, "_is_expert_parallel")
-        flag = getattr(module, "_is_expert_parallel", None)
         hidden, index, weights = hidden.to(device), index.to(device), weights.to(device)
+        copies = {a: torch.nn.Parameter(p.detach()[:count].clone().to(device)) for a, p in stacked.items()}
+        x = hidden.clone().requires_grad_(True)
+
+        def once():
+            x.grad = None
+            for p in copies.values():
+                p.grad = None
+            out = type(module).forward(module, x, index, weights)
+            out.backward(torch.ones_like(out))
+
         try:
-            for a, p in stacked.items():
-                module._parameters[a] = torch.nn.Parameter(p.detach()[:count].clone().to(device))
-            module.num_experts = count
-            if flagged:  # transformers' experts told theirs are split, as the runtime tells them
-                module._is_expert_parallel = count < len(next(iter(stacked.values())))
-            x = hidden.clone().requires_grad_(True)
-
-            def once():
-                x.grad = None
-                for a in stacked:
-                    module._parameters[a].grad = None
-                out = type(module).forward(module, x, index, weights)
-                out.backward(torch.ones_like(out))
-
-            once()  # warm-up
-            return self._repeated(once)
+            with holding_experts(module, copies, count, split=count < experts):
+                once()  # warm-up
+                return self._repeated(once)
         finally:
-            module._parameters.update(own)
-            module.num_experts = before
-            if flagged:
-                module._is_expert_parallel = flag
             for p, g in zip(others, grads):
                 p.grad = g
 

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from autopar.comm.topology import world_mesh, world_size
 from autopar.errors import StrategyError
 from autopar.layout.layout import Layout
+from autopar.layout.leaves import holding_experts
 from autopar.parallel.tensor import placements as P
 
 
@@ -138,33 +139,21 @@ def _local_experts(module, forward, h, index, weights, start: int, *args, **kwar
     # its experts are split (_is_expert_parallel)
     weights = weights.masked_fill(~mine, 0)
     stacked = {attr: p for attr, p in module._parameters.items() if isinstance(p, DTensor)}
-    flagged = hasattr(module, "_is_expert_parallel")
-    before = getattr(module, "_is_expert_parallel", None)
-    try:
-        for attr, p in stacked.items():
-            # at its layout (ZeRO stores it split over the groups too); the groups' gradients are partial sums over
-            # the replicas of each expert
-            target = tuple(expert_layout(attr, module, p).placements())
-            at = p if tuple(p.placements) == target else p.redistribute(p.device_mesh, target)
-            module._parameters[attr] = at.to_local(grad_placements=[Partial() if isinstance(q, Replicate) else q
-                                                                    for q in target])
-        module.num_experts = per
-        if flagged:
-            module._is_expert_parallel = True
+    mine_only = {}
+    for attr, p in stacked.items():
+        # at its layout (ZeRO stores it split over the groups too); the groups' gradients are partial sums over
+        # the replicas of each expert
+        target = tuple(expert_layout(attr, module, p).placements())
+        at = p if tuple(p.placements) == target else p.redistribute(p.device_mesh, target)
+        mine_only[attr] = at.to_local(grad_placements=[Partial() if isinstance(q, Replicate) else q for q in target])
+    with holding_experts(module, mine_only, per):
         out = forward(module, h, local, weights, *args, **kwargs)
         if torch.is_grad_enabled() and not out.requires_grad:
             # no token chose this rank's experts (the module skipped every one of them): its result still goes
             # through the collectives whose backward every rank of the group joins, and brings back the other
             # ranks' terms, differentiable in this rank's tokens and routing -- and its experts' gradients are
             # zeros, not missing (clipping reduces every expert's norm on every rank alike)
-            out = out + 0 * sum(t.sum() for t in (h, weights, *(module._parameters[a] for a in stacked))
-                                if t.requires_grad)
-    finally:
-        module.num_experts = experts
-        if flagged:
-            module._is_expert_parallel = before
-        for attr, p in stacked.items():
-            module._parameters[attr] = p
+            out = out + 0 * sum(t.sum() for t in (h, weights, *mine_only.values()) if t.requires_grad)
     return out
 
 
