@@ -123,10 +123,10 @@ def test_a_published_configuration_pinned_from_the_command_line(capsys):
     assert (c["dp"], c["cp"], c["tp"], c["pp"], c["vpp"], c["sp"]) == (2, 2, 4, 4, 5, True)
     assert (c["micro_batch"], c["zero"], c["recompute"], c["recompute_layers"], c["dtype"]) == (1, 1, "block 2", 2,
                                                                                              "fp8")
-    assert out["not_run_by_autopar"] == ["context parallelism inside pipeline stages",
+    assert out["not_run_by_autopar"] == ["tensor parallelism inside pipeline stages",
+                                         "context parallelism inside pipeline stages",
                                          "sequence parallelism with context parallelism",
-                                         "sequence parallelism inside pipeline stages",
-                                         "ZeRO-1 inside pipeline stages"]
+                                         "sequence parallelism inside pipeline stages"]
     assert cli(["plan", "llama", "--size", "llama3-70b", "-n", "64", "--machine", "h100-ib", "--cp", "3"]) == 2
     assert "--cp 3 needs the sequence (8192) divisible by 2 x cp = 6" in capsys.readouterr().err
 
@@ -433,15 +433,20 @@ def test_interleaving_pinned_over_layers_that_do_not_divide_takes_uneven_chunks(
 
 def test_zero_inside_pipeline_stages_is_planned_where_pinned_and_said():
     """torchtitan runs FSDP inside pipeline stages; the search keeps pipelines to ZeRO 0/1 (Megatron's distributed
-    optimizer), a pin plans the others, and the plan says what autopar's runtime does not run."""
+    optimizer), a pin plans the others, and the plan says what autopar's runtime does not run: ZeRO inside the
+    stages it runs (over each stage's replicas), tensor parallelism there not yet, nor ZeRO over smaller groups."""
     h100 = load_cluster("h100-ib")
     pin = {"tp": 8, "pp": 4, "micro_batch": 1, "recompute": True}
     searched = plan_gpt(PRESETS["llama3-70b"], h100, 128, 64, fixed=pin)
     assert {c.zero for c in searched.ranked} <= {0, 1}
     three = plan_gpt(PRESETS["llama3-70b"], h100, 128, 64, fixed={**pin, "zero": 3})
     assert three.best.zero == 3
-    assert "autopar's runtime does not run ZeRO-3 inside pipeline stages yet" in three.explain()
-    assert three.to_dict()["not_run_by_autopar"] == ["ZeRO-3 inside pipeline stages"]
+    assert "autopar's runtime does not run tensor parallelism inside pipeline stages yet" in three.explain()
+    assert three.to_dict()["not_run_by_autopar"] == ["tensor parallelism inside pipeline stages"]
+    alone = plan_gpt(PRESETS["llama3-8b"], h100, 128, 64, fixed={**pin, "tp": 1, "zero": 1})
+    assert alone.best.zero == 1 and alone.to_dict()["not_run_by_autopar"] == [], alone.to_dict()["not_run_by_autopar"]
+    grouped = plan_gpt(PRESETS["llama3-8b"], h100, 128, 64, fixed={**pin, "tp": 1, "zero": 1, "zero_shard": 2})
+    assert grouped.to_dict()["not_run_by_autopar"] == ["ZeRO-1 over shard groups of 2 inside pipeline stages"]
 
 
 def test_fsdp_inside_pipeline_stages_keeps_the_stage_whole_for_the_step_as_torchtitan_runs_it():
@@ -555,8 +560,8 @@ def test_sequence_parallelism_keeps_what_the_tensor_group_held_whole_split_on_th
     assert with_sp.best.step < 0.85 * full.step
     assert with_sp.best.mesh() == "dp 4 x tp 4 (sp) x pp 8 (vpp 12)"
     assert with_sp.to_dict()["configuration"]["sp"] is True
-    assert ("does not run sequence parallelism inside pipeline stages or ZeRO-1 inside pipeline stages yet"
-            in with_sp.explain())
+    assert ("does not run tensor parallelism inside pipeline stages or sequence parallelism inside pipeline stages "
+            "yet" in with_sp.explain())
 
 
 def test_context_parallelism_splits_the_sequence_and_passes_keys_and_values_round_a_ring():

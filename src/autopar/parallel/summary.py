@@ -73,10 +73,12 @@ def describe(state, network: torch.nn.Module) -> str:
     if cp > 1:
         parts.append(f"the sequence split over {cp} ranks (context parallelism, attention by "
                      f"{state.runtime.context_parallel_algo})")
-    zero = state.zero_level or getattr(state.runtime, "zero_level", None)
+    staged = getattr(state.pipeline, "zero", None) if state.pipeline is not None else None
+    zero = state.zero_level or getattr(state.runtime, "zero_level", None) or staged
     if zero:
         level = str(zero).removeprefix("level")
-        parts.append(f"ZeRO-{level} ({_ZERO_SHARDS.get(level, 'optimizer state')} sharded over {dp} ranks)")
+        parts.append(f"ZeRO-{level} ({_ZERO_SHARDS.get(level, 'optimizer state')} sharded over {dp} ranks"
+                     + (", inside each pipeline stage)" if staged else ")"))
     else:
         parts.append("no ZeRO")
     splits = split_modules(network)
@@ -89,7 +91,8 @@ def describe(state, network: torch.nn.Module) -> str:
         runner = state.pipeline
         parts.append(f"pipeline: {pp} stages, {getattr(runner, 'micro_batches', '?')} micro-batches, "
                      f"{getattr(runner, 'schedule_name', '?')}")
-    parts.append(f"gradients: {state.gradient_engines()}")
+    engines = state.gradient_engines() if state.engines or state.pipeline is None else None
+    parts.append(f"gradients: {engines or getattr(state.pipeline, 'gradient_sync', 'the pipeline engine')}")
     if state.plan is not None:
         parts.append(f"chosen by AUTO_PARALLEL (why: {Path(_context.log_dir()) / 'auto_parallel_plan.txt'})")
     return "; ".join(parts)

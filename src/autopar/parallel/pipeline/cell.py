@@ -19,12 +19,25 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, stacklevel=user_stacklevel())
 
 
-def warn_zero_in_pipeline(ctx) -> None:
+def zero_level_in_pipeline(ctx, replicas: int) -> str | None:
+    """``enable_parallel_optimizer`` under pipeline stages: the level each stage shards over its ``replicas``
+    data-parallel ranks (MindSpore shards a stage's optimizer over the stage's ranks); None where nothing is to be
+    sharded -- said where it was asked for, never silently ignored."""
     from autopar.parallel.zero.fsdp import level_of
 
-    if level_of(ctx):
-        _warn_once("zero+pipeline", "autopar: enable_parallel_optimizer is not applied inside pipeline stages yet: "
-                   "each stage keeps its whole optimizer state (a stage already holds only its own parameters)")
+    level = level_of(ctx)
+    if level is None:
+        return None
+    if replicas < 2:
+        _warn_once("zero+pipeline", "autopar: enable_parallel_optimizer shards nothing here: each pipeline stage has "
+                   "one rank (ZeRO shards a stage's optimizer over the stage's data-parallel replicas)")
+        return None
+    size = dict(ctx.parallel_optimizer_config or {}).get("optimizer_weight_shard_size",
+                                                         ctx.optimizer_weight_shard_size)
+    if size not in (None, -1, 0, replicas):
+        _warn_once("zero+pipeline-shard-size", "autopar: optimizer_weight_shard_size is not applied inside pipeline "
+                   f"stages: each stage shards over all of its {replicas} data-parallel replicas")
+    return level
 
 
 def attach_pipeline_cell(network: torch.nn.Module, loss_fn, ctx, world: int) -> PipelineParallel:
@@ -45,7 +58,6 @@ def attach_pipeline_cell(network: torch.nn.Module, loss_fn, ctx, world: int) -> 
     if has_strategies(network):
         _warn_once("pipeline+strategies", "autopar: shard strategies inside pipeline stages are not applied yet: "
                    "each stage runs whole, replicated over its data-parallel ranks")
-    warn_zero_in_pipeline(ctx)
     backbone, loss = network.network.backbone_network, network.network._loss_fn
     runner = pipeline_of(backbone)
     if runner is not None:
@@ -62,13 +74,15 @@ def attach_pipeline_cell(network: torch.nn.Module, loss_fn, ctx, world: int) -> 
     return PipelineParallel(backbone, loss, network.micro_size, split_points_from_stages(backbone, stages, segments),
                             schedule=str(config.get("pipeline_scheduler", "1f1b")).lower(),
                             gradients_mean=ctx.gradients_mean, virtual_stages=segments, grads="stage",
-                            reduction="sum")  # MindSpore's PipelineCell adds the micro-batches' losses
+                            reduction="sum", zero=zero_level_in_pipeline(ctx, world // stages))
 
 
 def attach_planned_pipeline(network: torch.nn.Module, loss_fn, option, ctx) -> PipelineParallel:
     """AUTO_PARALLEL cut the network into stages (:mod:`autopar.planner.pipeline_plan`): Model's steps run on the
     pipeline engine, as ``pipeline_stages`` does; each rank holds its data-parallel share of the global batch (a
     replica's batch is the shares of its stages' ranks together: ``runner.replica_batch``)."""
-    warn_zero_in_pipeline(ctx)
+    import torch.distributed as dist
+
+    zero = zero_level_in_pipeline(ctx, dist.get_world_size() // option.stages)
     return pipeline_of(network) or PipelineParallel(network, loss_fn, option.micro_batches, option.split_points,
-                                                    gradients_mean=ctx.gradients_mean, grads="stage")
+                                                    gradients_mean=ctx.gradients_mean, grads="stage", zero=zero)

@@ -63,13 +63,15 @@ class PipelineParallel:
 
     def __init__(self, network: torch.nn.Module, loss_fn: Any, micro_batches: int, split_points: Sequence[str],
                  schedule: str = "1f1b", gradients_mean: bool = True, virtual_stages: int = 1,
-                 reduction: str = "mean", grads: str = "full"):
+                 reduction: str = "mean", grads: str = "full", zero: str | None = None):
         if not dist.is_initialized():
             raise ConfigError("pipeline parallel needs the cluster: call autopar.communication.init() first")
         if reduction not in ("mean", "sum") or grads not in ("full", "stage"):
             raise ConfigError(f"PipelineParallel: reduction must be 'mean' or 'sum' and grads 'full' or 'stage', "
                               f"got {reduction!r}, {grads!r}")
         self.network, self.loss_fn, self.reduction, self.grads = network, loss_fn, reduction, grads
+        self.zero = _zero_level(zero, grads)
+        self._sharded: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}  # id(network's) -> (it, shard)
         # interleaved: the network cut into S x V pieces, rank s holding pieces s, s + S, ... (a smaller bubble,
         # (S-1)/(V M + S - 1), for V times the point-to-point traffic)
         self.virtual_stages = int(virtual_stages)
@@ -153,8 +155,11 @@ class PipelineParallel:
             _materialize_stage(self.network, {name for name, ks in users.items() if ks & set(mine)}
                                if self.grads == "stage" else None, [self._pieces[k] for k in mine])
         modules = [self._pieces[k] for k in mine]
-        self.stage_module = modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
+        # (the whole split network run once for its shapes: before the stage's pieces hold ZeRO's shards)
         shapes = _static_shapes(pipe, example) if _fake_group(self.pp_group) else {}
+        if self.zero is not None:
+            self._shard_stage(modules)
+        self.stage_module = modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
         stages = [PipelineStage(self._pieces[k], k, pieces, _comm.device(), group=self.pp_group, **shapes.get(k, {}))
                   for k in mine]
         for stage in stages:
@@ -177,6 +182,49 @@ class PipelineParallel:
         else:  # several pieces per rank: interleaved 1F1B, or looped breadth-first (GPipe's order per piece)
             kind = ScheduleInterleaved1F1B if self.schedule_name == "1f1b" else ScheduleLoopedBFS
             self._schedule = kind(stages, self.micro_batches, loss_fn=micro_batch_loss, scale_grads=False)
+
+    def _shard_stage(self, pieces: list) -> None:
+        """ZeRO inside the stage, as Megatron-LM's distributed optimizer and torchtitan's FSDP under pipelines run
+        it: each of this rank's pieces an FSDP2 module over the stage's data-parallel ranks (the ``dp`` axis of
+        :func:`~autopar.comm.topology.pipeline_mesh`), so its optimizer state and gradients -- at level 3 its
+        weights between uses too -- are 1/D of the stage's; torch's pipeline stage drives FSDP2 itself (no gradient
+        reduction before the last micro-batch, the reduce-scatter after it). The network's own parameters give
+        their memory up (the shards train in their place, and optimizers made before are moved onto them);
+        :meth:`gather_parameters` makes them whole and current again."""
+        from torch.distributed.fsdp import fully_shard
+
+        from autopar.comm.topology import pipeline_mesh
+        from autopar.common import replaced
+        from autopar.parallel.zero.fsdp import LEVELS
+
+        _remap_before_steps()
+        mesh = pipeline_mesh(self.num_stages)["dp"]
+        own = dict(self.network.named_parameters(remove_duplicate=False))
+        for piece in pieces:
+            fully_shard(piece, mesh=mesh, reshard_after_forward=LEVELS[self.zero])
+            if not self.gradients_mean:  # MindSpore's default sums the replicas' gradients; FSDP averages
+                piece.set_gradient_divide_factor(1.0)
+                piece.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+            for name, shard in piece.graph_module.named_parameters(remove_duplicate=False):
+                old = own.get(name)
+                if old is not None and old is not shard and id(old) not in self._sharded:
+                    self._sharded[id(old)] = (old, shard)
+                    replaced.record(old, shard)
+                    old.data = torch.empty(0, dtype=old.dtype, device=old.device)  # its memory: the shard's now
+
+    @property
+    def gradient_sync(self) -> str:
+        """How a step's gradients are completed, for the run's one-line summary."""
+        if self.grads == "full":
+            return "every stage's summed over all ranks after the last micro-batch (all-reduce)"
+        if self.replicas == 1:
+            return "each stage's its own (one replica a stage: nothing to sum)"
+        how = "reduce-scattered into ZeRO's shards (FSDP2)" if self.zero else "all-reduced"
+        return f"each stage's {how} over its {self.replicas} replicas after the last micro-batch"
+
+    def _training(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
+        """The parameter that trains for the network's ``param``: its ZeRO shard, or itself."""
+        return self._sharded.get(id(param), (param, param))[1]
 
     def parameters(self):
         """This rank's stage's parameters (all of the network's before the first step)."""
@@ -229,7 +277,8 @@ class PipelineParallel:
         process)."""
         named = self.network.named_parameters(remove_duplicate=False)
         used = {id(p) for n, p in named if n in self.owner}
-        return [p for p in self.network.parameters() if p.requires_grad and (id(p) in used or not self.owner)]
+        return [self._training(p) for p in self.network.parameters()
+                if p.requires_grad and (id(p) in used or not self.owner)]
 
     def _set_aside_gradients(self) -> dict[int, torch.Tensor]:
         """Gradients of earlier steps (accumulation): kept out of this step's sums, added back after them."""
@@ -253,14 +302,15 @@ class PipelineParallel:
                     p.grad = g
         else:  # this stage's gradients over its replicas; a weight tied across stages over the stages holding it
             mine = [p for p in self.stage_module.parameters() if p.grad is not None]
-            if self.replicas > 1:
+            if self.replicas > 1 and not self._sharded:  # (ZeRO's shards: FSDP2 reduce-scattered them)
                 reduce_now([p.grad for p in mine], self.dp_group, replicas, into=True)
-            tied = self._tied_parameters()
-            if tied:
-                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in tied]
+            tied = [self._training(p) for p in self._tied_parameters()]
+            if tied:  # (sharded alike on every stage that holds one: the local slices line up)
+                grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in tied]
                 reduce_now(grads, self.pp_group, 1.0, into=True)
                 for p, g in zip(tied, grads):
-                    p.grad = g
+                    if p.grad is None:  # a stage holding the weight that gave it no gradient: the others' sum
+                        p.grad = _like(p, g)
         for p in params:
             kept = carried.get(id(p))
             if kept is not None:
@@ -312,6 +362,11 @@ class PipelineParallel:
         from autopar.common import deferred
 
         deferred.allocate(self.network, device=_device())  # (a stage's own build: the others' get storage here)
+        with torch.no_grad():  # ZeRO's shards first made whole in the network's own parameters (in name order:
+            for name in sorted(self.owner):  # every rank of the stage gathers alike)
+                pair = self._sharded.get(id(dict(self.network.named_parameters(remove_duplicate=False)).get(name)))
+                if pair is not None and pair[0].numel() != pair[1].numel():
+                    pair[0].data = pair[1].full_tensor().detach().clone()
         state = dict(self.network.named_buffers())
         if self.grads == "stage":
             state.update(self.network.named_parameters())
@@ -387,6 +442,49 @@ def _materialize_stage(network: torch.nn.Module, names: set[str] | None, pieces:
         deferred.materialize_named(network, names, device=_device())
     for piece in pieces:
         _use_network_parameters(piece.graph_module, network)
+
+
+def _zero_level(zero: str | None, grads: str) -> str | None:
+    from autopar.parallel.zero.fsdp import LEVELS
+
+    if zero is None:
+        return None
+    if zero not in LEVELS:
+        raise ConfigError(f"PipelineParallel zero={zero!r}; expected one of {', '.join(sorted(LEVELS))} or None")
+    if grads != "stage":
+        raise ConfigError(f"PipelineParallel zero={zero!r} shards a stage's optimizer state over its replicas, which "
+                          "needs grads='stage' (with grads='full' every rank steps every parameter)")
+    return zero
+
+
+_remapping: list = []  # the optimizer step pre-hook below, once registered
+
+
+def _remap_before_steps() -> None:
+    """Every optimizer moved onto the parameters that replaced its own before it steps -- the PyTorch door's
+    ``opt = AdamW(net.parameters())`` made before the stages were sharded -- also where no parallel mode is set
+    (whose hooks do it otherwise, :mod:`autopar.parallel.entry`). Registered once per process."""
+    if not _remapping:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        from autopar.common.replaced import remap_optimizer
+
+        _remapping.append(register_optimizer_step_pre_hook(lambda opt, args, kwargs: remap_optimizer(opt)))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A ZeRO shard's slice on this rank (a plain tensor: itself)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (this rank's slice) as a gradient of ``param``: a DTensor laid out as a ZeRO shard is."""
+    if not hasattr(param, "device_mesh"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
 
 
 def pipeline_of(network: torch.nn.Module) -> PipelineParallel | None:

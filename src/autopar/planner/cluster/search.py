@@ -73,17 +73,21 @@ class Candidate:
         """What of this plan autopar's runtime does not run yet: context and sequence parallelism are planned only
         where pinned (to predict another system's run; autopar runs sequence parallelism with tensor parallelism,
         not inside pipeline stages, where layouts are not applied yet, and context parallelism with data parallel,
-        ZeRO and tensor parallelism, not yet with sequence parallelism or inside pipeline stages); ZeRO inside
-        pipeline stages is searched, as Megatron-LM's distributed optimizer runs it, and said."""
+        ZeRO and tensor parallelism, not yet with sequence parallelism or inside pipeline stages); tensor
+        parallelism inside pipeline stages is searched, as Megatron-LM runs it, and said. ZeRO inside pipeline
+        stages runs (each stage's optimizer sharded over all of its data-parallel ranks, FSDP2 under torch's
+        pipeline schedules), not yet over smaller shard groups there."""
         out = []
+        if self.t > 1 and self.p > 1:
+            out.append("tensor parallelism inside pipeline stages")
         if self.cp > 1 and self.p > 1:
             out.append("context parallelism inside pipeline stages")
         if self.cp > 1 and self.sp:
             out.append("sequence parallelism with context parallelism")
         if self.sp and self.p > 1:
             out.append("sequence parallelism inside pipeline stages")
-        if self.p > 1 and self.zero >= 1:
-            out.append(f"ZeRO-{self.zero} inside pipeline stages")
+        if self.p > 1 and self.zero >= 1 and self.shard_group != self.d * self.cp:
+            out.append(f"ZeRO-{self.zero} over shard groups of {self.shard_group} inside pipeline stages")
         return out
 
     @property
