@@ -120,6 +120,20 @@ def optimizer_state_numel(opt) -> int:
                for v in st.values() if isinstance(v, torch.Tensor) and v.dim())
 
 
+def train_model(scheduler: str, opt_name: str, **context):
+    """Model.train of PipelineCell(WithLossCell(staged net, loss), micro_size=4) over 5 steps, the context's other
+    keys as given: (network, optimizer, the losses' callback)."""
+    set_pipeline(scheduler)
+    if context:
+        autopar.set_auto_parallel_context(**context)
+    net = staged()
+    opt = OPTIMIZERS[opt_name](net.parameters())
+    model = Model(nn.PipelineCell(nn.WithLossCell(net, torch.nn.CrossEntropyLoss()), micro_size=4), optimizer=opt)
+    cb = Losses()
+    model.train(1, [replica_batch(s) for s in range(5)], callbacks=[cb])
+    return net, opt, cb
+
+
 def interleaved() -> Net:
     """2 stages x 2 segments (MindSpore's pipeline_segment): rank 0 runs l1 and l3, rank 1 l2 and l4."""
     net = Net()
@@ -135,13 +149,7 @@ for scheduler in ("1f1b", "gpipe"):
     for opt_name in OPTIMIZERS:
         key = f"model/{scheduler}/{opt_name}"
         try:
-            set_pipeline(scheduler)
-            net = staged()
-            opt = OPTIMIZERS[opt_name](net.parameters())
-            model = Model(nn.PipelineCell(nn.WithLossCell(net, torch.nn.CrossEntropyLoss()), micro_size=4),
-                          optimizer=opt)
-            cb = Losses()
-            model.train(1, [replica_batch(s) for s in range(5)], callbacks=[cb])
+            net, opt, cb = train_model(scheduler, opt_name)
             runner = pipeline_of(net)
             results[key] = {"loss_diff": max(abs(a - b) for a, b in zip(cb.values, summed[opt_name][0])),
                             "param_diff": stage_diff(runner, summed[opt_name][1]),
@@ -201,15 +209,8 @@ for level, opt_name, scheduler in (("level1", "AdamW", "1f1b"), ("level3", "SGD"
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            set_pipeline(scheduler)
-            autopar.set_auto_parallel_context(enable_parallel_optimizer=True,
-                                              parallel_optimizer_config={"optimizer_level": level})
-            net = staged()
-            opt = OPTIMIZERS[opt_name](net.parameters())
-            model = Model(nn.PipelineCell(nn.WithLossCell(net, torch.nn.CrossEntropyLoss()), micro_size=4),
-                          optimizer=opt)
-            cb = Losses()
-            model.train(1, [replica_batch(s) for s in range(5)], callbacks=[cb])
+            net, opt, cb = train_model(scheduler, opt_name, enable_parallel_optimizer=True,
+                                       parallel_optimizer_config={"optimizer_level": level})
         runner = pipeline_of(net)
         stage_numel = sum(ref.numel() for k, ref in summed[opt_name][1].items()
                           if runner.stage_index in runner.owner.get(k, ()))
@@ -230,26 +231,6 @@ for level, opt_name, scheduler in (("level1", "AdamW", "1f1b"), ("level3", "SGD"
         import traceback
 
         results[key] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}", "trace": traceback.format_exc()[-1500:]}
-# the PyTorch door's spelling: PipelineParallel(..., grads="stage", zero="level1"), a plain loop, AdamW made first
-key = "torch/zero/AdamW"
-try:
-    autopar.reset_auto_parallel_context()
-    net = Net()
-    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
-    runner = PipelineParallel(net, torch.nn.functional.cross_entropy, micro_batches=4, split_points=["l3"],
-                              grads="stage", zero="level1" if replicas > 1 else None)
-    losses = []
-    for step in range(5):
-        losses.append(float(runner.step(*replica_batch(step))))
-        opt.step()
-        opt.zero_grad()
-    results[key] = {"loss_diff": max(abs(a - b) for a, b in zip(losses, refs["AdamW"][0])),
-                    "param_diff": stage_diff(runner, refs["AdamW"][1]), "stage": runner.stage_index,
-                    "sharded": len(runner._sharded)}
-except Exception as exc:  # noqa: BLE001
-    import traceback
-
-    results[key] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}", "trace": traceback.format_exc()[-1500:]}
 # MindSpore 2.3's functional pipeline: PipelineCell called inside value_and_grad, PipelineGradReducer, opt(grads)
 key = "functional/1f1b/Momentum"
 try:
@@ -276,21 +257,25 @@ except Exception as exc:  # noqa: BLE001
 
     results[key] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}", "trace": traceback.format_exc()[-1500:]}
 # the PyTorch door: split points by name, a plain loop, the optimizer made first; then interleaved (three split
-# points, two virtual stages per rank)
-for key, points, virtual in (("torch/1f1b/AdamW", ["l3"], 1), ("torch/interleaved/AdamW", ["l2", "l3", "l4"], 2)):
+# points, two virtual stages per rank); and with ZeRO inside the stages (grads="stage", zero="level1")
+for key, points, virtual, extra in (("torch/1f1b/AdamW", ["l3"], 1, {}),
+                                    ("torch/interleaved/AdamW", ["l2", "l3", "l4"], 2, {}),
+                                    ("torch/zero/AdamW", ["l3"], 1,
+                                     {"grads": "stage", "zero": "level1" if replicas > 1 else None})):
     try:
         autopar.reset_auto_parallel_context()
         net = Net()
         opt = torch.optim.AdamW(net.parameters(), lr=0.01)
         runner = PipelineParallel(net, torch.nn.functional.cross_entropy, micro_batches=4, split_points=points,
-                                  virtual_stages=virtual)
+                                  virtual_stages=virtual, **extra)
         losses = []
         for step in range(5):
             losses.append(float(runner.step(*replica_batch(step))))
             opt.step()
             opt.zero_grad()
         results[key] = {"loss_diff": max(abs(a - b) for a, b in zip(losses, refs["AdamW"][0])),
-                        "param_diff": stage_diff(runner, refs["AdamW"][1]), "stage": runner.stage_index}
+                        "param_diff": stage_diff(runner, refs["AdamW"][1]), "stage": runner.stage_index,
+                        "sharded": len(runner._sharded)}
     except Exception as exc:  # noqa: BLE001
         results[key] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
 
