@@ -431,6 +431,42 @@ def test_interleaving_pinned_over_layers_that_do_not_divide_takes_uneven_chunks(
     assert k.parts["pipeline"] == pytest.approx(k.m * micro + (k.p - 1) * micro * 4 / 8, rel=0.02)
 
 
+def test_the_embedding_and_the_loss_take_a_layers_place_in_the_pipeline_split_where_pinned(capsys):
+    """BLOOM's 70 layers over 72 stages (DeepSpeed's --pp-partition-method 'type:transformer|embedding') and a
+    30-layer Llama over 4 stages x 8 virtual ones (Megatron-LM's account-for-embedding/loss flags) plan only when
+    the embedding and the loss count as layers: the first and last stages hold a layer fewer, and the slowest
+    stage -- here the head's -- sets the pace; where both splits exist the totals agree on the layers."""
+    a100, h100 = load_cluster("a100-ib"), load_cluster("h100-ib")
+    bloom = GPTConfig(70, 14336, 112, vocab=250880, attention="materialized")
+    pin = {"tp": 1, "pp": 72, "micro_batch": 1, "zero": 1, "recompute": True, "vpp": 1}
+    with pytest.raises(ConfigError, match="with --split-embedding-and-loss the embedding and the loss count as two"):
+        plan_gpt(bloom, a100, 288, 2048, fixed=pin)
+    plan = plan_gpt(bloom, a100, 288, 2048, fixed={**pin, "split_embedding": True})
+    best = plan.best
+    assert best.split_embedding and best.stage_layers(70) == (0, 1, 0)
+    assert "the embedding and the loss each in a layer's place" in plan.explain()
+    assert plan.to_dict()["configuration"]["split_embedding"] is True
+    head, layer = plan.planner.head(1, 1, 1, False), plan.planner.layer(1, 1, 1, False)
+    assert head.time > layer.time + layer.forward  # the head's stage is the slowest: it sets the pace
+    proxy = GPTConfig(30, 16384, 128, seq=8192, vocab=128256, ffn=53248, kv_heads=8, family="llama")
+    fixed = {"tp": 8, "pp": 4, "cp": 2, "micro_batch": 1, "vpp": 8, "sp": True}
+    with pytest.raises(ConfigError):
+        plan_gpt(proxy, h100, 64, 64, fixed=fixed)
+    split = plan_gpt(proxy, h100, 64, 64, fixed={**fixed, "split_embedding": True}).best
+    assert split.v == 8 and split.stage_layers(30) == (7, 8, 7)
+    layers = sum(split.stage_layers(30)) + 8 * (split.p - 3)  # the first, the last and p - 2 middle stages
+    assert layers == 30
+    # the command line's spelling, and a 1-stage plan ignores it (nothing to split)
+    assert cli(["plan", "llama", "--layers", "30", "--hidden", "16384", "--heads", "128", "--kv-heads", "8",
+                "--ffn", "53248", "--vocab", "128256", "--seq", "8192", "-n", "64", "--machine", "h100-ib",
+                "--global-batch", "64", "--tp", "8", "--pp", "4", "--cp", "2", "--vpp", "8", "--sp",
+                "--micro-batch", "1", "--split-embedding-and-loss", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["configuration"]["split_embedding"] is True and out["configuration"]["vpp"] == 8
+    one = plan_gpt(proxy, h100, 64, 64, fixed={"tp": 8, "pp": 1, "cp": 2, "split_embedding": True}).best
+    assert not one.split_embedding and one.stage_layers(30) == (30, 0, 30)
+
+
 def test_zero_inside_pipeline_stages_is_planned_where_pinned_and_said():
     """torchtitan runs FSDP inside pipeline stages; the search keeps pipelines to ZeRO 0/1 (Megatron's distributed
     optimizer), a pin plans the others, and the plan says what autopar's runtime does not run: ZeRO inside the

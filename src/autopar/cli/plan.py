@@ -53,7 +53,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "groups (hybrid sharding: FSDP2's HSDP, MiCS; MindSpore's optimizer_weight_shard_size)")
     g.add_argument("--cp", type=int, default=None,
                    help="pin the context-parallel degree (ring attention over the sequence; planned only where "
-                        "pinned: autopar's runtime does not run it yet)")
+                        "pinned)")
+    g.add_argument("--split-embedding-and-loss", action="store_true",
+                   help="the embedding and the loss each take a layer's place in the pipeline split, the first and "
+                        "last stages a layer fewer (Megatron-LM's --account-for-embedding-in-pipeline-split and "
+                        "--account-for-loss-in-pipeline-split; DeepSpeed's --pp-partition-method "
+                        "'type:transformer|embedding')")
     g.add_argument("--sp", action="store_true",
                    help="sequence parallelism in the tensor group (Megatron's; planned only where pinned)")
     g.add_argument("--recompute", default=None, choices=("full", "selective", "block", "none", "on", "off"),
@@ -157,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
                                              ("--sp", args.sp), ("--zero", args.zero), ("--zero-shard", args.zero_shard),
                                              ("--recompute", args.recompute),
                                              ("--recompute-layers", args.recompute_layers),
+                                             ("--split-embedding-and-loss", args.split_embedding_and_loss),
                                              ("--micro-batch", args.micro_batch), ("--machine", args.machine))
                     if value not in (None, False)]
     if cluster_only:
@@ -218,7 +224,7 @@ def run_gpt(args: argparse.Namespace) -> int:
              "cp": args.cp, "sp": args.sp or None, "zero_shard": args.zero_shard,
              "recompute": {None: None, "full": True, "on": True, "none": False, "off": False,
                            "selective": "selective", "block": "block"}[args.recompute],
-             "recompute_layers": args.recompute_layers}
+             "recompute_layers": args.recompute_layers, "split_embedding": args.split_embedding_and_loss or None}
     print(f"[autopar] planning {config.describe()} on {args.nproc} x {spec.device_name} ({spec.name})...",
           file=sys.stderr, flush=True)
     plan = plan_gpt(config, spec, args.nproc, args.global_batch, dtype, limit, fixed=fixed)

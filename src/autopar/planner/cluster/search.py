@@ -16,7 +16,8 @@ and reused for every layer. Around it the search enumerates:
   searched only where there are scores to drop), block (the fewest layers of a device recomputed whole that fit)
   or full.
 
-Context and sequence parallelism are planned where pinned (autopar's runtime does not run them yet). The fastest plan
+Context and sequence parallelism are planned where pinned (what of a plan autopar's runtime does not run yet, the
+plan names: :meth:`Candidate.not_run_by_autopar`). The fastest plan
 that fits the memory (``memory.py``) wins; the explanation lists it, its per-layer strategies and the runners-up.
 """
 from __future__ import annotations
@@ -51,6 +52,10 @@ class Candidate:
     sp: bool = False  # sequence parallelism in the tensor group (norms, dropout, residuals split on the sequence)
     recompute_layers: int = 0  # "block": the layers of a device recomputed whole (Megatron's --recompute-method block)
     shard: int = 0  # ZeRO's shard group (hybrid sharding: replicated across the groups); 0: every replica
+    # the embedding and the loss each take a layer's place in the pipeline split (Megatron-LM's
+    # --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split, DeepSpeed's
+    # --pp-partition-method 'type:transformer|embedding'): the first and last stages hold a layer fewer
+    split_embedding: bool = False
     step: float = 0.0
     memory: float = 0.0
     parts: dict = field(default_factory=dict)  # seconds by cause
@@ -97,8 +102,26 @@ class Candidate:
     def recomputed_fraction(self, layers: int) -> float:
         """The share of the layers whose forward runs twice (full: all; block: the layers recomputed of a device's)."""
         if self.recompute == "block":
-            return min(1.0, self.recompute_layers / math.ceil(layers / self.p))
+            return min(1.0, self.recompute_layers / math.ceil(self.slots(layers) / self.p))
         return 1.0 if self.recompute is True else 0.0
+
+    def slots(self, layers: int) -> int:
+        """What the pipeline split divides: the layers, and with ``split_embedding`` the embedding and the loss."""
+        return layers + (2 if self.split_embedding and self.p > 1 else 0)
+
+    def stage_layers(self, layers: int) -> tuple[int, int, int]:
+        """(first, middle, last) stage's decoder layers; middle 0 where no middle stage holds more than the first.
+        Layers that do not divide into the stages leave the first and the last stage a layer lighter, the rest in
+        the middle (Llama 3, arXiv 2407.21783 sec. 3.3.2: "we reduce one Transformer layer each from the first and
+        the last stages"; Megatron-LM's --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers);
+        with ``split_embedding`` the first and last stages give a layer's place to the embedding and the loss."""
+        slots = self.slots(layers)
+        per_stage, last_stage = math.ceil(slots / self.p), slots // self.p
+        balanced = self.p > 2 and slots % self.p != 0 and slots - 2 * last_stage <= (self.p - 2) * per_stage
+        first_stage = last_stage if balanced else per_stage
+        if self.split_embedding and self.p > 1:
+            return first_stage - 1, per_stage if self.p > 2 else 0, last_stage - 1
+        return first_stage, per_stage if balanced else 0, last_stage
 
 
 def recompute_name(recompute: bool | str) -> str:
@@ -160,7 +183,8 @@ class MeshPlan:
                               "recompute": {"off": "none"}.get(c.recompute_name, c.recompute_name),
                               "recompute_layers": c.recompute_layers,
                               "attention": self.config.attention, "cp": c.cp, "sp": c.sp,
-                              "zero_shard": c.shard_group if c.zero else None},
+                              "zero_shard": c.shard_group if c.zero else None,
+                              "split_embedding": c.split_embedding},
             "not_run_by_autopar": c.not_run_by_autopar(),
             "memory_tight": self.tight,
             "loss": "fused" if self.planner.fused_loss else "fp32",
@@ -183,15 +207,17 @@ class MeshPlan:
             + (f"context-parallel groups {c.t} ranks apart, data-parallel groups {c.t * c.cp} ranks apart, "
                if c.cp > 1 else f"data-parallel groups {c.t} ranks apart, ")
             + f"stages {c.t * c.cp * c.d} ranks apart)",
-            f"pipeline: {c.p} stage(s) of {stage_sizes(cfg.layers, c.p)} layers, "
-            + (f"interleaved 1F1B ({c.v} chunks of {stage_sizes(cfg.layers, c.p * c.v)} layers a device)"
+            f"pipeline: {c.p} stage(s) of {stage_sizes(c.slots(cfg.layers), c.p)} layers"
+            + (" (the embedding and the loss each in a layer's place: the first and last stages a layer fewer)"
+               if c.split_embedding else "") + ", "
+            + (f"interleaved 1F1B ({c.v} chunks of {stage_sizes(c.slots(cfg.layers), c.p * c.v)} layers a device)"
                if c.v > 1 else "1F1B") + f", {c.m} micro-batches of {c.b}; "
             + (f"bubble (p-1)/(v m+p-1) = {c.bubble:.1%}" if c.v > 1 else f"bubble (p-1)/(m+p-1) = {c.bubble:.1%}"),
             f"optimizer sharding: ZeRO level {c.zero}" + (" (off)" if c.zero == 0 else f" over {c.d * c.cp} replicas"
                                                           if c.shard_group == c.d * c.cp else
                                                           f" over groups of {c.shard_group} of the {c.d * c.cp} "
                                                           f"replicas, replicated across {c.d * c.cp // c.shard_group}")
-            + "; activation recomputation: " + (f"block ({c.recompute_layers} of a device's {math.ceil(cfg.layers / c.p)} "
+            + "; activation recomputation: " + (f"block ({c.recompute_layers} of a device's {max(c.stage_layers(cfg.layers))} "
                                                 f"layers recompute their forward whole)" if c.recompute == "block"
                                                 else c.recompute_name),
             f"predicted step: {c.step:.3f} s = " + " + ".join(f"{k} {v:.3f}" for k, v in c.parts.items()),
@@ -256,12 +282,8 @@ def evaluate(planner: LayerPlanner, k: Candidate) -> None:
     Ranks are in Megatron's order: tensor innermost, then context, data, pipeline."""
     cfg, spec, itemsize = planner.config, planner.spec, planner.itemsize
     layer, head = planner.layer(k.t, k.b, k.cp, k.sp), planner.head(k.t, k.b, k.cp, k.sp)
-    per_stage, last_stage = math.ceil(cfg.layers / k.p), cfg.layers // k.p
-    # layers that do not divide into the stages: the first and the last stage a layer lighter, the rest in the middle
-    # (Llama 3, arXiv 2407.21783 sec. 3.3.2: "we reduce one Transformer layer each from the first and the last
-    # stages"; Megatron-LM's --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers)
-    balanced = k.p > 2 and cfg.layers % k.p != 0 and cfg.layers - 2 * last_stage <= (k.p - 2) * per_stage
-    first_stage = last_stage if balanced else per_stage
+    first_stage, middle_stage, last_stage = k.stage_layers(cfg.layers)
+    per_stage = max(first_stage, middle_stage, last_stage)
     boundary = k.b * (cfg.seq // k.cp) * cfg.hidden * itemsize
     replicas = k.d * k.cp  # the weights are the same on the data- and context-parallel ranks
     shard = k.shard_group  # ZeRO's shards: over every replica, or over groups of them (hybrid sharding)
@@ -275,15 +297,15 @@ def evaluate(planner: LayerPlanner, k: Candidate) -> None:
     first = first_stage * layer_time + min(block, first_stage) * layer.forward + embed_time + (
         head.time if k.p == 1 else 0.0)
     last = last_stage * layer_time + min(block, last_stage) * layer.forward + head.time if k.p > 1 else first
-    middle = per_stage * layer_time + block * layer.forward if balanced else 0.0
+    middle = middle_stage * layer_time + min(block, middle_stage) * layer.forward
     micro = max(first, last, middle)
     p2p = 0.0
     if k.p > 1:  # activation forward, its gradient back; split over the tensor group (scatter-gather)
         p2p = 2 * spec.collective("all_gather", 2 * boundary / k.t, 2, k.t * replicas)[0]
-    pipeline = schedule_seconds(k.m, k.p, k.v, cfg.layers, micro, p2p)
+    pipeline = schedule_seconds(k.m, k.p, k.v, k.slots(cfg.layers), micro, p2p)
     # parameters of the largest stage on one device
     stage_params = max(first_stage * layer.param_count + embed_params + (head.param_count if k.p == 1 else 0),
-                       per_stage * layer.param_count if balanced else 0.0,
+                       middle_stage * layer.param_count,
                        last_stage * layer.param_count + head.param_count)
     dp = data_parallel_sync(spec, k.zero, k.m, stage_params * itemsize, layer.param_count * itemsize, per_stage,
                             micro, shard if k.zero else replicas, k.t, staged=k.p > 1, itemsize=itemsize,
@@ -307,9 +329,9 @@ def evaluate(planner: LayerPlanner, k: Candidate) -> None:
         return flight * ((layers - own) * kept + own * layer.input_bytes) + (layer.activation_bytes if own else 0.0)
 
     acts = stage_acts(first_stage, flight) + (head.activation_bytes if k.p == 1 else 0.0)
-    if balanced:  # the second stage: a layer more, fewer in flight -- min(p - 1, m), interleaved p + (p - 3) / v
+    if middle_stage:  # the second stage: more layers, fewer in flight -- min(p - 1, m), interleaved p + (p - 3) / v
         second = min(k.p - 1, k.m) if k.v == 1 else math.ceil(k.p + (k.p - 3) / k.v)
-        acts = max(acts, stage_acts(per_stage, second))
+        acts = max(acts, stage_acts(middle_stage, second))
     own = min(block, last_stage)
     last_acts = head.activation_bytes + (layer.activation_bytes if k.recompute is True else (last_stage - own) * kept
                                          + own * layer.input_bytes + (layer.activation_bytes if own else 0.0))
@@ -318,7 +340,7 @@ def evaluate(planner: LayerPlanner, k: Candidate) -> None:
 
 
 _FLAGS = {"tp": "--tp", "pp": "--pp", "micro_batch": "--micro-batch", "zero": "--zero", "recompute": "--recompute",
-          "vpp": "--vpp", "zero_shard": "--zero-shard"}
+          "vpp": "--vpp", "zero_shard": "--zero-shard", "split_embedding": "--split-embedding-and-loss"}
 
 
 def _pin_text(key: str, value, fixed: dict) -> str:
@@ -358,7 +380,7 @@ def _fewest_recomputed(planner: "LayerPlanner", k: Candidate, limit: float, pinn
     """Block recomputation (Megatron-LM's ``--recompute-method block --recompute-num-layers n``): the ``n`` first
     layers of a device recompute their forward whole, the others keep their activations. Pinned, ``n`` as given;
     searched, the fewest that fit -- between none and full, where a stage is a few layers too big for its memory."""
-    per_stage = math.ceil(planner.config.layers / k.p)
+    per_stage = max(k.stage_layers(planner.config.layers))
     if pinned is not None:
         k.recompute_layers = min(pinned, per_stage)
         evaluate(planner, k)
@@ -410,8 +432,9 @@ def _enumerate(planner: LayerPlanner, devices: int, global_batch: int, fixed: di
                   if (t > spec.devices_per_node or spec.devices_per_node % t == 0) and (devices // cp) % t == 0
                   and config.kv_groups % t == 0 and config.ffn_size % t == 0 and keep("tp", t)
                   and (not sp or (t > 1 and config.seq % (t * cp) == 0))]
+    split = bool(fixed.get("split_embedding"))
     for t in tp_options:
-        for p in range(1, min(config.layers, devices // (t * cp)) + 1):
+        for p in range(1, min(config.layers + (2 if split else 0), devices // (t * cp)) + 1):
             if (devices // (t * cp)) % p or not keep("pp", p):
                 continue
             d = devices // (t * cp * p)
@@ -432,9 +455,10 @@ def _enumerate(planner: LayerPlanner, devices: int, global_batch: int, fixed: di
                 for zero in [z for z in levels if keep("zero", z) and (z or fixed.get("zero_shard") is None)]:
                     for shard in _shard_groups(spec, fixed, zero, t, d * cp, p):
                         for recompute in recomputes:
-                            for v in virtual_stages(config.layers, p, global_batch // (d * b), fixed.get("vpp")):
+                            slots = config.layers + (2 if split and p > 1 else 0)
+                            for v in virtual_stages(slots, p, global_batch // (d * b), fixed.get("vpp")):
                                 k = Candidate(t, p, d, b, global_batch // (d * b), zero, recompute, v, cp, sp,
-                                              shard=shard)
+                                              shard=shard, split_embedding=split and p > 1)
                                 if recompute == "block":
                                     k = _fewest_recomputed(planner, k, limit, fixed.get("recompute_layers"))
                                 else:
@@ -480,7 +504,7 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
     configuration); the rest is searched. ``_remedy``: where nothing fits, say what would (the remedies' own plans do not look further)."""
     fixed = dict(fixed or {})
     unknown = set(fixed) - {"tp", "pp", "micro_batch", "zero", "recompute", "vpp", "cp", "sp", "recompute_layers",
-                            "zero_shard"}
+                            "zero_shard", "split_embedding"}
     if unknown:
         raise ConfigError(f"unknown plan constraint(s): {', '.join(sorted(unknown))}")
     vpp = fixed.get("vpp")
@@ -540,9 +564,11 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
         raise ConfigError(
             f"no plan of {devices} devices for global batch {global_batch}{pinned}: the data-parallel degree must "
             f"divide the batch, tensor parallelism the key/value heads ({config.kv_groups}), the feed-forward width "
-            f"({config.ffn_size}) and one node ({spec.devices_per_node}), pp at most the layers ({config.layers}), cp "
-            f"the devices; interleaving (vpp) needs the micro-batches divisible by pp and at least pp x vpp layers; "
-            f"a ZeRO shard group (--zero-shard) the data-parallel ranks (dp x cp)")
+            f"({config.ffn_size}) and one node ({spec.devices_per_node}), pp at most the layers ({config.layers}"
+            + (" + the embedding and the loss" if fixed.get("split_embedding") else "") + "), cp "
+            "the devices; interleaving (vpp) needs the micro-batches divisible by pp and at least pp x vpp layers"
+            + ("" if fixed.get("split_embedding") else " (with --split-embedding-and-loss the embedding and the loss "
+               "count as two more)") + "; a ZeRO shard group (--zero-shard) the data-parallel ranks (dp x cp)")
     too_big = considered - len(fitting)
     tight = not fitting and bool(on_device)
     if tight:  # the search's headroom is a margin of its own, not the device's: a pinned published run may fit
