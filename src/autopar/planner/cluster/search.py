@@ -397,8 +397,9 @@ def _fewest_recomputed(planner: "LayerPlanner", k: Candidate, limit: float, pinn
 
 
 def _context_and_sequence(config: GPTConfig, fixed: dict) -> tuple[int, bool]:
-    """The pinned context-parallel degree and sequence parallelism, checked (one line each); neither is searched:
-    autopar's runtime does not run them yet."""
+    """The pinned context-parallel degree and sequence parallelism, checked (one line each); neither is searched yet
+    (autopar's runtime runs sequence parallelism with tensor parallelism and context parallelism beside data, ZeRO
+    and tensor parallelism, neither inside pipeline stages; the free search does not weigh them)."""
     cp, sp = (1 if fixed.get("cp") is None else fixed["cp"]), bool(fixed.get("sp"))
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ConfigError(f"--cp must be a positive context-parallel degree, got {fixed.get('cp')!r}")
