@@ -5,7 +5,7 @@
 - ``dp_mesh(shard_size)``: data parallelism -- all ranks on one axis ``dp``, or ``(dp_replicate, dp_shard)`` when
   a parameter is sharded over groups of ``shard_size`` ranks (hybrid ZeRO / HSDP).
 - ``pipeline_mesh(stages)``: ``(pp, dp)`` -- rank ``r`` runs stage ``r // dp`` (MindSpore numbers a stage's ranks
-  consecutively).
+  consecutively); ``pipeline_mesh(stages, tensor)``: ``(pp, dp, tp)``, tensor parallelism inside the stages.
 
 All are row-major views of the same ranks, so a rank's coordinate on one is a function of its coordinate on
 another. Meshes are cached per shape: asking twice gives the same process groups (each costs a rendezvous)."""
@@ -65,9 +65,16 @@ def dp_mesh(shard_size: int | None = None) -> DeviceMesh:
     return _build((world // shard_size, shard_size), ("dp_replicate", "dp_shard"))
 
 
-def pipeline_mesh(stages: int) -> DeviceMesh:
-    """``(pp, dp)``: stage-major, as MindSpore numbers the ranks of a pipeline."""
+def pipeline_mesh(stages: int, tensor: int = 1) -> DeviceMesh:
+    """``(pp, dp)``: stage-major, as MindSpore numbers the ranks of a pipeline; with ``tensor`` > 1, ``(pp, dp, tp)``
+    -- a stage's ranks split into data-parallel replicas of ``tensor`` consecutive ranks each (Megatron's order:
+    tensor innermost)."""
     world = world_size()
     if world % stages:
         raise ConfigError(f"pipeline_stages={stages} does not divide the {world} ranks")
-    return _build((stages, world // stages), ("pp", "dp"))
+    if tensor == 1:
+        return _build((stages, world // stages), ("pp", "dp"))
+    if (world // stages) % tensor:
+        raise ConfigError(f"a tensor-parallel degree of {tensor} does not divide the {world // stages} ranks of a "
+                          "pipeline stage")
+    return _build((stages, world // stages // tensor, tensor), ("pp", "dp", "tp"))

@@ -65,7 +65,7 @@ def describe(state, network: torch.nn.Module) -> str:
     """The line, without the ``[autopar]`` mark."""
     world = state.world
     pp = getattr(state.pipeline, "num_stages", 1) if state.pipeline is not None else 1
-    tp = _tensor_parallel(state.runtime) if state.runtime is not None else 1
+    tp = _tensor_parallel(state.runtime) if state.runtime is not None else getattr(state.pipeline, "tp", 1)
     cp = _context_parallel(state.runtime)
     dp = max(1, world // (pp * tp * cp))
     parts = [f"{state.mode.value} on {world} rank{'s' if world != 1 else ''}: mesh dp {dp} x "

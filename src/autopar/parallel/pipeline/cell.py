@@ -57,7 +57,9 @@ def attach_pipeline_cell(network: torch.nn.Module, loss_fn, ctx, world: int) -> 
         raise ConfigError(f"pipeline_stages={stages} does not divide the {world} ranks")
     if has_strategies(network):
         _warn_once("pipeline+strategies", "autopar: shard strategies inside pipeline stages are not applied yet: "
-                   "each stage runs whole, replicated over its data-parallel ranks")
+                   "each stage runs whole, replicated over its data-parallel ranks (the PyTorch door splits a "
+                   "stage's modules: PipelineParallel(..., grads='stage', tp=N, tensor_parallel={name: 'colwise' | "
+                   "'rowwise'}))")
     backbone, loss = network.network.backbone_network, network.network._loss_fn
     runner = pipeline_of(backbone)
     if runner is not None:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from autopar import context as _context
 from autopar.common import grad_owners as owners
+from autopar.common import replaced
 from autopar.errors import ConfigError, user_stacklevel
 from autopar.labels import call_loss, class_indices
 from autopar.parallel.pipeline.split import network_output_loss, piece_calls, pieces_of
@@ -41,14 +42,14 @@ from autopar.parallel.pipeline.split import network_output_loss, piece_calls, pi
 SCHEDULES = ("1f1b", "gpipe")
 
 
-def _groups(num_stages: int) -> tuple[Any, Any, int, int]:
+def _groups(num_stages: int, tensor: int = 1) -> tuple[Any, Any, int, int]:
     """(pipeline group of this replica, data-parallel group of this stage, stage, replica)."""
     from autopar.comm.topology import pipeline_mesh
 
-    mesh = pipeline_mesh(num_stages)
-    replicas = dist.get_world_size() // num_stages
+    mesh = pipeline_mesh(num_stages, tensor)
+    per_stage = dist.get_world_size() // num_stages
     rank = dist.get_rank()
-    return mesh.get_group("pp"), mesh.get_group("dp"), rank // replicas, rank % replicas
+    return mesh.get_group("pp"), mesh.get_group("dp"), rank // per_stage, rank % per_stage // tensor
 
 
 stages_built: list[int] = []  # the stage counts of the pipelines made in this process (a dry run simulates each)
@@ -63,7 +64,8 @@ class PipelineParallel:
 
     def __init__(self, network: torch.nn.Module, loss_fn: Any, micro_batches: int, split_points: Sequence[str],
                  schedule: str = "1f1b", gradients_mean: bool = True, virtual_stages: int = 1,
-                 reduction: str = "mean", grads: str = "full", zero: str | None = None):
+                 reduction: str = "mean", grads: str = "full", zero: str | None = None, tp: int = 1,
+                 tensor_parallel: dict | None = None):
         if not dist.is_initialized():
             raise ConfigError("pipeline parallel needs the cluster: call autopar.communication.init() first")
         if reduction not in ("mean", "sum") or grads not in ("full", "stage"):
@@ -71,6 +73,7 @@ class PipelineParallel:
                               f"got {reduction!r}, {grads!r}")
         self.network, self.loss_fn, self.reduction, self.grads = network, loss_fn, reduction, grads
         self.zero = _zero_level(zero, grads)
+        self.tp, self.tensor_plan = _tensor_plan(tp, tensor_parallel, grads, self.zero)
         self._sharded: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}  # id(network's) -> (it, shard)
         # interleaved: the network cut into S x V pieces, rank s holding pieces s, s + S, ... (a smaller bubble,
         # (S-1)/(V M + S - 1), for V times the point-to-point traffic)
@@ -96,11 +99,18 @@ class PipelineParallel:
         unknown = [p for p in split_points if p not in names]
         if unknown:
             raise ConfigError(f"pipeline split point '{unknown[0]}' is not a module of the network")
+        unknown = [n for n in self.tensor_plan if n not in names]
+        if unknown:
+            raise ConfigError(f"PipelineParallel tensor_parallel names '{unknown[0]}', which is not a module of the "
+                              "network")
         self.split_points = list(split_points)
         self.schedule_name = schedule
         self.gradients_mean = gradients_mean
-        self.pp_group, self.dp_group, self.stage_index, self.replica = _groups(self.num_stages)
-        self.replicas = world // self.num_stages
+        if (world // self.num_stages) % self.tp:
+            raise ConfigError(f"PipelineParallel tp={self.tp} does not divide the {world // self.num_stages} "
+                              f"rank(s) of a pipeline stage ({world} ranks over {self.num_stages} stages)")
+        self.pp_group, self.dp_group, self.stage_index, self.replica = _groups(self.num_stages, self.tp)
+        self.replicas = world // self.num_stages // self.tp
         self._schedule = None
         self.stage_module: torch.nn.Module | None = None
         self._pieces: dict = {}
@@ -135,7 +145,8 @@ class PipelineParallel:
         deferred_build = _deferred_build(self.network)
         try:
             # the trace calls the network: it must not parallelize itself meanwhile
-            with _context.managed(), _no_generation_cache(self.network), _stand_ins(self.network, deferred_build):
+            with _context.managed(), _no_generation_cache(self.network), _stand_ins(self.network, deferred_build), \
+                    _attention_traced_plainly(self.tp > 1):
                 pipe = pipeline(self.network, mb_args=example,
                                 split_spec={name: SplitPoint.BEGINNING for name in self.split_points})
         except Exception as exc:  # noqa: BLE001 - torch.export's many failure types, said in one line
@@ -159,6 +170,8 @@ class PipelineParallel:
         shapes = _static_shapes(pipe, example) if _fake_group(self.pp_group) else {}
         if self.zero is not None:
             self._shard_stage(modules)
+        if self.tp > 1:
+            self._split_stage(modules)
         self.stage_module = modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
         stages = [PipelineStage(self._pieces[k], k, pieces, _comm.device(), group=self.pp_group, **shapes.get(k, {}))
                   for k in mine]
@@ -194,7 +207,6 @@ class PipelineParallel:
         from torch.distributed.fsdp import fully_shard
 
         from autopar.comm.topology import pipeline_mesh
-        from autopar.common import replaced
         from autopar.parallel.zero.fsdp import LEVELS
 
         _remap_before_steps()
@@ -215,12 +227,61 @@ class PipelineParallel:
     @property
     def gradient_sync(self) -> str:
         """How a step's gradients are completed, for the run's one-line summary."""
+        split = f"; its modules split over tensor groups of {self.tp}" if self.tp > 1 else ""
+        return self._gradient_sync() + split
+
+    def _gradient_sync(self) -> str:
         if self.grads == "full":
             return "every stage's summed over all ranks after the last micro-batch (all-reduce)"
         if self.replicas == 1:
             return "each stage's its own (one replica a stage: nothing to sum)"
         how = "reduce-scattered into ZeRO's shards (FSDP2)" if self.zero else "all-reduced"
         return f"each stage's {how} over its {self.replicas} replicas after the last micro-batch"
+
+    def _split_stage(self, pieces: list) -> None:
+        """Tensor parallelism inside the stage, as Megatron-LM and torchtitan compose it with pipelines: the weights
+        of this rank's pieces' modules named in ``tensor_parallel`` split over the stage's ``tp`` ranks as the
+        style says (``"colwise"``: a ``Linear``'s output features, ``"rowwise"``: its input features -- Megatron's
+        pairs; an ``Embedding``'s embedding or vocabulary dimension), and the traced piece run on DTensor's
+        sharding propagation: whatever it does with a split module's output -- a view into heads, a residual, a
+        softmax -- is computed as one process would, the collectives where the layouts meet (its plain tensors are
+        taken as replicated: ``implicit_replication``); what a piece sends to the next stage is made whole. The
+        network's own parameters give their memory to the splits, as under ZeRO, and :meth:`gather_parameters`
+        makes them whole. (torch's ``parallelize_module`` needs ``nn.Linear`` modules; a traced piece's are
+        interpreters of them.)"""
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        from autopar.comm.topology import pipeline_mesh
+        from autopar.parallel.tensor.attention import register_attention_rules
+
+        _remap_before_steps()
+        register_attention_rules()  # (the CPU's flash attention on heads split: DTensor has no rule of its own)
+        mesh = pipeline_mesh(self.num_stages, self.tp)["tp"]
+        own = dict(self.network.named_parameters(remove_duplicate=False))
+        kinds = dict(self.network.named_modules())
+        for piece in pieces:
+            named = list(piece.graph_module.named_parameters(remove_duplicate=False))
+            if not any(name.rpartition(".")[0] in self.tensor_plan for name, _ in named):
+                continue
+            # every tensor of a split piece a DTensor -- the rest of its parameters and its inputs replicated -- so
+            # that each gradient comes back as its tensor is: a plain tensor's from DTensor arithmetic would be a
+            # DTensor, which neither the optimizer nor the stage's send can take
+            piece.tensor_mesh = mesh
+            made: dict[int, torch.nn.Parameter] = {}  # a weight used twice in a piece is laid out once
+            for name, whole in named:
+                owner, _, attr = name.rpartition(".")
+                if id(whole) not in made:
+                    style = self.tensor_plan.get(owner)
+                    placement = _placement(kinds[owner], whole, style) if style else Replicate()
+                    made[id(whole)] = torch.nn.Parameter(distribute_tensor(whole.detach().clone(), mesh, [placement]),
+                                                         requires_grad=whole.requires_grad)
+                split = made[id(whole)]
+                (piece.graph_module.get_submodule(owner) if owner else piece.graph_module)._parameters[attr] = split
+                old = own.get(name)
+                if old is not None and id(old) not in self._sharded:
+                    self._sharded[id(old)] = (old, split)
+                    replaced.record(old, split)
+                    old.data = torch.empty(0, dtype=old.dtype, device=old.device)
 
     def _training(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
         """The parameter that trains for the network's ``param``: its ZeRO shard, or itself."""
@@ -254,7 +315,9 @@ class PipelineParallel:
                                         else [t] * self.micro_batches for t in inputs]))
         carried = self._set_aside_gradients()
         losses: list[torch.Tensor] = []
-        with _context.managed():  # the stages' modules are called by the schedule, not as networks to parallelize
+        # (the stages' modules are called by the schedule, not as networks to parallelize; under tensor parallelism
+        # a piece's plain tensors meet its split weights as replicated, in the backward too)
+        with _context.managed(), _implicit_replication(self.tp > 1):
             if self.stage_index == 0:
                 self._schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
             else:
@@ -302,8 +365,8 @@ class PipelineParallel:
                     p.grad = g
         else:  # this stage's gradients over its replicas; a weight tied across stages over the stages holding it
             mine = [p for p in self.stage_module.parameters() if p.grad is not None]
-            if self.replicas > 1 and not self._sharded:  # (ZeRO's shards: FSDP2 reduce-scattered them)
-                reduce_now([p.grad for p in mine], self.dp_group, replicas, into=True)
+            if self.replicas > 1 and self.zero is None:  # (ZeRO's shards: FSDP2 reduce-scattered them)
+                reduce_now([_local(p.grad) for p in mine], self.dp_group, replicas, into=True)
             tied = [self._training(p) for p in self._tied_parameters()]
             if tied:  # (sharded alike on every stage that holds one: the local slices line up)
                 grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in tied]
@@ -470,6 +533,69 @@ def _remap_before_steps() -> None:
         from autopar.common.replaced import remap_optimizer
 
         _remapping.append(register_optimizer_step_pre_hook(lambda opt, args, kwargs: remap_optimizer(opt)))
+
+
+STYLES = ("colwise", "rowwise")
+
+
+def _tensor_plan(tp: int, plan: dict | None, grads: str, zero: str | None) -> tuple[int, dict]:
+    """``tp`` and the modules it splits, checked: one line for each way they cannot run."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"PipelineParallel tp must be a positive whole number of ranks, got {tp!r}")
+    plan = dict(plan or {})
+    if tp == 1:
+        if plan:
+            raise ConfigError("PipelineParallel tensor_parallel splits modules over tp ranks: give tp > 1 too")
+        return 1, plan
+    if not plan:
+        raise ConfigError(f"PipelineParallel tp={tp} needs tensor_parallel={{module name: 'colwise' | 'rowwise'}} "
+                          "saying which modules to split")
+    if grads != "stage":
+        raise ConfigError(f"PipelineParallel tp={tp} splits a stage's weights over its tensor group, which needs "
+                          "grads='stage' (with grads='full' every rank steps every parameter whole)")
+    if zero is not None:
+        raise ConfigError(f"PipelineParallel tp={tp} with zero={zero!r}: ZeRO and tensor parallelism together "
+                          "inside pipeline stages are not supported yet; choose one")
+    bad = [name for name, style in plan.items() if isinstance(style, str) and style not in STYLES]
+    if bad:
+        raise ConfigError(f"PipelineParallel tensor_parallel['{bad[0]}']={plan[bad[0]]!r}; expected 'colwise' or "
+                          "'rowwise'")
+    return tp, plan
+
+
+def _placement(module: torch.nn.Module, param: torch.Tensor, style: str):
+    """Where ``style`` puts one of ``module``'s parameters on the tensor group: a ``Linear``'s weight ``(out, in)``
+    split on ``out`` (colwise) or ``in`` (rowwise), its bias with the output; an ``Embedding``'s ``(vocab, dim)`` on
+    ``dim`` (colwise) or ``vocab`` (rowwise); transformers' ``Conv1D`` (``(in, out)``) as a ``Linear`` means."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if param.dim() == 2:
+        if isinstance(module, torch.nn.Embedding):
+            return Shard(1 if style == "colwise" else 0)
+        transposed = type(module).__name__ == "Conv1D"
+        return Shard((0 if style == "colwise" else 1) ^ int(transposed))
+    return Shard(0) if style == "colwise" and param.dim() == 1 else Replicate()
+
+
+def _attention_traced_plainly(active: bool):
+    """The trace with attention's math kernel: the CPU's flash kernel returns its output in (batch, sequence, heads)
+    memory order, so the ``.transpose(1, 2).contiguous()`` after it is already contiguous and the trace drops the
+    copy; under tensor parallelism the same output is a DTensor whose strides are the standard ones, and the
+    ``view`` after it fails ("Cannot view a tensor with shape ... and strides ..."). Traced with the math kernel the
+    copy stays (it runs where it must, and costs nothing where the layout is already contiguous)."""
+    if not active:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH])
+
+
+def _implicit_replication(active: bool):
+    if not active:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    return implicit_replication()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -112,6 +112,7 @@ class Piece(torch.nn.Module):
         self.feed: list[tuple] = []  # per micro-batch of this step: the network's inputs
         self.micro = 0  # the micro-batch being computed (the stage's forward context says which)
         self.probing = False  # torch's shape probe: what it "receives" is uninitialised memory
+        self.tensor_mesh = None  # its modules split over this tensor group: its tensors DTensors on it
 
     def reads_inputs(self) -> bool:
         return self.index > 0 and any(kind == "root" for kind, _ in self.sources)
@@ -136,7 +137,17 @@ class Piece(torch.nn.Module):
         # what crosses to the next stage is sent as laid out, and gloo and NCCL send contiguous memory: a Hugging
         # Face model hands its layers an expanded mask and RoPE's cos/sin (strides of 0), which torch's stage would
         # receive into buffers of those strides ("input tensor has to be contiguous")
-        return tree_map(lambda t: t.contiguous() if isinstance(t, torch.Tensor) else t, self.graph_module(*args))
+        if self.tensor_mesh is None:
+            return tree_map(lambda t: t.contiguous() if isinstance(t, torch.Tensor) else t, self.graph_module(*args))
+        # tensor parallelism inside the stage: what it receives enters as replicated DTensors (their gradients go
+        # back whole), what it makes inside (a mask, positions) is taken as replicated (the runner's step runs under
+        # ``implicit_replication``), and what it sends is made whole -- the next stage's ranks each receive all of it
+        from torch.distributed.tensor import DTensor, Replicate
+
+        args = [DTensor.from_local(a, self.tensor_mesh, [Replicate()], run_check=False)
+                if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+        return tree_map(lambda t: (t.full_tensor() if isinstance(t, DTensor) else t).contiguous()
+                        if isinstance(t, torch.Tensor) else t, self.graph_module(*args))
 
 
 def piece_calls(pipe) -> list:

@@ -78,13 +78,13 @@ class Candidate:
         """What of this plan autopar's runtime does not run yet: context and sequence parallelism are planned only
         where pinned (to predict another system's run; autopar runs sequence parallelism with tensor parallelism,
         not inside pipeline stages, where layouts are not applied yet, and context parallelism with data parallel,
-        ZeRO and tensor parallelism, not yet with sequence parallelism or inside pipeline stages); tensor
-        parallelism inside pipeline stages is searched, as Megatron-LM runs it, and said. ZeRO inside pipeline
-        stages runs (each stage's optimizer sharded over all of its data-parallel ranks, FSDP2 under torch's
-        pipeline schedules), not yet over smaller shard groups there."""
+        ZeRO and tensor parallelism, not yet with sequence parallelism or inside pipeline stages). Inside pipeline
+        stages the runtime runs tensor parallelism (``PipelineParallel(tp=...)``) and ZeRO (each stage's optimizer
+        sharded over all of its data-parallel ranks), not yet both together -- Megatron-LM's usual plan, searched
+        and said -- nor ZeRO over smaller shard groups there."""
         out = []
-        if self.t > 1 and self.p > 1:
-            out.append("tensor parallelism inside pipeline stages")
+        if self.t > 1 and self.p > 1 and self.zero >= 1:
+            out.append(f"ZeRO-{self.zero} with tensor parallelism inside pipeline stages")
         if self.cp > 1 and self.p > 1:
             out.append("context parallelism inside pipeline stages")
         if self.cp > 1 and self.sp:

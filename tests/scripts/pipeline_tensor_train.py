@@ -1,0 +1,121 @@
+"""Worker: tensor parallelism inside pipeline stages (the PyTorch door: ``PipelineParallel(..., grads="stage",
+tp=2, tensor_parallel={module name: "colwise" | "rowwise"})``) equals one process on the global batch, in float64.
+
+argv: OUT_PREFIX CKPT_DIR. 2 stages x 2 tensor-parallel ranks (4 ranks). Cases: a 4-Linear network with a skip
+connection across the stage boundary (Megatron's column / row pairs, AdamW made before the first step), and a
+nanoGPT (tests/scripts/gpt.py: fused q/k/v split by columns, heads split, the output head tied to the embedding
+across the stages, the loss inside ``forward``); each against one process on the same batches: per-step losses and
+every parameter of the rank's stage after the steps; the split weights' local halves; the integrated checkpoint
+after training holds the whole trained network. Bad input, each one line. Writes {case: result} to OUT_PREFIX.<rank>.
+"""
+import json
+import sys
+
+import numpy as np
+import torch
+from gpt import GPT, GPTConfig
+
+import autopar
+from autopar.communication import get_rank, init
+from autopar.errors import ConfigError
+from autopar.parallel.pipeline.runner import PipelineParallel
+
+out_prefix, ckpt_dir = sys.argv[1], sys.argv[2]
+torch.set_default_dtype(torch.float64)  # exact math shows as ~1e-15; fp32 rounding under AdamW would hide it
+init()
+rank = get_rank()
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 16)
+        self.l3, self.l4 = torch.nn.Linear(16, 16), torch.nn.Linear(16, 5)
+
+    def forward(self, x):
+        h = torch.relu(self.l2(torch.relu(self.l1(x))))
+        return self.l4(torch.relu(self.l3(h)) + h)
+
+
+def gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32, dropout=0.0))
+
+
+rng = np.random.default_rng(0)
+CASES = {
+    "net": (Net, torch.nn.functional.cross_entropy, ["l3"], {"l1": "colwise", "l2": "rowwise", "l3": "colwise",
+                                                            "l4": "rowwise"},
+            (torch.tensor(rng.standard_normal((4, 16, 8))), torch.tensor(rng.integers(0, 5, (4, 16))))),
+    "gpt": (gpt, None, ["transformer.h.1"],
+            {f"transformer.h.{i}.{m}": s for i in range(2) for m, s in (("attn.c_attn", "colwise"),
+                                                                         ("attn.c_proj", "rowwise"),
+                                                                         ("mlp.c_fc", "colwise"),
+                                                                         ("mlp.c_proj", "rowwise"))},
+            (torch.tensor(rng.integers(0, 64, (4, 8, 16))), torch.tensor(rng.integers(0, 64, (4, 8, 16))))),
+}
+
+
+def loss_of(net, loss_fn, x, y):
+    return loss_fn(net(x), y) if loss_fn is not None else net(x, y)[1]
+
+
+results = {}
+for key, (build, loss_fn, points, plan, (X, Y)) in CASES.items():
+    try:
+        ref = build()
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        ref_losses = []
+        for step in range(len(X)):
+            loss = loss_of(ref, loss_fn, X[step], Y[step])
+            ref_losses.append(float(loss.detach()))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        net = build()
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)  # made before the stages are split: moved onto them
+        runner = PipelineParallel(net, loss_fn, 2, points, grads="stage", tp=2, tensor_parallel=plan)
+        losses = []
+        for step in range(len(X)):
+            losses.append(float(runner.step(X[step], Y[step])))
+            opt.step()
+            opt.zero_grad()
+        halves = {n.removeprefix("graph_module."): (tuple(p.to_local().shape), tuple(p.shape))
+                  for n, p in runner.stage_module.named_parameters()
+                  if hasattr(p, "to_local") and any(q.is_shard() for q in p.placements)}  # (a row split's bias: whole)
+        runner.gather_parameters()  # the whole trained network on every rank
+        want = dict(ref.named_parameters())
+        stage = [k for k, stages in runner.owner.items() if runner.stage_index in stages and k in want]
+        results[key] = {"loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+                        "param_diff": max(float((p.detach() - want[k].detach()).abs().max())
+                                          for k, p in net.named_parameters() if k in stage),
+                        "whole_diff": max(float((p.detach() - want[k].detach()).abs().max())
+                                          for k, p in net.named_parameters()),
+                        "stage": runner.stage_index, "halves": halves, "sync": runner.gradient_sync}
+        if key == "gpt":  # the integrated file, written by rank 0, holds the whole trained network
+            autopar.save_checkpoint(net, f"{ckpt_dir}/tp.ckpt")
+            torch.distributed.barrier()
+            loaded = autopar.load_checkpoint(f"{ckpt_dir}/tp.ckpt")
+            results[key]["ckpt_diff"] = max(float((loaded[k].detach() - v.detach()).abs().max())
+                                            for k, v in want.items())
+    except Exception as exc:  # noqa: BLE001 - recorded: the test names the case
+        import traceback
+
+        results[key] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}", "trace": traceback.format_exc()[-1500:]}
+
+errors = {}
+for case, kwargs in (("no_plan", {"tp": 2}), ("no_tp", {"tensor_parallel": {"l1": "colwise"}}),
+                     ("full", {"grads": "full", "tp": 2, "tensor_parallel": {"l1": "colwise"}}),
+                     ("indivisible", {"tp": 3, "tensor_parallel": {"l1": "colwise"}}),
+                     ("unknown", {"tp": 2, "tensor_parallel": {"l9": "colwise"}}),
+                     ("style", {"tp": 2, "tensor_parallel": {"l1": "diagonal"}}),
+                     ("zero", {"tp": 2, "tensor_parallel": {"l1": "colwise"}, "zero": "level1"})):
+    try:
+        PipelineParallel(Net(), torch.nn.functional.cross_entropy, 2, ["l3"], **{"grads": "stage", **kwargs})
+        errors[case] = "no error"
+    except ConfigError as exc:
+        errors[case] = str(exc)
+results["errors"] = errors
+json.dump(results, open(f"{out_prefix}.{rank}", "w"), indent=1)
+print(f"RANK {rank} DONE", flush=True)
