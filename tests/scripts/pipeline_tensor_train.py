@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import torch
 from gpt import GPT, GPTConfig
+from pipeline_net import Net
 
 import autopar
 from autopar.communication import get_rank, init
@@ -24,18 +25,6 @@ out_prefix, ckpt_dir = sys.argv[1], sys.argv[2]
 torch.set_default_dtype(torch.float64)  # exact math shows as ~1e-15; fp32 rounding under AdamW would hide it
 init()
 rank = get_rank()
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.l1, self.l2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 16)
-        self.l3, self.l4 = torch.nn.Linear(16, 16), torch.nn.Linear(16, 5)
-
-    def forward(self, x):
-        h = torch.relu(self.l2(torch.relu(self.l1(x))))
-        return self.l4(torch.relu(self.l3(h)) + h)
 
 
 def gpt() -> GPT:

@@ -16,6 +16,7 @@ import warnings
 
 import numpy as np
 import torch
+from pipeline_net import Net
 
 import autopar
 from autopar import nn
@@ -36,20 +37,6 @@ X = torch.tensor(rng.standard_normal((5, GLOBAL, 8)).astype(np.float32))
 Y = torch.tensor(rng.integers(0, 5, (5, GLOBAL)))
 OPTIMIZERS = {"SGD": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
               "AdamW": lambda ps: torch.optim.AdamW(ps, lr=0.01)}
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.l1, self.l2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 16)
-        self.l3, self.l4 = torch.nn.Linear(16, 16), torch.nn.Linear(16, 5)
-
-    def forward(self, x):
-        h = torch.relu(self.l2(torch.relu(self.l1(x))))
-        if hasattr(self, "print"):  # the r2.3 sample prints inside its network (ops.Print)
-            self.print("h is:", h)
-        return self.l4(torch.relu(self.l3(h)) + h)  # a skip connection across the stage boundary
 
 
 def staged() -> Net:
