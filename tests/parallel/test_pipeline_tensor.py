@@ -2,24 +2,29 @@
 tp=2, tensor_parallel={name: "colwise" | "rowwise"})``) on 2 stages x 2 tensor-parallel gloo ranks: a 4-Linear
 network and a nanoGPT (heads split, the head tied to the embedding across the stages) equal one process on the
 global batch in float64 after several AdamW steps; each split weight holds its half; the integrated checkpoint holds
-the whole trained network; bad input is one line."""
+the whole trained network; bad input is one line. And the nanoGPT on 2 stages x 2 replicas x 2 tensor-parallel
+ranks with ZeRO-1 inside the stages (Megatron-LM's usual plan): exact, each weight a quarter or a half a rank."""
 import json
 
 from procutil import SCRIPTS, autopar_cmd
 
 
-def test_tensor_parallel_inside_pipeline_stages_is_exact(procs, tmp_path):
-    res = procs.run(autopar_cmd("launch", "-n", "4", "--log-dir", str(tmp_path / "logs"),
-                                str(SCRIPTS / "pipeline_tensor_train.py"), str(tmp_path / "out"), str(tmp_path)),
+def _run(procs, tmp_path, n, *extra):
+    out = tmp_path / f"w{n}"
+    out.mkdir()
+    res = procs.run(autopar_cmd("launch", "-n", str(n), "--log-dir", str(out / "logs"),
+                                str(SCRIPTS / "pipeline_tensor_train.py"), str(out / "out"), str(out), *extra),
                     timeout=400)
-    assert res.returncode == 0, res.stdout + res.stderr + (tmp_path / "logs" / "worker_0.log").read_text()
-    for rank in range(4):
-        r = json.load(open(tmp_path / f"out.{rank}"))
+    assert res.returncode == 0, res.stdout + res.stderr + (out / "logs" / "worker_0.log").read_text()
+    return [json.load(open(out / f"out.{rank}")) for rank in range(n)]
+
+
+def test_tensor_parallel_inside_pipeline_stages_is_exact(procs, tmp_path):
+    for rank, r in enumerate(_run(procs, tmp_path, 4)):
         errors = r.pop("errors")
         for case, text in (("no_plan", "needs tensor_parallel={module name"), ("no_tp", "give tp > 1 too"),
                            ("full", "needs grads='stage'"), ("indivisible", "tp=3 does not divide the 2 rank(s)"),
-                           ("unknown", "names 'l9', which is not a module"), ("style", "expected 'colwise' or"),
-                           ("zero", "not supported yet")):
+                           ("unknown", "names 'l9', which is not a module"), ("style", "expected 'colwise' or")):
             assert text in errors[case] and "\n" not in errors[case], (case, errors[case])
         for key, case in r.items():
             assert "error" not in case, (rank, key, case.get("error"), case.get("trace"))
@@ -32,3 +37,16 @@ def test_tensor_parallel_inside_pipeline_stages_is_exact(procs, tmp_path):
             assert "split over tensor groups of 2" in case["sync"], case["sync"]
         assert r["gpt"]["ckpt_diff"] <= 1e-12, r["gpt"]
         assert "transformer.h.1.attn.c_attn.weight" in r["gpt"]["halves"] or rank < 2, r["gpt"]["halves"]
+
+
+def test_zero_and_tensor_parallelism_together_inside_pipeline_stages_are_exact(procs, tmp_path):
+    for rank, r in enumerate(_run(procs, tmp_path, 8, "zero")):
+        assert r.pop("errors") == {}
+        case = r["gpt"]
+        assert "error" not in case, (rank, case.get("error"), case.get("trace"))
+        assert case["stage"] == rank // 4 and case["loss_diff"] <= 1e-6, (rank, case)
+        assert case["param_diff"] <= 1e-12 and case["whole_diff"] <= 1e-12, (rank, case)
+        # split over the tensor group and sharded over the replicas: a Linear's weight a quarter on each rank
+        local, whole = case["halves"][f"transformer.h.{rank // 4}.attn.c_proj.weight"]
+        assert local[0] * local[1] * 4 == whole[0] * whole[1], (local, whole)
+        assert "reduce-scattered into ZeRO's shards" in case["sync"] and "tensor groups of 2" in case["sync"], case

@@ -73,7 +73,7 @@ class PipelineParallel:
                               f"got {reduction!r}, {grads!r}")
         self.network, self.loss_fn, self.reduction, self.grads = network, loss_fn, reduction, grads
         self.zero = _zero_level(zero, grads)
-        self.tp, self.tensor_plan = _tensor_plan(tp, tensor_parallel, grads, self.zero)
+        self.tp, self.tensor_plan = _tensor_plan(tp, tensor_parallel, grads)
         self._sharded: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}  # id(network's) -> (it, shard)
         # interleaved: the network cut into S x V pieces, rank s holding pieces s, s + S, ... (a smaller bubble,
         # (S-1)/(V M + S - 1), for V times the point-to-point traffic)
@@ -168,10 +168,10 @@ class PipelineParallel:
         modules = [self._pieces[k] for k in mine]
         # (the whole split network run once for its shapes: before the stage's pieces hold ZeRO's shards)
         shapes = _static_shapes(pipe, example) if _fake_group(self.pp_group) else {}
-        if self.zero is not None:
-            self._shard_stage(modules)
         if self.tp > 1:
             self._split_stage(modules)
+        if self.zero is not None:  # (after the tensor split: FSDP2 shards the split weights over the replicas)
+            self._shard_stage(modules)
         self.stage_module = modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
         stages = [PipelineStage(self._pieces[k], k, pieces, _comm.device(), group=self.pp_group, **shapes.get(k, {}))
                   for k in mine]
@@ -210,7 +210,7 @@ class PipelineParallel:
         from autopar.parallel.zero.fsdp import LEVELS
 
         _remap_before_steps()
-        mesh = pipeline_mesh(self.num_stages)["dp"]
+        mesh = pipeline_mesh(self.num_stages, self.tp)["dp"]
         own = dict(self.network.named_parameters(remove_duplicate=False))
         for piece in pieces:
             fully_shard(piece, mesh=mesh, reshard_after_forward=LEVELS[self.zero])
@@ -219,10 +219,17 @@ class PipelineParallel:
                 piece.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
             for name, shard in piece.graph_module.named_parameters(remove_duplicate=False):
                 old = own.get(name)
-                if old is not None and old is not shard and id(old) not in self._sharded:
-                    self._sharded[id(old)] = (old, shard)
-                    replaced.record(old, shard)
-                    old.data = torch.empty(0, dtype=old.dtype, device=old.device)  # its memory: the shard's now
+                if old is None or old is shard:
+                    continue
+                if id(old) in self._sharded:  # split over the tensor group first: that split is what FSDP2 shards
+                    split = self._sharded[id(old)][1]
+                    if split is not shard:
+                        self._sharded[id(old)] = (old, shard)
+                        replaced.record(split, shard)
+                    continue
+                self._sharded[id(old)] = (old, shard)
+                replaced.record(old, shard)
+                old.data = torch.empty(0, dtype=old.dtype, device=old.device)  # its memory: the shard's now
 
     @property
     def gradient_sync(self) -> str:
@@ -538,7 +545,7 @@ def _remap_before_steps() -> None:
 STYLES = ("colwise", "rowwise")
 
 
-def _tensor_plan(tp: int, plan: dict | None, grads: str, zero: str | None) -> tuple[int, dict]:
+def _tensor_plan(tp: int, plan: dict | None, grads: str) -> tuple[int, dict]:
     """``tp`` and the modules it splits, checked: one line for each way they cannot run."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ConfigError(f"PipelineParallel tp must be a positive whole number of ranks, got {tp!r}")
@@ -553,9 +560,6 @@ def _tensor_plan(tp: int, plan: dict | None, grads: str, zero: str | None) -> tu
     if grads != "stage":
         raise ConfigError(f"PipelineParallel tp={tp} splits a stage's weights over its tensor group, which needs "
                           "grads='stage' (with grads='full' every rank steps every parameter whole)")
-    if zero is not None:
-        raise ConfigError(f"PipelineParallel tp={tp} with zero={zero!r}: ZeRO and tensor parallelism together "
-                          "inside pipeline stages are not supported yet; choose one")
     bad = [name for name, style in plan.items() if isinstance(style, str) and style not in STYLES]
     if bad:
         raise ConfigError(f"PipelineParallel tensor_parallel['{bad[0]}']={plan[bad[0]]!r}; expected 'colwise' or "

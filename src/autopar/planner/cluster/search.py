@@ -80,11 +80,9 @@ class Candidate:
         not inside pipeline stages, where layouts are not applied yet, and context parallelism with data parallel,
         ZeRO and tensor parallelism, not yet with sequence parallelism or inside pipeline stages). Inside pipeline
         stages the runtime runs tensor parallelism (``PipelineParallel(tp=...)``) and ZeRO (each stage's optimizer
-        sharded over all of its data-parallel ranks), not yet both together -- Megatron-LM's usual plan, searched
-        and said -- nor ZeRO over smaller shard groups there."""
+        sharded over all of its data-parallel ranks), alone or together -- Megatron-LM's usual plan -- not yet ZeRO
+        over smaller shard groups there."""
         out = []
-        if self.t > 1 and self.p > 1 and self.zero >= 1:
-            out.append(f"ZeRO-{self.zero} with tensor parallelism inside pipeline stages")
         if self.cp > 1 and self.p > 1:
             out.append("context parallelism inside pipeline stages")
         if self.cp > 1 and self.sp:
