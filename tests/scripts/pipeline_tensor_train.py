@@ -6,7 +6,8 @@ data-parallel replicas x 2 tensor-parallel ranks (8 ranks), nanoGPT only, its st
 group and then ZeRO-1-sharded over the replicas (FSDP2 on the split DTensors). Cases: a 4-Linear network with a skip
 connection across the stage boundary (Megatron's column / row pairs, AdamW made before the first step), and a
 nanoGPT (tests/scripts/gpt.py: fused q/k/v split by columns, heads split, the output head tied to the embedding
-across the stages, the loss inside ``forward``); each against one process on the same batches: per-step losses and
+across the stages, the loss inside ``forward``), and the nanoGPT with sequence parallelism too (its norms, dropout
+and residual stream on half the sequence); each against one process on the same batches: per-step losses and
 every parameter of the rank's stage after the steps; the split weights' local halves; the integrated checkpoint
 after training holds the whole trained network. Bad input, each one line. Writes {case: result} to OUT_PREFIX.<rank>.
 """
@@ -47,6 +48,12 @@ CASES = {
                                                                          ("mlp.c_proj", "rowwise"))},
             (torch.tensor(rng.integers(0, 64, (4, 8, 16))), torch.tensor(rng.integers(0, 64, (4, 8, 16))))),
 }
+# and Megatron's sequence parallelism with it: the norms, the embeddings' dropout and the residual stream on the
+# rank's half of the sequence
+CASES["gpt_sp"] = CASES["gpt"][:3] + ({**CASES["gpt"][3], "transformer.drop": "sequence", "transformer.ln_f": "sequence",
+                                       **{f"transformer.h.{i}.{n}": "sequence" for i in range(2)
+                                          for n in ("ln_1", "ln_2")}},) + CASES["gpt"][4:]
+SPLIT_ON_THE_SEQUENCE = ("ln_1", "ln_2", "ln_f", "transformer.h.0", "transformer.h.1")
 
 
 def loss_of(net, loss_fn, x, y):
@@ -70,11 +77,16 @@ for key, (build, loss_fn, points, plan, (X, Y)) in CASES.items():
         net = build()
         opt = torch.optim.AdamW(net.parameters(), lr=1e-2)  # made before the stages are split: moved onto them
         runner = PipelineParallel(net, loss_fn, 2, points, grads="stage", tp=2, tensor_parallel=plan, zero=zero)
-        losses = []
+        losses, placed = [], {}
         for step in range(len(X)):
             losses.append(float(runner.step(X[step], Y[step])))
             opt.step()
             opt.zero_grad()
+            if step == 0 and key == "gpt_sp":  # where the norms' and the blocks' outputs lie, from the next step on
+                for name, module in runner.stage_module.graph_module.named_modules():
+                    if name.endswith(SPLIT_ON_THE_SEQUENCE):
+                        module.register_forward_hook(lambda m, a, out, name=name, placed=placed: placed.__setitem__(
+                            name, [str(out.placements), list(out.to_local().shape), list(out.shape)]))
         halves = {n.removeprefix("graph_module."): (tuple(p.to_local().shape), tuple(p.shape))
                   for n, p in runner.stage_module.named_parameters()
                   if hasattr(p, "to_local") and any(q.is_shard() for q in p.placements)}  # (a row split's bias: whole)
@@ -86,7 +98,8 @@ for key, (build, loss_fn, points, plan, (X, Y)) in CASES.items():
                                           for k, p in net.named_parameters() if k in stage),
                         "whole_diff": max(float((p.detach() - want[k].detach()).abs().max())
                                           for k, p in net.named_parameters()),
-                        "stage": runner.stage_index, "halves": halves, "sync": runner.gradient_sync}
+                        "stage": runner.stage_index, "halves": halves, "sync": runner.gradient_sync,
+                        "placed": placed}
         if key == "gpt" and not zero:  # the integrated file, written by rank 0, holds the whole trained network
             autopar.save_checkpoint(net, f"{ckpt_dir}/tp.ckpt")
             torch.distributed.barrier()
@@ -103,9 +116,13 @@ for case, kwargs in () if zero else (("no_plan", {"tp": 2}), ("no_tp", {"tensor_
                      ("full", {"grads": "full", "tp": 2, "tensor_parallel": {"l1": "colwise"}}),
                      ("indivisible", {"tp": 3, "tensor_parallel": {"l1": "colwise"}}),
                      ("unknown", {"tp": 2, "tensor_parallel": {"l9": "colwise"}}),
-                     ("style", {"tp": 2, "tensor_parallel": {"l1": "diagonal"}})):
+                     ("style", {"tp": 2, "tensor_parallel": {"l1": "diagonal"}}),
+                     ("sequence_alone", {"tp": 2, "tensor_parallel": {"l1": "colwise", "l2": "rowwise",
+                                                                      "l4": "sequence"}})):
     try:
-        PipelineParallel(Net(), torch.nn.functional.cross_entropy, 2, ["l3"], **{"grads": "stage", **kwargs})
+        runner = PipelineParallel(Net(), torch.nn.functional.cross_entropy, 2, ["l3"], **{"grads": "stage", **kwargs})
+        if case == "sequence_alone":  # (found when the stages are built: stage 1 splits nothing)
+            runner.step(*CASES["net"][4][0][:1], CASES["net"][4][1][0])
         errors[case] = "no error"
     except ConfigError as exc:
         errors[case] = str(exc)

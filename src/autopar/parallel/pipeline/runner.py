@@ -158,6 +158,8 @@ class PipelineParallel:
         if pipe.num_stages != pieces:
             raise ConfigError(f"pipeline: splitting at {self.split_points} gave {pipe.num_stages} stages, not "
                               f"{pieces} (is every split point called in the forward?)")
+        if self.tp > 1:
+            _check_sequence_beside_splits(pipe, self.tensor_plan)
         mine = list(range(self.stage_index, pieces, self.num_stages))  # this rank's pieces (one unless interleaved)
         self._pieces, users = pieces_of(pipe, self.network, set(mine))
         self.owner = {name: {k % self.num_stages for k in ks} for name, ks in users.items()}
@@ -268,18 +270,24 @@ class PipelineParallel:
         kinds = dict(self.network.named_modules())
         for piece in pieces:
             named = list(piece.graph_module.named_parameters(remove_duplicate=False))
-            if not any(name.rpartition(".")[0] in self.tensor_plan for name, _ in named):
+            if not any(self.tensor_plan.get(name.rpartition(".")[0]) in STYLES[:2] for name, _ in named):
                 continue
             # every tensor of a split piece a DTensor -- the rest of its parameters and its inputs replicated -- so
             # that each gradient comes back as its tensor is: a plain tensor's from DTensor arithmetic would be a
             # DTensor, which neither the optimizer nor the stage's send can take
             piece.tensor_mesh = mesh
             made: dict[int, torch.nn.Parameter] = {}  # a weight used twice in a piece is laid out once
+            for name, style in self.tensor_plan.items():  # Megatron's sequence parallelism: these modules run on
+                # the rank's slice of the sequence (a norm, a dropout), their input split there -- and what the
+                # piece receives (the residual stream) enters split there too
+                if style == "sequence" and name in dict(piece.graph_module.named_modules()):
+                    piece.graph_module.get_submodule(name).register_forward_pre_hook(_on_the_sequence)
+                    piece.sequence_split = True
             for name, whole in named:
                 owner, _, attr = name.rpartition(".")
                 if id(whole) not in made:
                     style = self.tensor_plan.get(owner)
-                    placement = _placement(kinds[owner], whole, style) if style else Replicate()
+                    placement = _placement(kinds[owner], whole, style) if style in STYLES[:2] else Replicate()
                     made[id(whole)] = torch.nn.Parameter(distribute_tensor(whole.detach().clone(), mesh, [placement]),
                                                          requires_grad=whole.requires_grad)
                 split = made[id(whole)]
@@ -542,7 +550,19 @@ def _remap_before_steps() -> None:
         _remapping.append(register_optimizer_step_pre_hook(lambda opt, args, kwargs: remap_optimizer(opt)))
 
 
-STYLES = ("colwise", "rowwise")
+STYLES = ("colwise", "rowwise", "sequence")
+
+
+def _on_the_sequence(module, args):
+    """A ``"sequence"`` module's input split on the sequence (dimension 1) over the tensor group: the all-gather
+    before the next column split and the reduce-scatter after a row split's partial sums are DTensor's, where
+    the layouts meet."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    first = args[0] if args else None
+    if isinstance(first, DTensor) and first.dim() > 1 and tuple(first.placements) != (Shard(1),):
+        return (first.redistribute(first.device_mesh, [Shard(1)]),) + tuple(args[1:])
+    return None
 
 
 def _tensor_plan(tp: int, plan: dict | None, grads: str) -> tuple[int, dict]:
@@ -562,9 +582,23 @@ def _tensor_plan(tp: int, plan: dict | None, grads: str) -> tuple[int, dict]:
                           "grads='stage' (with grads='full' every rank steps every parameter whole)")
     bad = [name for name, style in plan.items() if isinstance(style, str) and style not in STYLES]
     if bad:
-        raise ConfigError(f"PipelineParallel tensor_parallel['{bad[0]}']={plan[bad[0]]!r}; expected 'colwise' or "
-                          "'rowwise'")
+        raise ConfigError(f"PipelineParallel tensor_parallel['{bad[0]}']={plan[bad[0]]!r}; expected 'colwise', "
+                          "'rowwise' or 'sequence'")
     return tp, plan
+
+
+def _check_sequence_beside_splits(pipe, plan: dict) -> None:
+    """Every rank, on the whole split network (so that all stop alike): a ``"sequence"`` module in a piece that
+    splits no module has no tensor group to share the sequence with -- one line."""
+    for call in piece_calls(pipe):
+        modules = dict(pipe.split_gm.get_submodule(call.target).named_modules())
+        if any(plan.get(name) in STYLES[:2] for name in modules):
+            continue
+        alone = [name for name, style in plan.items() if style == "sequence" and name in modules]
+        if alone:
+            raise ConfigError(f"PipelineParallel tensor_parallel['{alone[0]}']='sequence' in a piece that splits no "
+                              "module: sequence parallelism runs beside the stage's column and row splits (Megatron's);"
+                              " split its Linears too, or drop 'sequence'")
 
 
 def _placement(module: torch.nn.Module, param: torch.Tensor, style: str):

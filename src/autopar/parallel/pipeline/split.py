@@ -113,6 +113,7 @@ class Piece(torch.nn.Module):
         self.micro = 0  # the micro-batch being computed (the stage's forward context says which)
         self.probing = False  # torch's shape probe: what it "receives" is uninitialised memory
         self.tensor_mesh = None  # its modules split over this tensor group: its tensors DTensors on it
+        self.sequence_split = False  # and what it receives split on the sequence (Megatron's sequence parallelism)
 
     def reads_inputs(self) -> bool:
         return self.index > 0 and any(kind == "root" for kind, _ in self.sources)
@@ -142,10 +143,16 @@ class Piece(torch.nn.Module):
         # tensor parallelism inside the stage: what it receives enters as replicated DTensors (their gradients go
         # back whole), what it makes inside (a mask, positions) is taken as replicated (the runner's step runs under
         # ``implicit_replication``), and what it sends is made whole -- the next stage's ranks each receive all of it
-        from torch.distributed.tensor import DTensor, Replicate
+        from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        args = [DTensor.from_local(a, self.tensor_mesh, [Replicate()], run_check=False)
-                if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+        def entering(a):
+            if not (isinstance(a, torch.Tensor) and a.is_floating_point()):
+                return a
+            a = DTensor.from_local(a, self.tensor_mesh, [Replicate()], run_check=False)
+            # (split by a redistribution: its backward gathers the gradient whole for the previous stage)
+            return a.redistribute(self.tensor_mesh, [Shard(1)]) if self.sequence_split and a.dim() > 2 else a
+
+        args = [entering(a) for a in args]
         return tree_map(lambda t: (t.full_tensor() if isinstance(t, DTensor) else t).contiguous()
                         if isinstance(t, torch.Tensor) else t, self.graph_module(*args))
 

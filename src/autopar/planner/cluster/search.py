@@ -79,16 +79,14 @@ class Candidate:
         where pinned (to predict another system's run; autopar runs sequence parallelism with tensor parallelism,
         not inside pipeline stages, where layouts are not applied yet, and context parallelism with data parallel,
         ZeRO and tensor parallelism, not yet with sequence parallelism or inside pipeline stages). Inside pipeline
-        stages the runtime runs tensor parallelism (``PipelineParallel(tp=...)``) and ZeRO (each stage's optimizer
-        sharded over all of its data-parallel ranks), alone or together -- Megatron-LM's usual plan -- not yet ZeRO
-        over smaller shard groups there."""
+        stages the runtime runs tensor and sequence parallelism (``PipelineParallel(tp=..., tensor_parallel=...)``)
+        and ZeRO (each stage's optimizer sharded over all of its data-parallel ranks), alone or together --
+        Megatron-LM's usual plan -- not yet ZeRO over smaller shard groups there."""
         out = []
         if self.cp > 1 and self.p > 1:
             out.append("context parallelism inside pipeline stages")
         if self.cp > 1 and self.sp:
             out.append("sequence parallelism with context parallelism")
-        if self.sp and self.p > 1:
-            out.append("sequence parallelism inside pipeline stages")
         if self.p > 1 and self.zero >= 1 and self.shard_group != self.d * self.cp:
             out.append(f"ZeRO-{self.zero} over shard groups of {self.shard_group} inside pipeline stages")
         return out
