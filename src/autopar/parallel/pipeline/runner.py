@@ -33,10 +33,11 @@ import torch
 import torch.distributed as dist
 
 from autopar import context as _context
+from autopar.comm.topology import pipeline_mesh
 from autopar.common import grad_owners as owners
-from autopar.common import replaced
 from autopar.errors import ConfigError, user_stacklevel
 from autopar.labels import call_loss, class_indices
+from autopar.parallel.pipeline import stage_layout as layout
 from autopar.parallel.pipeline.split import network_output_loss, piece_calls, pieces_of
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -44,8 +45,6 @@ SCHEDULES = ("1f1b", "gpipe")
 
 def _groups(num_stages: int, tensor: int = 1) -> tuple[Any, Any, int, int]:
     """(pipeline group of this replica, data-parallel group of this stage, stage, replica)."""
-    from autopar.comm.topology import pipeline_mesh
-
     mesh = pipeline_mesh(num_stages, tensor)
     per_stage = dist.get_world_size() // num_stages
     rank = dist.get_rank()
@@ -72,8 +71,8 @@ class PipelineParallel:
             raise ConfigError(f"PipelineParallel: reduction must be 'mean' or 'sum' and grads 'full' or 'stage', "
                               f"got {reduction!r}, {grads!r}")
         self.network, self.loss_fn, self.reduction, self.grads = network, loss_fn, reduction, grads
-        self.zero = _zero_level(zero, grads)
-        self.tp, self.tensor_plan = _tensor_plan(tp, tensor_parallel, grads)
+        self.zero = layout.zero_level(zero, grads)
+        self.tp, self.tensor_plan = layout.tensor_plan(tp, tensor_parallel, grads)
         self._sharded: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}  # id(network's) -> (it, shard)
         # interleaved: the network cut into S x V pieces, rank s holding pieces s, s + S, ... (a smaller bubble,
         # (S-1)/(V M + S - 1), for V times the point-to-point traffic)
@@ -146,7 +145,7 @@ class PipelineParallel:
         try:
             # the trace calls the network: it must not parallelize itself meanwhile
             with _context.managed(), _no_generation_cache(self.network), _stand_ins(self.network, deferred_build), \
-                    _attention_traced_plainly(self.tp > 1):
+                    layout.attention_traced_plainly(self.tp > 1):
                 pipe = pipeline(self.network, mb_args=example,
                                 split_spec={name: SplitPoint.BEGINNING for name in self.split_points})
         except Exception as exc:  # noqa: BLE001 - torch.export's many failure types, said in one line
@@ -159,7 +158,7 @@ class PipelineParallel:
             raise ConfigError(f"pipeline: splitting at {self.split_points} gave {pipe.num_stages} stages, not "
                               f"{pieces} (is every split point called in the forward?)")
         if self.tp > 1:
-            _check_sequence_beside_splits(pipe, self.tensor_plan)
+            layout.check_sequence_beside_splits(pipe, self.tensor_plan)
         mine = list(range(self.stage_index, pieces, self.num_stages))  # this rank's pieces (one unless interleaved)
         self._pieces, users = pieces_of(pipe, self.network, set(mine))
         self.owner = {name: {k % self.num_stages for k in ks} for name, ks in users.items()}
@@ -171,9 +170,11 @@ class PipelineParallel:
         # (the whole split network run once for its shapes: before the stage's pieces hold ZeRO's shards)
         shapes = _static_shapes(pipe, example) if _fake_group(self.pp_group) else {}
         if self.tp > 1:
-            self._split_stage(modules)
+            layout.split_over_tensor_group(modules, self.network, self._sharded,
+                                           pipeline_mesh(self.num_stages, self.tp)["tp"], self.tensor_plan)
         if self.zero is not None:  # (after the tensor split: FSDP2 shards the split weights over the replicas)
-            self._shard_stage(modules)
+            layout.shard_over_replicas(modules, self.network, self._sharded,
+                                       pipeline_mesh(self.num_stages, self.tp)["dp"], self.zero, self.gradients_mean)
         self.stage_module = modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
         stages = [PipelineStage(self._pieces[k], k, pieces, _comm.device(), group=self.pp_group, **shapes.get(k, {}))
                   for k in mine]
@@ -198,41 +199,6 @@ class PipelineParallel:
             kind = ScheduleInterleaved1F1B if self.schedule_name == "1f1b" else ScheduleLoopedBFS
             self._schedule = kind(stages, self.micro_batches, loss_fn=micro_batch_loss, scale_grads=False)
 
-    def _shard_stage(self, pieces: list) -> None:
-        """ZeRO inside the stage, as Megatron-LM's distributed optimizer and torchtitan's FSDP under pipelines run
-        it: each of this rank's pieces an FSDP2 module over the stage's data-parallel ranks (the ``dp`` axis of
-        :func:`~autopar.comm.topology.pipeline_mesh`), so its optimizer state and gradients -- at level 3 its
-        weights between uses too -- are 1/D of the stage's; torch's pipeline stage drives FSDP2 itself (no gradient
-        reduction before the last micro-batch, the reduce-scatter after it). The network's own parameters give
-        their memory up (the shards train in their place, and optimizers made before are moved onto them);
-        :meth:`gather_parameters` makes them whole and current again."""
-        from torch.distributed.fsdp import fully_shard
-
-        from autopar.comm.topology import pipeline_mesh
-        from autopar.parallel.zero.fsdp import LEVELS
-
-        _remap_before_steps()
-        mesh = pipeline_mesh(self.num_stages, self.tp)["dp"]
-        own = dict(self.network.named_parameters(remove_duplicate=False))
-        for piece in pieces:
-            fully_shard(piece, mesh=mesh, reshard_after_forward=LEVELS[self.zero])
-            if not self.gradients_mean:  # MindSpore's default sums the replicas' gradients; FSDP averages
-                piece.set_gradient_divide_factor(1.0)
-                piece.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
-            for name, shard in piece.graph_module.named_parameters(remove_duplicate=False):
-                old = own.get(name)
-                if old is None or old is shard:
-                    continue
-                if id(old) in self._sharded:  # split over the tensor group first: that split is what FSDP2 shards
-                    split = self._sharded[id(old)][1]
-                    if split is not shard:
-                        self._sharded[id(old)] = (old, shard)
-                        replaced.record(split, shard)
-                    continue
-                self._sharded[id(old)] = (old, shard)
-                replaced.record(old, shard)
-                old.data = torch.empty(0, dtype=old.dtype, device=old.device)  # its memory: the shard's now
-
     @property
     def gradient_sync(self) -> str:
         """How a step's gradients are completed, for the run's one-line summary."""
@@ -246,57 +212,6 @@ class PipelineParallel:
             return "each stage's its own (one replica a stage: nothing to sum)"
         how = "reduce-scattered into ZeRO's shards (FSDP2)" if self.zero else "all-reduced"
         return f"each stage's {how} over its {self.replicas} replicas after the last micro-batch"
-
-    def _split_stage(self, pieces: list) -> None:
-        """Tensor parallelism inside the stage, as Megatron-LM and torchtitan compose it with pipelines: the weights
-        of this rank's pieces' modules named in ``tensor_parallel`` split over the stage's ``tp`` ranks as the
-        style says (``"colwise"``: a ``Linear``'s output features, ``"rowwise"``: its input features -- Megatron's
-        pairs; an ``Embedding``'s embedding or vocabulary dimension), and the traced piece run on DTensor's
-        sharding propagation: whatever it does with a split module's output -- a view into heads, a residual, a
-        softmax -- is computed as one process would, the collectives where the layouts meet (its plain tensors are
-        taken as replicated: ``implicit_replication``); what a piece sends to the next stage is made whole. The
-        network's own parameters give their memory to the splits, as under ZeRO, and :meth:`gather_parameters`
-        makes them whole. (torch's ``parallelize_module`` needs ``nn.Linear`` modules; a traced piece's are
-        interpreters of them.)"""
-        from torch.distributed.tensor import Replicate, distribute_tensor
-
-        from autopar.comm.topology import pipeline_mesh
-        from autopar.parallel.tensor.attention import register_attention_rules
-
-        _remap_before_steps()
-        register_attention_rules()  # (the CPU's flash attention on heads split: DTensor has no rule of its own)
-        mesh = pipeline_mesh(self.num_stages, self.tp)["tp"]
-        own = dict(self.network.named_parameters(remove_duplicate=False))
-        kinds = dict(self.network.named_modules())
-        for piece in pieces:
-            named = list(piece.graph_module.named_parameters(remove_duplicate=False))
-            if not any(self.tensor_plan.get(name.rpartition(".")[0]) in STYLES[:2] for name, _ in named):
-                continue
-            # every tensor of a split piece a DTensor -- the rest of its parameters and its inputs replicated -- so
-            # that each gradient comes back as its tensor is: a plain tensor's from DTensor arithmetic would be a
-            # DTensor, which neither the optimizer nor the stage's send can take
-            piece.tensor_mesh = mesh
-            made: dict[int, torch.nn.Parameter] = {}  # a weight used twice in a piece is laid out once
-            for name, style in self.tensor_plan.items():  # Megatron's sequence parallelism: these modules run on
-                # the rank's slice of the sequence (a norm, a dropout), their input split there -- and what the
-                # piece receives (the residual stream) enters split there too
-                if style == "sequence" and name in dict(piece.graph_module.named_modules()):
-                    piece.graph_module.get_submodule(name).register_forward_pre_hook(_on_the_sequence)
-                    piece.sequence_split = True
-            for name, whole in named:
-                owner, _, attr = name.rpartition(".")
-                if id(whole) not in made:
-                    style = self.tensor_plan.get(owner)
-                    placement = _placement(kinds[owner], whole, style) if style in STYLES[:2] else Replicate()
-                    made[id(whole)] = torch.nn.Parameter(distribute_tensor(whole.detach().clone(), mesh, [placement]),
-                                                         requires_grad=whole.requires_grad)
-                split = made[id(whole)]
-                (piece.graph_module.get_submodule(owner) if owner else piece.graph_module)._parameters[attr] = split
-                old = own.get(name)
-                if old is not None and id(old) not in self._sharded:
-                    self._sharded[id(old)] = (old, split)
-                    replaced.record(old, split)
-                    old.data = torch.empty(0, dtype=old.dtype, device=old.device)
 
     def _training(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
         """The parameter that trains for the network's ``param``: its ZeRO shard, or itself."""
@@ -332,7 +247,7 @@ class PipelineParallel:
         losses: list[torch.Tensor] = []
         # (the stages' modules are called by the schedule, not as networks to parallelize; under tensor parallelism
         # a piece's plain tensors meet its split weights as replicated, in the backward too)
-        with _context.managed(), _implicit_replication(self.tp > 1):
+        with _context.managed(), layout.implicit_replication_while(self.tp > 1):
             if self.stage_index == 0:
                 self._schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
             else:
@@ -381,14 +296,15 @@ class PipelineParallel:
         else:  # this stage's gradients over its replicas; a weight tied across stages over the stages holding it
             mine = [p for p in self.stage_module.parameters() if p.grad is not None]
             if self.replicas > 1 and self.zero is None:  # (ZeRO's shards: FSDP2 reduce-scattered them)
-                reduce_now([_local(p.grad) for p in mine], self.dp_group, replicas, into=True)
+                reduce_now([layout.local(p.grad) for p in mine], self.dp_group, replicas, into=True)
             tied = [self._training(p) for p in self._tied_parameters()]
             if tied:  # (sharded alike on every stage that holds one: the local slices line up)
-                grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in tied]
+                grads = [layout.local(p.grad) if p.grad is not None else torch.zeros_like(layout.local(p))
+                         for p in tied]
                 reduce_now(grads, self.pp_group, 1.0, into=True)
                 for p, g in zip(tied, grads):
                     if p.grad is None:  # a stage holding the weight that gave it no gradient: the others' sum
-                        p.grad = _like(p, g)
+                        p.grad = layout.like(p, g)
         for p in params:
             kept = carried.get(id(p))
             if kept is not None:
@@ -520,135 +436,6 @@ def _materialize_stage(network: torch.nn.Module, names: set[str] | None, pieces:
         deferred.materialize_named(network, names, device=_device())
     for piece in pieces:
         _use_network_parameters(piece.graph_module, network)
-
-
-def _zero_level(zero: str | None, grads: str) -> str | None:
-    from autopar.parallel.zero.fsdp import LEVELS
-
-    if zero is None:
-        return None
-    if zero not in LEVELS:
-        raise ConfigError(f"PipelineParallel zero={zero!r}; expected one of {', '.join(sorted(LEVELS))} or None")
-    if grads != "stage":
-        raise ConfigError(f"PipelineParallel zero={zero!r} shards a stage's optimizer state over its replicas, which "
-                          "needs grads='stage' (with grads='full' every rank steps every parameter)")
-    return zero
-
-
-_remapping: list = []  # the optimizer step pre-hook below, once registered
-
-
-def _remap_before_steps() -> None:
-    """Every optimizer moved onto the parameters that replaced its own before it steps -- the PyTorch door's
-    ``opt = AdamW(net.parameters())`` made before the stages were sharded -- also where no parallel mode is set
-    (whose hooks do it otherwise, :mod:`autopar.parallel.entry`). Registered once per process."""
-    if not _remapping:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        from autopar.common.replaced import remap_optimizer
-
-        _remapping.append(register_optimizer_step_pre_hook(lambda opt, args, kwargs: remap_optimizer(opt)))
-
-
-STYLES = ("colwise", "rowwise", "sequence")
-
-
-def _on_the_sequence(module, args):
-    """A ``"sequence"`` module's input split on the sequence (dimension 1) over the tensor group: the all-gather
-    before the next column split and the reduce-scatter after a row split's partial sums are DTensor's, where
-    the layouts meet."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    first = args[0] if args else None
-    if isinstance(first, DTensor) and first.dim() > 1 and tuple(first.placements) != (Shard(1),):
-        return (first.redistribute(first.device_mesh, [Shard(1)]),) + tuple(args[1:])
-    return None
-
-
-def _tensor_plan(tp: int, plan: dict | None, grads: str) -> tuple[int, dict]:
-    """``tp`` and the modules it splits, checked: one line for each way they cannot run."""
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ConfigError(f"PipelineParallel tp must be a positive whole number of ranks, got {tp!r}")
-    plan = dict(plan or {})
-    if tp == 1:
-        if plan:
-            raise ConfigError("PipelineParallel tensor_parallel splits modules over tp ranks: give tp > 1 too")
-        return 1, plan
-    if not plan:
-        raise ConfigError(f"PipelineParallel tp={tp} needs tensor_parallel={{module name: 'colwise' | 'rowwise'}} "
-                          "saying which modules to split")
-    if grads != "stage":
-        raise ConfigError(f"PipelineParallel tp={tp} splits a stage's weights over its tensor group, which needs "
-                          "grads='stage' (with grads='full' every rank steps every parameter whole)")
-    bad = [name for name, style in plan.items() if isinstance(style, str) and style not in STYLES]
-    if bad:
-        raise ConfigError(f"PipelineParallel tensor_parallel['{bad[0]}']={plan[bad[0]]!r}; expected 'colwise', "
-                          "'rowwise' or 'sequence'")
-    return tp, plan
-
-
-def _check_sequence_beside_splits(pipe, plan: dict) -> None:
-    """Every rank, on the whole split network (so that all stop alike): a ``"sequence"`` module in a piece that
-    splits no module has no tensor group to share the sequence with -- one line."""
-    for call in piece_calls(pipe):
-        modules = dict(pipe.split_gm.get_submodule(call.target).named_modules())
-        if any(plan.get(name) in STYLES[:2] for name in modules):
-            continue
-        alone = [name for name, style in plan.items() if style == "sequence" and name in modules]
-        if alone:
-            raise ConfigError(f"PipelineParallel tensor_parallel['{alone[0]}']='sequence' in a piece that splits no "
-                              "module: sequence parallelism runs beside the stage's column and row splits (Megatron's);"
-                              " split its Linears too, or drop 'sequence'")
-
-
-def _placement(module: torch.nn.Module, param: torch.Tensor, style: str):
-    """Where ``style`` puts one of ``module``'s parameters on the tensor group: a ``Linear``'s weight ``(out, in)``
-    split on ``out`` (colwise) or ``in`` (rowwise), its bias with the output; an ``Embedding``'s ``(vocab, dim)`` on
-    ``dim`` (colwise) or ``vocab`` (rowwise); transformers' ``Conv1D`` (``(in, out)``) as a ``Linear`` means."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    if param.dim() == 2:
-        if isinstance(module, torch.nn.Embedding):
-            return Shard(1 if style == "colwise" else 0)
-        transposed = type(module).__name__ == "Conv1D"
-        return Shard((0 if style == "colwise" else 1) ^ int(transposed))
-    return Shard(0) if style == "colwise" and param.dim() == 1 else Replicate()
-
-
-def _attention_traced_plainly(active: bool):
-    """The trace with attention's math kernel: the CPU's flash kernel returns its output in (batch, sequence, heads)
-    memory order, so the ``.transpose(1, 2).contiguous()`` after it is already contiguous and the trace drops the
-    copy; under tensor parallelism the same output is a DTensor whose strides are the standard ones, and the
-    ``view`` after it fails ("Cannot view a tensor with shape ... and strides ..."). Traced with the math kernel the
-    copy stays (it runs where it must, and costs nothing where the layout is already contiguous)."""
-    if not active:
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.MATH])
-
-
-def _implicit_replication(active: bool):
-    if not active:
-        return contextlib.nullcontext()
-    from torch.distributed.tensor.experimental import implicit_replication
-
-    return implicit_replication()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A ZeRO shard's slice on this rank (a plain tensor: itself)."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` (this rank's slice) as a gradient of ``param``: a DTensor laid out as a ZeRO shard is."""
-    if not hasattr(param, "device_mesh"):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                              stride=param.stride())
 
 
 def pipeline_of(network: torch.nn.Module) -> PipelineParallel | None:
