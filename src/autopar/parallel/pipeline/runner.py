@@ -356,9 +356,10 @@ class PipelineParallel:
         from autopar.common import deferred
 
         deferred.allocate(self.network, device=_device())  # (a stage's own build: the others' get storage here)
+        own = dict(self.network.named_parameters(remove_duplicate=False))
         with torch.no_grad():  # ZeRO's shards first made whole in the network's own parameters (in name order:
             for name in sorted(self.owner):  # every rank of the stage gathers alike)
-                pair = self._sharded.get(id(dict(self.network.named_parameters(remove_duplicate=False)).get(name)))
+                pair = self._sharded.get(id(own.get(name)))
                 if pair is not None and pair[0].numel() != pair[1].numel():
                     pair[0].data = pair[1].full_tensor().detach().clone()
         state = dict(self.network.named_buffers())
