@@ -12,7 +12,7 @@ from autopar.dataset.synth import write_synthetic_cifar10
 from procutil import ROOT, SCRIPTS, autopar_cmd
 
 MODES = ["dp", "zero1", "zero2", "zero3", "semi_megatron", "semi_megatron_sp", "cp", "cp_ring", "ep", "pipeline",
-         "pipeline_zero1", "pipeline_tp", "auto"]
+         "pipeline_zero1", "pipeline_tp", "pipeline_cp", "auto"]
 # The real runs: gradients reduced through the process group (the CPU-only shared-memory reducer is not what a
 # cluster runs), AUTO decided by its prediction alone (a measured round picks by timing, which varies run to run)
 ENV = {"AUTOPAR_SHARED_MEMORY": "0", "AUTOPAR_AUTO_TRIALS": "0", "AUTOPAR_MEASURE_OPS": "0"}

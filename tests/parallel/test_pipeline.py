@@ -29,6 +29,8 @@ def _check(results, n):
         errors = r.pop("errors")
         assert "cell 'l1' has parameters but no pipeline_stage" in errors["no_stage"], errors
         assert f"pipeline_stages=3 does not divide the {n} ranks" in errors["bad_stages"], errors
+        assert "splits the sequence (context parallelism), which pipeline_stages=2 does not run through this door" \
+            in errors["sequence_split"] and "cp=N" in errors["sequence_split"], errors
         assert "bubble (S-1)/(M+S-1)" in errors["bubble"], errors
         assert "needs grads='stage'" in errors["zero_full"] and "\n" not in errors["zero_full"], errors
         reload = r.pop("reload", None)

@@ -19,40 +19,73 @@ def _run(procs, tmp_path, n, *extra):
     return [json.load(open(out / f"out.{rank}")) for rank in range(n)]
 
 
+def _check_splits(key: str, case: dict) -> None:
+    """A tensor-split case's split weights hold their part (a context-only case splits none), and the run's summary
+    says how the stage's group is used."""
+    if "_cp" in key and key != "gpt_cp_tp":
+        assert not case["halves"] and "context groups of 2" in case["sync"], (key, case)
+        return
+    assert case["halves"], (key, case)
+    for name, (local, whole) in case["halves"].items():
+        assert sum(a != b for a, b in zip(local, whole)) == 1 and sum(local) < sum(whole), (name, local, whole)
+    assert "split over tensor groups of 2" in case["sync"], case["sync"]
+
+
 def test_tensor_parallel_inside_pipeline_stages_is_exact(procs, tmp_path):
     for rank, r in enumerate(_run(procs, tmp_path, 4)):
         errors = r.pop("errors")
         for case, text in (("no_plan", "needs tensor_parallel={module name"), ("no_tp", "give tp > 1 too"),
                            ("full", "needs grads='stage'"), ("indivisible", "tp=3 does not divide the 2 rank(s)"),
                            ("unknown", "names 'l9', which is not a module"), ("style", "expected 'colwise', 'rowwise' or 'sequence'"),
-                           ("sequence_alone", "'sequence' in a piece that splits no module")):
+                           ("sequence_alone", "'sequence' in a piece that splits no module"),
+                           ("cp_full", "cp=2 splits a stage's sequence over its context group, which needs grads='stage'"),
+                           ("cp_algo", "cp_algo='zigzag'; expected one of all_gather, ring, ulysses"),
+                           ("cp_with_sp", "sequence parallelism beside context parallelism is not run yet"),
+                           ("cp_uneven", "a micro-batch of shape (8, 7) does not split into 2 equal slices")):
             assert text in errors[case] and "\n" not in errors[case], (case, errors[case])
         for key, case in r.items():
             assert "error" not in case, (rank, key, case.get("error"), case.get("trace"))
             assert case["stage"] == rank // 2, (rank, key, case)
             assert case["loss_diff"] <= 1e-6, (rank, key, case)  # (the step's loss is reported in float32)
             assert case["param_diff"] <= 1e-12 and case["whole_diff"] <= 1e-12, (rank, key, case)
-            assert case["halves"], (rank, key, case)
-            for name, (local, whole) in case["halves"].items():
-                assert sum(a != b for a, b in zip(local, whole)) == 1 and sum(local) < sum(whole), (name, local, whole)
-            assert "split over tensor groups of 2" in case["sync"], case["sync"]
+            _check_splits(key, case)
         assert r["gpt"]["ckpt_diff"] <= 1e-12, r["gpt"]
-        # sequence parallelism inside the stages: the norms and the residual stream on half the sequence
-        placed = r["gpt_sp"]["placed"]
-        assert len(placed) == (3 if rank < 2 else 4), placed
-        for name, (placements, local, whole) in placed.items():
-            assert placements == "(Shard(dim=1),)" and local[1] * 2 == whole[1], (name, placements, local, whole)
+        # sequence parallelism, and context parallelism, inside the stages: the norms and the residual stream on
+        # half the sequence
+        for key in ("gpt_sp", "gpt_cp", "gpt_cp_ring", "gpt_cp_ulysses"):
+            placed = r[key]["placed"]
+            assert len(placed) == (3 if rank < 2 else 4), (key, placed)
+            for name, (placements, local, whole) in placed.items():
+                assert placements == "(Shard(dim=1),)" and local[1] * 2 == whole[1], (key, name, placements, local,
+                                                                                      whole)
+        # context parallelism's attention ran (2 layers, one a stage, over 4 steps x 2 micro-batches, and the
+        # stage's shape probe)
+        assert r["gpt_cp"]["attended"].get("attention", 0) >= 8 and not r["gpt_cp"]["attended"].get("ring"), r
+        assert r["gpt_cp_ring"]["attended"].get("ring", 0) >= 8, r["gpt_cp_ring"]["attended"]
+        assert r["gpt_cp_ulysses"]["attended"].get("ulysses", 0) >= 8, r["gpt_cp_ulysses"]["attended"]
         assert "transformer.h.1.attn.c_attn.weight" in r["gpt"]["halves"] or rank < 2, r["gpt"]["halves"]
 
 
 def test_zero_and_tensor_parallelism_together_inside_pipeline_stages_are_exact(procs, tmp_path):
     for rank, r in enumerate(_run(procs, tmp_path, 8, "zero")):
         assert r.pop("errors") == {}
-        case = r["gpt"]
-        assert "error" not in case, (rank, case.get("error"), case.get("trace"))
-        assert case["stage"] == rank // 4 and case["loss_diff"] <= 1e-6, (rank, case)
-        assert case["param_diff"] <= 1e-12 and case["whole_diff"] <= 1e-12, (rank, case)
+        assert set(r) == {"gpt", "gpt_cp_zero", "gpt_cp_tp"}, sorted(r)
+        for key, case in r.items():
+            assert "error" not in case, (rank, key, case.get("error"), case.get("trace"))
+            assert case["stage"] == rank // 4 and case["loss_diff"] <= 1e-6, (rank, key, case)
+            assert case["param_diff"] <= 1e-12 and case["whole_diff"] <= 1e-12, (rank, key, case)
         # split over the tensor group and sharded over the replicas: a Linear's weight a quarter on each rank
+        case = r["gpt"]
         local, whole = case["halves"][f"transformer.h.{rank // 4}.attn.c_proj.weight"]
         assert local[0] * local[1] * 4 == whole[0] * whole[1], (local, whole)
         assert "reduce-scattered into ZeRO's shards" in case["sync"] and "tensor groups of 2" in case["sync"], case
+        # context parallelism with ZeRO (2 replicas of 2 context ranks a stage): every weight half a rank
+        case = r["gpt_cp_zero"]
+        assert "reduce-scattered into ZeRO's shards" in case["sync"] and "context groups of 2" in case["sync"], case
+        local, whole = case["halves"][f"transformer.h.{rank // 4}.attn.c_proj.weight"]
+        assert local[0] * 2 == whole[0] and local[1] == whole[1], (local, whole)
+        # and beside the tensor split (2 context x 2 tensor ranks a stage): the split weights' halves
+        case = r["gpt_cp_tp"]
+        assert "tensor groups of 2" in case["sync"] and "context groups of 2" in case["sync"], case
+        local, whole = case["halves"][f"transformer.h.{rank // 4}.attn.c_attn.weight"]
+        assert local[0] * 2 == whole[0] and local[1] == whole[1], (local, whole)

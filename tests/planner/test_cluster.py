@@ -123,8 +123,9 @@ def test_a_published_configuration_pinned_from_the_command_line(capsys):
     assert (c["dp"], c["cp"], c["tp"], c["pp"], c["vpp"], c["sp"]) == (2, 2, 4, 4, 5, True)
     assert (c["micro_batch"], c["zero"], c["recompute"], c["recompute_layers"], c["dtype"]) == (1, 1, "block 2", 2,
                                                                                              "fp8")
-    assert out["not_run_by_autopar"] == ["context parallelism inside pipeline stages",
-                                         "sequence parallelism with context parallelism"]
+    assert out["not_run_by_autopar"] == ["sequence parallelism with context parallelism",
+                                         "ZeRO-1 over the context group inside pipeline stages (autopar shards over "
+                                         "the 2 data-parallel replicas)"]
     assert cli(["plan", "llama", "--size", "llama3-70b", "-n", "64", "--machine", "h100-ib", "--cp", "3"]) == 2
     assert "--cp 3 needs the sequence (8192) divisible by 2 x cp = 6" in capsys.readouterr().err
 

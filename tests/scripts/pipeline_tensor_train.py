@@ -23,6 +23,7 @@ import autopar
 from autopar.communication import get_rank, init
 from autopar.errors import ConfigError
 from autopar.parallel.pipeline.runner import PipelineParallel
+from autopar.parallel.tensor import sequence_attention
 
 out_prefix, ckpt_dir = sys.argv[1], sys.argv[2]
 zero = "level1" if sys.argv[3:4] == ["zero"] else None
@@ -54,6 +55,27 @@ CASES["gpt_sp"] = CASES["gpt"][:3] + ({**CASES["gpt"][3], "transformer.drop": "s
                                        **{f"transformer.h.{i}.{n}": "sequence" for i in range(2)
                                           for n in ("ln_1", "ln_2")}},) + CASES["gpt"][4:]
 SPLIT_ON_THE_SEQUENCE = ("ln_1", "ln_2", "ln_f", "transformer.h.0", "transformer.h.1")
+# each case's PipelineParallel arguments beside grads="stage" (the tensor split unless only the context is): context
+# parallelism inside the stages runs every piece on half the sequence (token ids and targets too), attention by the
+# all-gather form, the ring or Ulysses' all-to-all (4 ranks: 2 stages x cp 2); with ZeRO over 2 replicas, and beside the tensor split
+# (8 ranks: 2 stages x 2 replicas x cp 2, and 2 stages x cp 2 x tp 2)
+RUNS = ({"gpt": {}, "gpt_cp_zero": {"cp": 2}, "gpt_cp_tp": {"cp": 2, "tp": 2, "zero": None}} if zero else
+        {"net": {}, "gpt": {}, "gpt_sp": {}, "gpt_cp": {"cp": 2}, "gpt_cp_ring": {"cp": 2, "cp_algo": "ring"},
+         "gpt_cp_ulysses": {"cp": 2, "cp_algo": "ulysses"}})
+for key in RUNS:
+    CASES.setdefault(key, CASES["gpt"])
+ATTENDED: dict[str, int] = {}  # the context-parallel attention calls, by algorithm (a spy: the real ones run)
+
+
+def spy(algo: str, real):
+    def spied(*args, **kwargs):
+        ATTENDED[algo] = ATTENDED.get(algo, 0) + 1
+        return real(*args, **kwargs)
+    return spied
+
+
+for algo in ("attention", "ring", "ulysses"):
+    setattr(sequence_attention, algo, spy(algo, getattr(sequence_attention, algo)))
 
 
 def loss_of(net, loss_fn, x, y):
@@ -62,8 +84,11 @@ def loss_of(net, loss_fn, x, y):
 
 results = {}
 for key, (build, loss_fn, points, plan, (X, Y)) in CASES.items():
-    if zero and key != "gpt":
+    if key not in RUNS:
         continue
+    extra = RUNS[key]
+    kwargs = {"zero": zero, **({"tp": 2, "tensor_parallel": plan} if "cp" not in extra or "tp" in extra else {}),
+              **extra}
     try:
         ref = build()
         opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -76,13 +101,15 @@ for key, (build, loss_fn, points, plan, (X, Y)) in CASES.items():
             opt.step()
         net = build()
         opt = torch.optim.AdamW(net.parameters(), lr=1e-2)  # made before the stages are split: moved onto them
-        runner = PipelineParallel(net, loss_fn, 2, points, grads="stage", tp=2, tensor_parallel=plan, zero=zero)
+        runner = PipelineParallel(net, loss_fn, 2, points, grads="stage", **kwargs)
         losses, placed = [], {}
+        ATTENDED.clear()
         for step in range(len(X)):
             losses.append(float(runner.step(X[step], Y[step])))
             opt.step()
             opt.zero_grad()
-            if step == 0 and key == "gpt_sp":  # where the norms' and the blocks' outputs lie, from the next step on
+            if step == 0 and key in ("gpt_sp", "gpt_cp", "gpt_cp_ring", "gpt_cp_ulysses"):  # where the norms' and the blocks' outputs
+                # lie, from the next step on
                 for name, module in runner.stage_module.graph_module.named_modules():
                     if name.endswith(SPLIT_ON_THE_SEQUENCE):
                         module.register_forward_hook(lambda m, a, out, name=name, placed=placed: placed.__setitem__(
@@ -99,7 +126,7 @@ for key, (build, loss_fn, points, plan, (X, Y)) in CASES.items():
                         "whole_diff": max(float((p.detach() - want[k].detach()).abs().max())
                                           for k, p in net.named_parameters()),
                         "stage": runner.stage_index, "halves": halves, "sync": runner.gradient_sync,
-                        "placed": placed}
+                        "placed": placed, "attended": dict(ATTENDED)}
         if key == "gpt" and not zero:  # the integrated file, written by rank 0, holds the whole trained network
             autopar.save_checkpoint(net, f"{ckpt_dir}/tp.ckpt")
             torch.distributed.barrier()
@@ -118,11 +145,16 @@ for case, kwargs in () if zero else (("no_plan", {"tp": 2}), ("no_tp", {"tensor_
                      ("unknown", {"tp": 2, "tensor_parallel": {"l9": "colwise"}}),
                      ("style", {"tp": 2, "tensor_parallel": {"l1": "diagonal"}}),
                      ("sequence_alone", {"tp": 2, "tensor_parallel": {"l1": "colwise", "l2": "rowwise",
-                                                                      "l4": "sequence"}})):
+                                                                      "l4": "sequence"}}),
+                     ("cp_full", {"grads": "full", "cp": 2}), ("cp_algo", {"cp": 2, "cp_algo": "zigzag"}),
+                     ("cp_with_sp", {"cp": 2, "tp": 2, "tensor_parallel": {"l1": "colwise", "l4": "sequence"}}),
+                     ("cp_uneven", {"cp": 2})):
     try:
         runner = PipelineParallel(Net(), torch.nn.functional.cross_entropy, 2, ["l3"], **{"grads": "stage", **kwargs})
         if case == "sequence_alone":  # (found when the stages are built: stage 1 splits nothing)
             runner.step(*CASES["net"][4][0][:1], CASES["net"][4][1][0])
+        if case == "cp_uneven":  # (found when the stages are built: a "sequence" of 7 over 2 ranks)
+            runner.step(CASES["net"][4][0][0][:, :7], CASES["net"][4][1][0])
         errors[case] = "no error"
     except ConfigError as exc:
         errors[case] = str(exc)

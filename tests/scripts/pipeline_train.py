@@ -267,11 +267,12 @@ for key, points, virtual, extra in (("torch/1f1b/AdamW", ["l3"], 1, {}),
         results[key] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
 
 errors = {}
-for case, build in (("no_stage", lambda: Net()), ("bad_stages", staged)):
-    try:
+for case, build in (("no_stage", lambda: Net()), ("bad_stages", staged), ("sequence_split", staged)):
+    try:  # (sequence_split: a dataset_strategy that splits the sequence -- context parallelism -- with stages)
         autopar.reset_auto_parallel_context()
         autopar.set_auto_parallel_context(parallel_mode="semi_auto_parallel",
-                                          pipeline_stages=3 if case == "bad_stages" else 2)
+                                          pipeline_stages=3 if case == "bad_stages" else 2,
+                                          **({"dataset_strategy": ((1, 2), (1, 2))} if case == "sequence_split" else {}))
         model = Model(nn.PipelineCell(nn.WithLossCell(build(), torch.nn.CrossEntropyLoss()), 4),
                       optimizer=torch.optim.SGD(Net().parameters(), lr=0.1))
         model.train(1, [replica_batch(0)])

@@ -5,7 +5,8 @@
 - ``dp_mesh(shard_size)``: data parallelism -- all ranks on one axis ``dp``, or ``(dp_replicate, dp_shard)`` when
   a parameter is sharded over groups of ``shard_size`` ranks (hybrid ZeRO / HSDP).
 - ``pipeline_mesh(stages)``: ``(pp, dp)`` -- rank ``r`` runs stage ``r // dp`` (MindSpore numbers a stage's ranks
-  consecutively); ``pipeline_mesh(stages, tensor)``: ``(pp, dp, tp)``, tensor parallelism inside the stages.
+  consecutively); ``pipeline_mesh(stages, tensor, context)``: ``(pp, dp, [cp], [tp])``, tensor and context
+  parallelism inside the stages.
 
 All are row-major views of the same ranks, so a rank's coordinate on one is a function of its coordinate on
 another. Meshes are cached per shape: asking twice gives the same process groups (each costs a rendezvous)."""
@@ -65,16 +66,20 @@ def dp_mesh(shard_size: int | None = None) -> DeviceMesh:
     return _build((world // shard_size, shard_size), ("dp_replicate", "dp_shard"))
 
 
-def pipeline_mesh(stages: int, tensor: int = 1) -> DeviceMesh:
+def pipeline_mesh(stages: int, tensor: int = 1, context: int = 1) -> DeviceMesh:
     """``(pp, dp)``: stage-major, as MindSpore numbers the ranks of a pipeline; with ``tensor`` > 1, ``(pp, dp, tp)``
     -- a stage's ranks split into data-parallel replicas of ``tensor`` consecutive ranks each (Megatron's order:
-    tensor innermost)."""
+    tensor innermost); with ``context`` > 1 a ``cp`` axis before ``tp`` (Megatron's order: tp, then cp, then dp
+    outward), ``(pp, dp, cp)`` or ``(pp, dp, cp, tp)``."""
     world = world_size()
     if world % stages:
         raise ConfigError(f"pipeline_stages={stages} does not divide the {world} ranks")
-    if tensor == 1:
+    if tensor == 1 and context == 1:
         return _build((stages, world // stages), ("pp", "dp"))
-    if (world // stages) % tensor:
-        raise ConfigError(f"a tensor-parallel degree of {tensor} does not divide the {world // stages} ranks of a "
-                          "pipeline stage")
-    return _build((stages, world // stages // tensor, tensor), ("pp", "dp", "tp"))
+    inner = tensor * context
+    if (world // stages) % inner:
+        what = " x ".join(part for part, n in ((f"a context-parallel degree of {context}", context),
+                                               (f"a tensor-parallel degree of {tensor}", tensor)) if n > 1)
+        raise ConfigError(f"{what} does not divide the {world // stages} ranks of a pipeline stage")
+    axes = [(n, name) for n, name in ((context, "cp"), (tensor, "tp")) if n > 1]
+    return _build((stages, world // stages // inner, *[n for n, _ in axes]), ("pp", "dp", *[name for _, name in axes]))

@@ -55,6 +55,12 @@ def attach_pipeline_cell(network: torch.nn.Module, loss_fn, ctx, world: int) -> 
                           "stage")
     if world % stages:
         raise ConfigError(f"pipeline_stages={stages} does not divide the {world} ranks")
+    from autopar.parallel.tensor.inputs import splits_sequence
+
+    if splits_sequence(ctx.dataset_strategy):  # each rank would be given a slice the stages take for a whole batch
+        raise ConfigError(f"dataset_strategy={ctx.dataset_strategy} splits the sequence (context parallelism), which "
+                          f"pipeline_stages={stages} does not run through this door yet: the PyTorch door does "
+                          "(PipelineParallel(..., grads='stage', cp=N), each rank given its replica's whole batch)")
     if has_strategies(network):
         _warn_once("pipeline+strategies", "autopar: shard strategies inside pipeline stages are not applied yet: "
                    "each stage runs whole, replicated over its data-parallel ranks (the PyTorch door splits a "

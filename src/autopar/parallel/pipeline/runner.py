@@ -43,12 +43,12 @@ from autopar.parallel.pipeline.split import network_output_loss, piece_calls, pi
 SCHEDULES = ("1f1b", "gpipe")
 
 
-def _groups(num_stages: int, tensor: int = 1) -> tuple[Any, Any, int, int]:
+def _groups(num_stages: int, tensor: int = 1, context: int = 1) -> tuple[Any, Any, int, int]:
     """(pipeline group of this replica, data-parallel group of this stage, stage, replica)."""
-    mesh = pipeline_mesh(num_stages, tensor)
+    mesh = pipeline_mesh(num_stages, tensor, context)
     per_stage = dist.get_world_size() // num_stages
     rank = dist.get_rank()
-    return mesh.get_group("pp"), mesh.get_group("dp"), rank // per_stage, rank % per_stage // tensor
+    return mesh.get_group("pp"), mesh.get_group("dp"), rank // per_stage, rank % per_stage // (tensor * context)
 
 
 stages_built: list[int] = []  # the stage counts of the pipelines made in this process (a dry run simulates each)
@@ -59,12 +59,16 @@ class PipelineParallel:
     ``len(split_points) + 1`` pieces over the world. ``step(*inputs)`` runs one training step's forward and backward
     over ``micro_batches`` micro-batches and returns the loss (on every rank); call the optimizer after it, as after
     ``loss.backward()``. With a ``loss_fn`` the last input is the label (``loss_fn(output, label)`` on the last
-    stage); without one, all inputs are the network's and it returns its loss (or a tuple ending with it)."""
+    stage); without one, all inputs are the network's and it returns its loss (or a tuple ending with it).
+
+    With ``grads="stage"`` a stage's ranks may also share its work (:mod:`.stage_layout`): ``zero`` shards its
+    optimizer over its replicas, ``tp`` / ``tensor_parallel`` split its modules over groups of ``tp`` ranks, ``cp`` /
+    ``cp_algo`` its sequence over groups of ``cp`` ranks (every rank of such a group given the replica's batch)."""
 
     def __init__(self, network: torch.nn.Module, loss_fn: Any, micro_batches: int, split_points: Sequence[str],
                  schedule: str = "1f1b", gradients_mean: bool = True, virtual_stages: int = 1,
                  reduction: str = "mean", grads: str = "full", zero: str | None = None, tp: int = 1,
-                 tensor_parallel: dict | None = None):
+                 tensor_parallel: dict | None = None, cp: int = 1, cp_algo: str = "all_gather"):
         if not dist.is_initialized():
             raise ConfigError("pipeline parallel needs the cluster: call autopar.communication.init() first")
         if reduction not in ("mean", "sum") or grads not in ("full", "stage"):
@@ -73,6 +77,7 @@ class PipelineParallel:
         self.network, self.loss_fn, self.reduction, self.grads = network, loss_fn, reduction, grads
         self.zero = layout.zero_level(zero, grads)
         self.tp, self.tensor_plan = layout.tensor_plan(tp, tensor_parallel, grads)
+        self.cp, self.cp_algo = layout.context_plan(cp, cp_algo, grads, self.tensor_plan)
         self._sharded: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}  # id(network's) -> (it, shard)
         # interleaved: the network cut into S x V pieces, rank s holding pieces s, s + S, ... (a smaller bubble,
         # (S-1)/(V M + S - 1), for V times the point-to-point traffic)
@@ -105,11 +110,13 @@ class PipelineParallel:
         self.split_points = list(split_points)
         self.schedule_name = schedule
         self.gradients_mean = gradients_mean
-        if (world // self.num_stages) % self.tp:
-            raise ConfigError(f"PipelineParallel tp={self.tp} does not divide the {world // self.num_stages} "
+        inner = self.tp * self.cp
+        if (world // self.num_stages) % inner:
+            what = " x ".join(f"{k}={n}" for k, n in (("cp", self.cp), ("tp", self.tp)) if n > 1)
+            raise ConfigError(f"PipelineParallel {what} does not divide the {world // self.num_stages} "
                               f"rank(s) of a pipeline stage ({world} ranks over {self.num_stages} stages)")
-        self.pp_group, self.dp_group, self.stage_index, self.replica = _groups(self.num_stages, self.tp)
-        self.replicas = world // self.num_stages // self.tp
+        self.pp_group, self.dp_group, self.stage_index, self.replica = _groups(self.num_stages, self.tp, self.cp)
+        self.replicas = world // self.num_stages // inner
         self._schedule = None
         self.stage_module: torch.nn.Module | None = None
         self._pieces: dict = {}
@@ -141,11 +148,13 @@ class PipelineParallel:
             raise ConfigError(f"the batch of {batch} does not split into micro_size={self.micro_batches} equal "
                               "micro-batches")
         example = tuple(t.tensor_split(self.micro_batches)[0] if isinstance(t, torch.Tensor) else t for t in inputs)
+        if self.cp > 1:
+            layout.check_sequence_divides(example, self.cp)
         deferred_build = _deferred_build(self.network)
         try:
             # the trace calls the network: it must not parallelize itself meanwhile
             with _context.managed(), _no_generation_cache(self.network), _stand_ins(self.network, deferred_build), \
-                    layout.attention_traced_plainly(self.tp > 1):
+                    layout.attention_traced_plainly(self.laid_out):
                 pipe = pipeline(self.network, mb_args=example,
                                 split_spec={name: SplitPoint.BEGINNING for name in self.split_points})
         except Exception as exc:  # noqa: BLE001 - torch.export's many failure types, said in one line
@@ -169,12 +178,14 @@ class PipelineParallel:
         modules = [self._pieces[k] for k in mine]
         # (the whole split network run once for its shapes: before the stage's pieces hold ZeRO's shards)
         shapes = _static_shapes(pipe, example) if _fake_group(self.pp_group) else {}
-        if self.tp > 1:
-            layout.split_over_tensor_group(modules, self.network, self._sharded,
-                                           pipeline_mesh(self.num_stages, self.tp)["tp"], self.tensor_plan)
+        mesh = pipeline_mesh(self.num_stages, self.tp, self.cp)
+        if self.laid_out:
+            inner = tuple(name for name, n in (("cp", self.cp), ("tp", self.tp)) if n > 1)
+            layout.split_over_tensor_group(modules, self.network, self._sharded, mesh[inner], self.tensor_plan,
+                                           self.cp_algo if self.cp > 1 else None)
         if self.zero is not None:  # (after the tensor split: FSDP2 shards the split weights over the replicas)
-            layout.shard_over_replicas(modules, self.network, self._sharded,
-                                       pipeline_mesh(self.num_stages, self.tp)["dp"], self.zero, self.gradients_mean)
+            layout.shard_over_replicas(modules, self.network, self._sharded, mesh["dp"], self.zero,
+                                       self.gradients_mean)
         self.stage_module = modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
         stages = [PipelineStage(self._pieces[k], k, pieces, _comm.device(), group=self.pp_group, **shapes.get(k, {}))
                   for k in mine]
@@ -203,7 +214,14 @@ class PipelineParallel:
     def gradient_sync(self) -> str:
         """How a step's gradients are completed, for the run's one-line summary."""
         split = f"; its modules split over tensor groups of {self.tp}" if self.tp > 1 else ""
+        if self.cp > 1:
+            split += f"; its sequence split over context groups of {self.cp} ({self.cp_algo} attention)"
         return self._gradient_sync() + split
+
+    @property
+    def laid_out(self) -> bool:
+        """Does a stage's piece run on DTensors over its inner group (tensor or context parallelism)?"""
+        return self.tp > 1 or self.cp > 1
 
     def _gradient_sync(self) -> str:
         if self.grads == "full":
@@ -247,7 +265,7 @@ class PipelineParallel:
         losses: list[torch.Tensor] = []
         # (the stages' modules are called by the schedule, not as networks to parallelize; under tensor parallelism
         # a piece's plain tensors meet its split weights as replicated, in the backward too)
-        with _context.managed(), layout.implicit_replication_while(self.tp > 1):
+        with _context.managed(), layout.implicit_replication_while(self.laid_out):
             if self.stage_index == 0:
                 self._schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
             else:

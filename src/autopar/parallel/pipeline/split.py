@@ -114,6 +114,7 @@ class Piece(torch.nn.Module):
         self.probing = False  # torch's shape probe: what it "receives" is uninitialised memory
         self.tensor_mesh = None  # its modules split over this tensor group: its tensors DTensors on it
         self.sequence_split = False  # and what it receives split on the sequence (Megatron's sequence parallelism)
+        self.context = None  # or its sequence split over the mesh's cp axis, attention by this algorithm
 
     def reads_inputs(self) -> bool:
         return self.index > 0 and any(kind == "root" for kind, _ in self.sources)
@@ -142,19 +143,43 @@ class Piece(torch.nn.Module):
             return tree_map(lambda t: t.contiguous() if isinstance(t, torch.Tensor) else t, self.graph_module(*args))
         # tensor parallelism inside the stage: what it receives enters as replicated DTensors (their gradients go
         # back whole), what it makes inside (a mask, positions) is taken as replicated (the runner's step runs under
-        # ``implicit_replication``), and what it sends is made whole -- the next stage's ranks each receive all of it
+        # ``implicit_replication``), and what it sends is made whole -- the next stage's ranks each receive all of it.
+        # Context parallelism: what it receives and reads -- token ids and targets too -- enters split on the
+        # sequence over the cp axis, and its attention is the context-parallel one
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
+        mesh = self.tensor_mesh
+        axes = mesh.mesh_dim_names
+        cp = mesh.size(axes.index("cp")) if "cp" in axes else 1
+
         def entering(a):
-            if not (isinstance(a, torch.Tensor) and a.is_floating_point()):
+            if not isinstance(a, torch.Tensor):
                 return a
-            a = DTensor.from_local(a, self.tensor_mesh, [Replicate()], run_check=False)
+            on_sequence = cp > 1 and a.dim() >= 2 and a.shape[1] % cp == 0
+            if not (a.is_floating_point() or on_sequence):
+                return a
+            whole = DTensor.from_local(a, mesh, [Replicate()] * mesh.ndim, run_check=False)
+            target = [Shard(1) if (axis == "cp" and on_sequence)
+                      or (axis == "tp" and self.sequence_split and a.dim() > 2) else Replicate() for axis in axes]
             # (split by a redistribution: its backward gathers the gradient whole for the previous stage)
-            return a.redistribute(self.tensor_mesh, [Shard(1)]) if self.sequence_split and a.dim() > 2 else a
+            return whole.redistribute(mesh, target) if any(p.is_shard() for p in target) else whole
 
         args = [entering(a) for a in args]
+        with _context_attention(self.context):
+            out = self.graph_module(*args)
         return tree_map(lambda t: (t.full_tensor() if isinstance(t, DTensor) else t).contiguous()
-                        if isinstance(t, torch.Tensor) else t, self.graph_module(*args))
+                        if isinstance(t, torch.Tensor) else t, out)
+
+
+def _context_attention(algo: str | None):
+    """The context-parallel attention (:mod:`autopar.parallel.tensor.sequence_attention`) while a piece whose
+    sequence is split runs its forward: the traced ``aten.scaled_dot_product_attention`` of a query split on its
+    sequence goes to ``algo``'s all-gather, ring or Ulysses form."""
+    if algo is None:
+        return contextlib.nullcontext()
+    from autopar.parallel.tensor.sequence_attention import SequenceAttention
+
+    return SequenceAttention(algo)
 
 
 def piece_calls(pipe) -> list:

@@ -52,7 +52,8 @@ def shard_over_replicas(pieces: list, network: torch.nn.Module, sharded: dict, m
             old.data = torch.empty(0, dtype=old.dtype, device=old.device)  # its memory: the shard's now
 
 
-def split_over_tensor_group(pieces: list, network: torch.nn.Module, sharded: dict, mesh, plan: dict) -> None:
+def split_over_tensor_group(pieces: list, network: torch.nn.Module, sharded: dict, mesh, plan: dict,
+                            context: str | None = None) -> None:
     """Tensor parallelism inside the stage, as Megatron-LM and torchtitan compose it with pipelines: the weights
     of this rank's pieces' modules named in ``tensor_parallel`` split over the stage's ``tp`` ranks as the
     style says (``"colwise"``: a ``Linear``'s output features, ``"rowwise"``: its input features -- Megatron's
@@ -62,7 +63,14 @@ def split_over_tensor_group(pieces: list, network: torch.nn.Module, sharded: dic
     taken as replicated: ``implicit_replication``); what a piece sends to the next stage is made whole. The
     network's own parameters give their memory to the splits, as under ZeRO, and the runner's
     ``gather_parameters`` makes them whole. (torch's ``parallelize_module`` needs ``nn.Linear`` modules; a traced
-    piece's are interpreters of them.)"""
+    piece's are interpreters of them.)
+
+    With ``context`` (an attention algorithm: ``"all_gather"``, ``"ring"``, ``"ulysses"``) the mesh has a ``cp``
+    axis too (before ``tp``): every piece runs on the rank's slice of the sequence -- what it receives and the
+    network inputs it reads (token ids, targets) split on dimension 1 there, its weights replicated there -- and
+    its attention is the context-parallel one (:mod:`autopar.parallel.tensor.sequence_attention`), every other
+    module token-wise on the slice; the replicated weights' gradients are partial sums over the group, which
+    DTensor completes where they are used, as for the norms of sequence parallelism."""
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     from autopar.parallel.tensor.attention import register_attention_rules
@@ -72,14 +80,15 @@ def split_over_tensor_group(pieces: list, network: torch.nn.Module, sharded: dic
     own = dict(network.named_parameters(remove_duplicate=False))
     kinds = dict(network.named_modules())
     made: dict[int, torch.nn.Parameter] = {}  # a weight used twice on this rank is laid out once
+    axes = mesh.mesh_dim_names
     for piece in pieces:
         named = list(piece.graph_module.named_parameters(remove_duplicate=False))
-        if not any(plan.get(name.rpartition(".")[0]) in STYLES[:2] for name, _ in named):
+        if context is None and not any(plan.get(name.rpartition(".")[0]) in STYLES[:2] for name, _ in named):
             continue
         # every tensor of a split piece a DTensor -- the rest of its parameters and its inputs replicated -- so
         # that each gradient comes back as its tensor is: a plain tensor's from DTensor arithmetic would be a
         # DTensor, which neither the optimizer nor the stage's send can take
-        piece.tensor_mesh = mesh
+        piece.tensor_mesh, piece.context = mesh, context
         for name, style in plan.items():  # Megatron's sequence parallelism: these modules run on the rank's
             # slice of the sequence (a norm, a dropout), their input split there -- and what the piece receives
             # (the residual stream) enters split there too
@@ -91,7 +100,8 @@ def split_over_tensor_group(pieces: list, network: torch.nn.Module, sharded: dic
             if id(whole) not in made:
                 style = plan.get(owner)
                 placement = _placement(kinds[owner], whole, style) if style in STYLES[:2] else Replicate()
-                made[id(whole)] = torch.nn.Parameter(distribute_tensor(whole.detach().clone(), mesh, [placement]),
+                placements = [Replicate() if axis == "cp" else placement for axis in axes]
+                made[id(whole)] = torch.nn.Parameter(distribute_tensor(whole.detach().clone(), mesh, placements),
                                                      requires_grad=whole.requires_grad)
             split = made[id(whole)]
             (piece.graph_module.get_submodule(owner) if owner else piece.graph_module)._parameters[attr] = split
@@ -100,6 +110,35 @@ def split_over_tensor_group(pieces: list, network: torch.nn.Module, sharded: dic
                 sharded[id(old)] = (old, split)
                 replaced.record(old, split)
                 old.data = torch.empty(0, dtype=old.dtype, device=old.device)
+
+
+CONTEXT_ALGOS = ("all_gather", "ring", "ulysses")
+
+
+def context_plan(cp: int, algo: str, grads: str, tensor_plan: dict) -> tuple[int, str]:
+    """``cp`` and its attention algorithm, checked: one line for each way they cannot run."""
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ConfigError(f"PipelineParallel cp must be a positive whole number of ranks, got {cp!r}")
+    if algo not in CONTEXT_ALGOS:
+        raise ConfigError(f"PipelineParallel cp_algo={algo!r}; expected one of {', '.join(CONTEXT_ALGOS)}")
+    if cp > 1 and grads != "stage":
+        raise ConfigError(f"PipelineParallel cp={cp} splits a stage's sequence over its context group, which needs "
+                          "grads='stage' (with grads='full' every rank steps every parameter whole)")
+    if cp > 1 and "sequence" in tensor_plan.values():
+        raise ConfigError(f"PipelineParallel cp={cp} with tensor_parallel 'sequence' modules: sequence parallelism "
+                          "beside context parallelism is not run yet (the context split already holds each norm "
+                          "and residual on 1/cp of the sequence: drop 'sequence')")
+    return cp, algo
+
+
+def check_sequence_divides(example: tuple, cp: int) -> None:
+    """Every rank alike, before the stages are built: a micro-batch's sequence (dimension 1 of every input with
+    one) must split into ``cp`` equal slices -- one line naming the shape."""
+    for t in example:
+        if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] % cp:
+            raise ConfigError(f"PipelineParallel cp={cp} splits the sequence (dimension 1) of every input: a "
+                              f"micro-batch of shape {tuple(t.shape)} does not split into {cp} equal slices (pad "
+                              f"the sequence to a multiple of {cp})")
 
 
 def zero_level(zero: str | None, grads: str) -> str | None:

@@ -27,7 +27,9 @@ from torch.utils._pytree import tree_flatten
 
 from autopar.errors import StrategyError
 
-_SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
+# (and the aten operator a traced graph calls: a pipeline stage's piece)
+_SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention,
+         torch.ops.aten.scaled_dot_product_attention.default}
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -205,7 +207,9 @@ def _local_mask(mask, query: DTensor, placements: list) -> torch.Tensor:
     return mask.to_local()
 
 
-_RESHAPES = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten, torch.flatten}
+_RESHAPES = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten, torch.flatten,
+             # (the aten operators a traced graph calls: a pipeline stage's piece)
+             torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten.flatten.using_ints}
 
 
 def _batch_first(func, t: DTensor, args: tuple, kwargs: dict) -> DTensor:

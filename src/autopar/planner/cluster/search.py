@@ -77,18 +77,20 @@ class Candidate:
     def not_run_by_autopar(self) -> list[str]:
         """What of this plan autopar's runtime does not run yet: context and sequence parallelism are planned only
         where pinned (to predict another system's run; autopar runs sequence parallelism with tensor parallelism,
-        not inside pipeline stages, where layouts are not applied yet, and context parallelism with data parallel,
-        ZeRO and tensor parallelism, not yet with sequence parallelism or inside pipeline stages). Inside pipeline
-        stages the runtime runs tensor and sequence parallelism (``PipelineParallel(tp=..., tensor_parallel=...)``)
-        and ZeRO (each stage's optimizer sharded over all of its data-parallel ranks), alone or together --
-        Megatron-LM's usual plan -- not yet ZeRO over smaller shard groups there."""
+        and context parallelism with data parallel, ZeRO and tensor parallelism, not yet with sequence
+        parallelism). Inside pipeline stages the runtime runs tensor and sequence parallelism and context
+        parallelism (``PipelineParallel(tp=..., tensor_parallel=..., cp=...)``) and ZeRO (each stage's optimizer
+        sharded over all of its data-parallel replicas), alone or together -- Megatron-LM's usual plan -- not yet
+        ZeRO over smaller shard groups there, nor over the context group (Megatron's distributed optimizer shards
+        over data x context ranks; autopar's inside stages over the data-parallel replicas)."""
         out = []
-        if self.cp > 1 and self.p > 1:
-            out.append("context parallelism inside pipeline stages")
         if self.cp > 1 and self.sp:
             out.append("sequence parallelism with context parallelism")
         if self.p > 1 and self.zero >= 1 and self.shard_group != self.d * self.cp:
             out.append(f"ZeRO-{self.zero} over shard groups of {self.shard_group} inside pipeline stages")
+        elif self.p > 1 and self.zero >= 1 and self.cp > 1:
+            out.append(f"ZeRO-{self.zero} over the context group inside pipeline stages (autopar shards over the "
+                       f"{self.d} data-parallel replicas)")
         return out
 
     @property
