@@ -126,6 +126,13 @@ def test_a_published_configuration_pinned_from_the_command_line(capsys):
     assert out["not_run_by_autopar"] == ["sequence parallelism with context parallelism",
                                          "ZeRO-1 over the context group inside pipeline stages (autopar shards over "
                                          "the 2 data-parallel replicas)"]
+    # sequence parallelism: weighed unpinned (and taken for this tensor group), off with --no-sp
+    for flag, want in (([], True), (["--no-sp"], False)):
+        assert cli(["plan", "llama", "--size", "llama3-70b", "-n", "64", "--machine", "h100-ib", "--global-batch",
+                    "128", "--tp", "4", "--pp", "4", "--json", *flag]) == 0
+        assert json.loads(capsys.readouterr().out)["configuration"]["sp"] is want, flag
+    assert cli(["plan", "mlp", "-n", "2", "--no-sp"]) == 2
+    assert "--no-sp pins the cluster plan" in capsys.readouterr().err
     assert cli(["plan", "llama", "--size", "llama3-70b", "-n", "64", "--machine", "h100-ib", "--cp", "3"]) == 2
     assert "--cp 3 needs the sequence (8192) divisible by 2 x cp = 6" in capsys.readouterr().err
 
@@ -587,8 +594,11 @@ def test_sequence_parallelism_keeps_what_the_tensor_group_held_whole_split_on_th
     # recomputation to fit; with it, none -- and the step is shorter
     pin = {"tp": 4, "pp": 8, "vpp": 12, "micro_batch": 1, "zero": 1}
     with pytest.raises(ConfigError, match="fits nowhere.*; with --sp it fits \\(dp 4 x tp 4 \\(sp\\) x pp 8 "):
-        plan_gpt(PRESETS["175b"], h100, 128, 256, fixed={**pin, "recompute": False})
-    tp_only = plan_gpt(PRESETS["175b"], h100, 128, 256, fixed=pin).best
+        plan_gpt(PRESETS["175b"], h100, 128, 256, fixed={**pin, "recompute": False, "sp": False})
+    tp_only = plan_gpt(PRESETS["175b"], h100, 128, 256, fixed={**pin, "sp": False}).best
+    # unpinned, the search weighs it (autopar's runtime runs it with the tensor split) and takes it: no recomputation
+    searched = plan_gpt(PRESETS["175b"], h100, 128, 256, fixed={**pin, "recompute": False}).best
+    assert searched.sp and searched.recompute is False
     with_sp = plan_gpt(PRESETS["175b"], h100, 128, 256, fixed={**pin, "sp": True})
     assert tp_only.recompute in (True, "block") and with_sp.best.recompute is False
     full = plan_gpt(PRESETS["175b"], h100, 128, 256, fixed={**pin, "recompute": True}).best
@@ -619,8 +629,10 @@ def test_context_parallelism_splits_the_sequence_and_passes_keys_and_values_roun
     assert plan.to_dict()["configuration"]["cp"] == 4 and plan.to_dict()["not_run_by_autopar"] == []
     # ZeRO-3 shards over the 32 replicas, not the 8 data-parallel ones
     assert k.memory_parts["weights+grads+optimizer"] < 16 * cfg.parameters / 16 / 2
-    # the search never picks it unpinned (it is weighed where pinned)
-    assert all(c.cp == 1 and not c.sp for c in plan_gpt(cfg, h100, 64, 16, fixed={"tp": 8}).ranked)
+    # the search never picks a context split unpinned (it is weighed where pinned); sequence parallelism it weighs,
+    # and takes for the tensor group of 8
+    ranked = plan_gpt(cfg, h100, 64, 16, fixed={"tp": 8}).ranked
+    assert all(c.cp == 1 for c in ranked) and ranked[0].sp and any(not c.sp for c in ranked)
 
 
 @pytest.mark.parametrize("pins, message", [

@@ -59,8 +59,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "last stages a layer fewer (Megatron-LM's --account-for-embedding-in-pipeline-split and "
                         "--account-for-loss-in-pipeline-split; DeepSpeed's --pp-partition-method "
                         "'type:transformer|embedding')")
-    g.add_argument("--sp", action="store_true",
-                   help="sequence parallelism in the tensor group (Megatron's; planned only where pinned)")
+    g.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
+                   help="pin sequence parallelism in the tensor group on (--sp) or off (--no-sp); unpinned, the "
+                        "search weighs it for every tensor group (Megatron's: norms, dropout and residuals split on "
+                        "the sequence, an all-gather and a reduce-scatter in place of each all-reduce)")
     g.add_argument("--recompute", default=None, choices=("full", "selective", "block", "none", "on", "off"),
                    help="pin activation recomputation: full (on), selective (the attention core only: Korthikanti et "
                         "al. 2022), block (some layers of a device whole, Megatron's --recompute-method block: the "
@@ -159,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         raise ConfigError("--json is the cluster plan's (autopar plan gpt|llama ...); this model's plan is the table")
     cluster_only = [flag for flag, value in (("--tp", args.tp), ("--pp", args.pp), ("--vpp", args.vpp), ("--cp", args.cp),
-                                             ("--sp", args.sp), ("--zero", args.zero), ("--zero-shard", args.zero_shard),
+                                             ("--sp" if args.sp else "--no-sp", None if args.sp is None else True),
+                                             ("--zero", args.zero), ("--zero-shard", args.zero_shard),
                                              ("--recompute", args.recompute),
                                              ("--recompute-layers", args.recompute_layers),
                                              ("--split-embedding-and-loss", args.split_embedding_and_loss),
@@ -221,7 +224,7 @@ def run_gpt(args: argparse.Namespace) -> int:
         dtype = args.dtype or "fp32"
     limit = memory_bytes(args.memory_limit, "--memory-limit") if args.memory_limit else None
     fixed = {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "micro_batch": args.micro_batch, "zero": args.zero,
-             "cp": args.cp, "sp": args.sp or None, "zero_shard": args.zero_shard,
+             "cp": args.cp, "sp": args.sp, "zero_shard": args.zero_shard,
              "recompute": {None: None, "full": True, "on": True, "none": False, "off": False,
                            "selective": "selective", "block": "block"}[args.recompute],
              "recompute_layers": args.recompute_layers, "split_embedding": args.split_embedding_and_loss or None}

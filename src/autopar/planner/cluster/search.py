@@ -359,7 +359,7 @@ def _what_would_fit(config, spec, devices, global_batch, dtype, memory_limit, ma
              for k, v in fixed.items() if v is not None and k in ("zero", "recompute", "micro_batch")]
     if config.attention == "materialized":
         tries.append(("with --attention fused", dataclasses.replace(config, attention="fused"), fixed))
-    if not fixed.get("sp") and (fixed.get("tp") or 1) > 1:  # the tensor group's whole activations split by it
+    if fixed.get("sp") is False and (fixed.get("tp") or 1) > 1:  # the tensor group's activations split by it
         tries.append(("with --sp", config, {**fixed, "sp": True}))
     fits = []
     for what, cfg, pins in tries:
@@ -394,11 +394,13 @@ def _fewest_recomputed(planner: "LayerPlanner", k: Candidate, limit: float, pinn
     return k
 
 
-def _context_and_sequence(config: GPTConfig, fixed: dict) -> tuple[int, bool]:
-    """The pinned context-parallel degree and sequence parallelism, checked (one line each); neither is searched yet
-    (autopar's runtime runs sequence parallelism with tensor parallelism and context parallelism beside data, ZeRO
-    and tensor parallelism, neither inside pipeline stages; the free search does not weigh them)."""
-    cp, sp = (1 if fixed.get("cp") is None else fixed["cp"]), bool(fixed.get("sp"))
+def _context_and_sequence(config: GPTConfig, fixed: dict) -> tuple[int, bool | None]:
+    """The pinned context-parallel degree and sequence parallelism, checked (one line each). Sequence parallelism
+    unpinned is None: the search weighs it for every tensor group (autopar's runtime runs it with tensor
+    parallelism, in the layout modes and inside pipeline stages), except beside a context split, which the runtime
+    does not run with it. The context-parallel degree is not searched yet: pinned, or 1."""
+    cp = 1 if fixed.get("cp") is None else fixed["cp"]
+    sp = None if fixed.get("sp") is None else bool(fixed["sp"])
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ConfigError(f"--cp must be a positive context-parallel degree, got {fixed.get('cp')!r}")
     if cp > 1 and config.attention == "materialized":
@@ -416,8 +418,8 @@ def _context_and_sequence(config: GPTConfig, fixed: dict) -> tuple[int, bool]:
     return cp, sp
 
 
-def _enumerate(planner: LayerPlanner, devices: int, global_batch: int, fixed: dict, cp: int, sp: bool, limit: float,
-               memory_limit: float | None, max_micro_batch: int, progress) -> tuple[list, list, Candidate | None, int]:
+def _enumerate(planner: LayerPlanner, devices: int, global_batch: int, fixed: dict, cp: int, sp: bool | None,
+               limit: float, memory_limit: float | None, max_micro_batch: int, progress) -> tuple[list, list, Candidate | None, int]:
     """Every (tensor, pipeline, data, micro-batch, ZeRO, recomputation, virtual stages) candidate the pins leave:
     those that fit ``limit``, those that fit only the device's whole memory, the smallest, and how many."""
     config, spec = planner.config, planner.spec
@@ -431,8 +433,14 @@ def _enumerate(planner: LayerPlanner, devices: int, global_batch: int, fixed: di
                   if (t > spec.devices_per_node or spec.devices_per_node % t == 0) and (devices // cp) % t == 0
                   and config.kv_groups % t == 0 and config.ffn_size % t == 0 and keep("tp", t)
                   and (not sp or (t > 1 and config.seq % (t * cp) == 0))]
+
+    def sp_options(t: int) -> list[bool]:  # unpinned: with and without, for a tensor group dividing the sequence
+        if sp is not None:
+            return [sp]
+        return [False, True] if t > 1 and cp == 1 and config.seq % t == 0 else [False]
+
     split = bool(fixed.get("split_embedding"))
-    for t in tp_options:
+    for t, seq_split in [(tp, s) for tp in tp_options for s in sp_options(tp)]:
         for p in range(1, min(config.layers + (2 if split else 0), devices // (t * cp)) + 1):
             if (devices // (t * cp)) % p or not keep("pp", p):
                 continue
@@ -456,7 +464,7 @@ def _enumerate(planner: LayerPlanner, devices: int, global_batch: int, fixed: di
                         for recompute in recomputes:
                             slots = config.layers + (2 if split and p > 1 else 0)
                             for v in virtual_stages(slots, p, global_batch // (d * b), fixed.get("vpp")):
-                                k = Candidate(t, p, d, b, global_batch // (d * b), zero, recompute, v, cp, sp,
+                                k = Candidate(t, p, d, b, global_batch // (d * b), zero, recompute, v, cp, seq_split,
                                               shard=shard, split_embedding=split and p > 1)
                                 if recompute == "block":
                                     k = _fewest_recomputed(planner, k, limit, fixed.get("recompute_layers"))
