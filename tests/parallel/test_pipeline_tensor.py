@@ -1,9 +1,12 @@
-"""Tensor parallelism inside pipeline stages (Megatron's composition; the PyTorch door's ``PipelineParallel(...,
-tp=2, tensor_parallel={name: "colwise" | "rowwise" | "sequence"})``) on 2 stages x 2 tensor-parallel gloo ranks:
-a 4-Linear network and a nanoGPT (heads split, the head tied to the embedding across the stages; and with Megatron's
-sequence parallelism, its norms and residual stream on half the sequence) equal one process on the global batch in float64 after several AdamW steps; each split weight holds its half; the integrated checkpoint holds
-the whole trained network; bad input is one line. And the nanoGPT on 2 stages x 2 replicas x 2 tensor-parallel
-ranks with ZeRO-1 inside the stages (Megatron-LM's usual plan): exact, each weight a quarter or a half a rank."""
+"""Tensor and context parallelism inside pipeline stages (Megatron's compositions; the PyTorch door's
+``PipelineParallel(..., tp=2, tensor_parallel={name: "colwise" | "rowwise" | "sequence"})`` and ``cp=2,
+cp_algo=...``) on gloo ranks, each against one process on the global batch in float64 after several AdamW steps:
+on 2 stages x 2 ranks, a 4-Linear network and a nanoGPT with its weights split (heads split, the head tied to the
+embedding across the stages; and with Megatron's sequence parallelism, its norms and residual stream on half the
+sequence), and the nanoGPT with its sequence split (each attention algorithm); each split weight holds its half, the
+integrated checkpoint holds the whole trained network, each rank's sliced checkpoint reloads onto one process's
+layout, and bad input is one line. On 8 ranks, with ZeRO-1 inside the stages beside the tensor or the context split
+(Megatron-LM's usual plans), and the context and tensor splits together."""
 import json
 
 from procutil import SCRIPTS, autopar_cmd
@@ -50,6 +53,8 @@ def test_tensor_parallel_inside_pipeline_stages_is_exact(procs, tmp_path):
             assert case["param_diff"] <= 1e-12 and case["whole_diff"] <= 1e-12, (rank, key, case)
             _check_splits(key, case)
         assert r["gpt"]["ckpt_diff"] <= 1e-12, r["gpt"]
+        # each rank's slices (its stage's, split over its group), reloaded whole onto one process's layout
+        assert r["gpt"]["sliced_diff"] <= 1e-12 and r["gpt_cp"]["sliced_diff"] <= 1e-12, r
         # sequence parallelism, and context parallelism, inside the stages: the norms and the residual stream on
         # half the sequence
         for key in ("gpt_sp", "gpt_cp", "gpt_cp_ring", "gpt_cp_ulysses"):
@@ -74,6 +79,7 @@ def test_zero_and_tensor_parallelism_together_inside_pipeline_stages_are_exact(p
             assert "error" not in case, (rank, key, case.get("error"), case.get("trace"))
             assert case["stage"] == rank // 4 and case["loss_diff"] <= 1e-6, (rank, key, case)
             assert case["param_diff"] <= 1e-12 and case["whole_diff"] <= 1e-12, (rank, key, case)
+            assert case["sliced_diff"] <= 1e-12, (rank, key, case)  # its slices reloaded onto one process's layout
         # split over the tensor group and sharded over the replicas: a Linear's weight a quarter on each rank
         case = r["gpt"]
         local, whole = case["halves"][f"transformer.h.{rank // 4}.attn.c_proj.weight"]

@@ -117,6 +117,15 @@ for key, (build, loss_fn, points, plan, (X, Y)) in CASES.items():
         halves = {n.removeprefix("graph_module."): (tuple(p.to_local().shape), tuple(p.shape))
                   for n, p in runner.stage_module.named_parameters()
                   if hasattr(p, "to_local") and any(q.is_shard() for q in p.placements)}  # (a row split's bias: whole)
+        sliced = None
+        if key in ("gpt", "gpt_cp") or zero:  # each rank's slices, reloaded whole onto one process's layout
+            autopar.save_checkpoint(net, f"{ckpt_dir}/{key}_sliced_{rank}", integrated_save=False)
+            torch.distributed.barrier()
+            plain = build()
+            autopar.load_distributed_checkpoint(plain, sorted(str(p) for p in __import__("pathlib").Path(ckpt_dir)
+                                                             .glob(f"{key}_sliced_*.ckpt")))
+            sliced = max(float((p.detach() - want.detach()).abs().max())
+                         for (_, p), want in zip(plain.named_parameters(), ref.parameters()))
         runner.gather_parameters()  # the whole trained network on every rank
         want = dict(ref.named_parameters())
         stage = [k for k, stages in runner.owner.items() if runner.stage_index in stages and k in want]
@@ -126,7 +135,7 @@ for key, (build, loss_fn, points, plan, (X, Y)) in CASES.items():
                         "whole_diff": max(float((p.detach() - want[k].detach()).abs().max())
                                           for k, p in net.named_parameters()),
                         "stage": runner.stage_index, "halves": halves, "sync": runner.gradient_sync,
-                        "placed": placed, "attended": dict(ATTENDED)}
+                        "placed": placed, "attended": dict(ATTENDED), "sliced_diff": sliced}
         if key == "gpt" and not zero:  # the integrated file, written by rank 0, holds the whole trained network
             autopar.save_checkpoint(net, f"{ckpt_dir}/tp.ckpt")
             torch.distributed.barrier()
