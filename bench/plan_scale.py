@@ -1,6 +1,7 @@
 """Planning time at scale: Llama-3-8B (32 layers, hidden 4096, GQA 32/8 heads, sequence 8192) on a 2-D mesh of
-64 and 1024 H100s, and a 405B Llama (126 layers, hidden 16384, 128/8 heads, ffn 53248, sequence 8192) on 16,384
-H100s (the h100-ib preset, a node type: 2,048 of its nodes), searched whole (tensor x pipeline x data x micro-batch x ZeRO x recomputation, every decoder
+64 and 1024 H100s, and a 405B Llama (126 layers, hidden 16384, 128/8 heads, ffn 53248) on 16,384 H100s at 8,192
+tokens and at Llama 3's long-context 131,072 (the h100-ib preset, a node type: 2,048 of its nodes), searched whole
+(context x tensor x pipeline x data x micro-batch x ZeRO x recomputation, every decoder
 layer's operators by the exact ILP, repeated layers grouped as one). Several rounds, interleaved; the median of the
 planner's own clock and of the wall time of `autopar plan` as a user runs it (imports included).
 
@@ -20,7 +21,7 @@ LLAMA_405B = ["--layers", "126", "--hidden", "16384", "--heads", "128", "--kv-he
               "--seq", "8192"]
 # (name, model flags, devices, global batch)
 CASES = [("llama3-8b", ["--size", "llama3-8b"], 64, 1024), ("llama3-8b", ["--size", "llama3-8b"], 1024, 1024),
-         ("llama-405b", LLAMA_405B, 16384, 2048)]
+         ("llama-405b", LLAMA_405B, 16384, 2048), ("llama-405b-128k", LLAMA_405B[:-1] + ["131072"], 16384, 128)]
 
 
 def main() -> None:

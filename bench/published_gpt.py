@@ -78,8 +78,11 @@ def grand_teton(spec):
 
 
 def plan_row(cfg, spec, gpus, batch, pins, dtype):
-    """The pinned plan; sequence parallelism, where the source leaves it unstated and there is a tensor group, the
-    faster of with and without (the planner does not search it: autopar's runtime does not run it yet)."""
+    """The pinned plan. Context parallelism, where the source leaves it unstated, is off: a source whose run split
+    the sequence says so (the planner would search it for a long sequence). Sequence parallelism, where unstated and
+    there is a tensor group, is the faster of with and without -- also beside a pinned context split, which the
+    planner's own search leaves without it (autopar's runtime does not run the two together)."""
+    pins = {"cp": 1, **pins}
     options = [{}] if "sp" in pins or pins.get("tp", 1) == 1 else [{"sp": False}, {"sp": True}]
     best = None
     for extra in options:

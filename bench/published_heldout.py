@@ -334,7 +334,7 @@ def ordering(planned: list[dict]) -> dict:
 
 def free_search(planned: list[dict]) -> list[dict]:
     """For each job published in several configurations (one source, model, dtype, GPU count and global batch): the
-    planner's own pick, searched freely (what autopar's runtime runs: no context or sequence parallelism), against
+    planner's own pick, searched freely (what autopar's runtime runs, context and sequence parallelism included), against
     the published configurations as the planner predicts them -- tokens/s a GPU."""
     spec_of = {r[0]: r for r in RUNS}
     jobs: dict = {}

@@ -16,6 +16,7 @@ from autopar.cli.main import main as cli
 from autopar.errors import ConfigError
 from autopar.planner.cluster import load_cluster, parse_cluster, plan_gpt, presets
 from autopar.planner.cluster.layers import LayerPlanner
+from autopar.planner.cluster.search import context_options
 from autopar.planner.gpt import GPT, PRESETS, GPTConfig, GPTLayer, LlamaLayer, make_layer
 from autopar.planner.graph import capture
 
@@ -629,10 +630,38 @@ def test_context_parallelism_splits_the_sequence_and_passes_keys_and_values_roun
     assert plan.to_dict()["configuration"]["cp"] == 4 and plan.to_dict()["not_run_by_autopar"] == []
     # ZeRO-3 shards over the 32 replicas, not the 8 data-parallel ones
     assert k.memory_parts["weights+grads+optimizer"] < 16 * cfg.parameters / 16 / 2
-    # the search never picks a context split unpinned (it is weighed where pinned); sequence parallelism it weighs,
-    # and takes for the tensor group of 8
-    ranked = plan_gpt(cfg, h100, 64, 16, fixed={"tp": 8}).ranked
+    # --cp 1 keeps the sequence whole; sequence parallelism the search weighs, and takes for the tensor group of 8
+    ranked = plan_gpt(cfg, h100, 64, 16, fixed={"tp": 8, "cp": 1}).ranked
     assert all(c.cp == 1 for c in ranked) and ranked[0].sp and any(not c.sp for c in ranked)
+
+
+def test_the_search_weighs_context_parallelism_for_long_sequences_as_autopar_runs_it():
+    """Unpinned, the context split is searched for sequences of 8K tokens and more under fused attention (Megatron
+    Core's guidance), each rank keeping 2,048 tokens or more; never beside pinned sequence parallelism nor for a
+    materialized attention. What it weighs autopar runs: no sequence parallelism beside it, and inside pipeline
+    stages ZeRO over the data-parallel replicas (replicated across the context group), as
+    ``PipelineParallel(cp=..., zero=...)`` shards; a pinned ``--cp`` predicting Megatron shards over dp x cp."""
+    h100 = load_cluster("h100-ib")
+    long = dataclasses.replace(PRESETS["llama3-8b"], seq=32768)
+    assert context_options(long, 64, None) == [1, 2, 4, 8, 16]
+    assert context_options(PRESETS["llama3-8b"], 64, None) == [1, 2, 4]  # 8,192 tokens
+    assert context_options(long, 24, None) == [1, 2, 4, 8]  # the degree divides the devices
+    assert context_options(dataclasses.replace(long, seq=4096), 64, None) == [1]
+    assert context_options(long, 64, True) == [1]
+    assert context_options(dataclasses.replace(long, attention="materialized"), 64, None) == [1]
+    plan = plan_gpt(long, h100, 64, 16, fixed={"tp": 2})
+    ranked = plan.ranked
+    assert {c.cp for c in ranked} == {1, 2, 4, 8, 16}
+    assert plan.best.step <= plan_gpt(long, h100, 64, 16, fixed={"tp": 2, "cp": 1}).best.step
+    assert not any(c.cp > 1 and c.sp for c in ranked)
+    staged = [c for c in ranked if c.p > 1 and c.cp > 1 and c.zero]
+    assert staged and all(c.shard_group == c.d for c in staged)
+    assert all(c.not_run_by_autopar() == [] for c in ranked)
+    megatron = plan_gpt(long, h100, 64, 16, fixed={"tp": 2, "pp": 2, "cp": 2, "zero": 1, "micro_batch": 1})
+    assert megatron.best.shard_group == 2 * megatron.best.d
+    assert megatron.to_dict()["not_run_by_autopar"] == [
+        f"ZeRO-1 over the context group inside pipeline stages (autopar shards over the {megatron.best.d} "
+        "data-parallel replicas)"]
 
 
 @pytest.mark.parametrize("pins, message", [

@@ -52,8 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="shard ZeRO's state over groups of this many data-parallel ranks, replicated across the "
                         "groups (hybrid sharding: FSDP2's HSDP, MiCS; MindSpore's optimizer_weight_shard_size)")
     g.add_argument("--cp", type=int, default=None,
-                   help="pin the context-parallel degree (ring attention over the sequence; planned only where "
-                        "pinned)")
+                   help="pin the context-parallel degree (ring attention over the sequence; unpinned, searched "
+                        "for sequences of 8,192 tokens and more under fused attention; --cp 1 keeps it off)")
     g.add_argument("--split-embedding-and-loss", action="store_true",
                    help="the embedding and the loss each take a layer's place in the pipeline split, the first and "
                         "last stages a layer fewer (Megatron-LM's --account-for-embedding-in-pipeline-split and "

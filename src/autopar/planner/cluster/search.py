@@ -10,14 +10,18 @@ and reused for every layer. Around it the search enumerates:
 - ``d`` = N / (t cp p) data-parallel replicas, ranks in Megatron's order: tensor groups inside a node, then context,
   data, stages farthest apart;
 - ZeRO level 0-3 over the data- and context-parallel ranks (pipelines take level 0/1, as Megatron's distributed
-  optimizer, unless pinned higher);
+  optimizer, unless pinned higher; with a searched context split inside stages, over the data-parallel replicas,
+  as autopar's runtime shards them);
 - activation recomputation: none, selective (the attention core run again in the backward, Korthikanti et al.
   2022: a materialized attention drops its scores and their softmax; a fused one, where pinned, its log-sum-exp --
   searched only where there are scores to drop), block (the fewest layers of a device recomputed whole that fit)
-  or full.
+  or full;
+- sequence parallelism with and without, for every tensor group dividing the sequence;
+- ``cp``: context parallelism for sequences of 8K tokens and more (:func:`context_options`), its ring attention
+  costed in ``attention.py``.
 
-Context and sequence parallelism are planned where pinned (what of a plan autopar's runtime does not run yet, the
-plan names: :meth:`Candidate.not_run_by_autopar`). The fastest plan
+What of a plan autopar's runtime does not run yet (possible where parts are pinned to predict another system's
+run), the plan names: :meth:`Candidate.not_run_by_autopar`. The fastest plan
 that fits the memory (``memory.py``) wins; the explanation lists it, its per-layer strategies and the runners-up.
 """
 from __future__ import annotations
@@ -75,22 +79,21 @@ class Candidate:
         return self.shard or self.d * self.cp
 
     def not_run_by_autopar(self) -> list[str]:
-        """What of this plan autopar's runtime does not run yet: context and sequence parallelism are planned only
-        where pinned (to predict another system's run; autopar runs sequence parallelism with tensor parallelism,
-        and context parallelism with data parallel, ZeRO and tensor parallelism, not yet with sequence
-        parallelism). Inside pipeline stages the runtime runs tensor and sequence parallelism and context
-        parallelism (``PipelineParallel(tp=..., tensor_parallel=..., cp=...)``) and ZeRO (each stage's optimizer
-        sharded over all of its data-parallel replicas), alone or together -- Megatron-LM's usual plan -- not yet
-        ZeRO over smaller shard groups there, nor over the context group (Megatron's distributed optimizer shards
-        over data x context ranks; autopar's inside stages over the data-parallel replicas)."""
+        """What of this plan autopar's runtime does not run yet. It runs sequence parallelism with tensor
+        parallelism, and context parallelism with data parallel, ZeRO and tensor parallelism, not yet with sequence
+        parallelism. Inside pipeline stages it runs tensor and sequence parallelism and context parallelism
+        (``PipelineParallel(tp=..., tensor_parallel=..., cp=...)``) and ZeRO (each stage's optimizer sharded over
+        its data-parallel replicas, replicated across a context group), alone or together -- Megatron-LM's usual
+        plan -- not yet ZeRO over other shard groups there: Megatron's distributed optimizer shards over the data x
+        context ranks, which a plan predicting a Megatron run with a pinned ``--cp`` keeps."""
         out = []
         if self.cp > 1 and self.sp:
             out.append("sequence parallelism with context parallelism")
-        if self.p > 1 and self.zero >= 1 and self.shard_group != self.d * self.cp:
-            out.append(f"ZeRO-{self.zero} over shard groups of {self.shard_group} inside pipeline stages")
-        elif self.p > 1 and self.zero >= 1 and self.cp > 1:
+        if self.p > 1 and self.zero >= 1 and self.cp > 1 and self.shard_group == self.d * self.cp:
             out.append(f"ZeRO-{self.zero} over the context group inside pipeline stages (autopar shards over the "
                        f"{self.d} data-parallel replicas)")
+        elif self.p > 1 and self.zero >= 1 and self.shard_group not in (self.d, self.d * self.cp):
+            out.append(f"ZeRO-{self.zero} over shard groups of {self.shard_group} inside pipeline stages")
         return out
 
     @property
@@ -120,6 +123,21 @@ class Candidate:
         if self.split_embedding and self.p > 1:
             return first_stage - 1, per_stage if self.p > 2 else 0, last_stage - 1
         return first_stage, per_stage if balanced else 0, last_stage
+
+
+def _placement(c: Candidate, where: str) -> str:
+    """Where each group of ``c``'s mesh lies, in Megatron's rank order (tensor innermost, then context, data,
+    stages): only the groups of more than one rank."""
+    def apart(n: int) -> str:
+        return "on adjacent ranks" if n == 1 else f"{n} ranks apart"
+    parts = [f"tensor groups {where}"] if c.t > 1 else []
+    if c.cp > 1:
+        parts.append(f"context-parallel groups {apart(c.t)}")
+    if c.d > 1:
+        parts.append(f"data-parallel groups {apart(c.t * c.cp)}")
+    if c.p > 1:
+        parts.append(f"stages {apart(c.t * c.cp * c.d)}")
+    return ", ".join(parts) or "one device"
 
 
 def recompute_name(recompute: bool | str) -> str:
@@ -201,10 +219,7 @@ class MeshPlan:
             f"{math.ceil(self.devices / self.spec.devices_per_node)} nodes); searched {self.considered} plans in "
             f"{self.seconds:.1f} s, {self.too_big} did not fit {self.memory_limit / gib:.1f} GiB per device",
             "",
-            f"mesh: {c.mesh()}  (tensor groups {where}, "
-            + (f"context-parallel groups {c.t} ranks apart, data-parallel groups {c.t * c.cp} ranks apart, "
-               if c.cp > 1 else f"data-parallel groups {c.t} ranks apart, ")
-            + f"stages {c.t * c.cp * c.d} ranks apart)",
+            f"mesh: {c.mesh()}  ({_placement(c, where)})",
             f"pipeline: {c.p} stage(s) of {stage_sizes(c.slots(cfg.layers), c.p)} layers"
             + (" (the embedding and the loss each in a layer's place: the first and last stages a layer fewer)"
                if c.split_embedding else "") + ", "
@@ -394,34 +409,76 @@ def _fewest_recomputed(planner: "LayerPlanner", k: Candidate, limit: float, pinn
     return k
 
 
-def _context_and_sequence(config: GPTConfig, fixed: dict) -> tuple[int, bool | None]:
-    """The pinned context-parallel degree and sequence parallelism, checked (one line each). Sequence parallelism
-    unpinned is None: the search weighs it for every tensor group (autopar's runtime runs it with tensor
-    parallelism, in the layout modes and inside pipeline stages), except beside a context split, which the runtime
-    does not run with it. The context-parallel degree is not searched yet: pinned, or 1."""
-    cp = 1 if fixed.get("cp") is None else fixed["cp"]
+# Context parallelism is weighed for sequences of 8,192 tokens and more: Megatron Core's parallelism guide gives it
+# for "Long sequences (8K+ tokens)" (docs.nvidia.com/megatron-core/developer-guide, Parallelism Strategies Guide).
+CP_SEARCH_MIN_SEQUENCE = 8192
+# ... each rank keeping at least 2,048 tokens (its two mirrored chunks of 1,024): the range searched, not a measured
+# bound -- below it a chunk's attention is short beside the ring's key/value hop, and the search would only grow
+CP_SEARCH_MIN_TOKENS = 2048
+
+
+def context_options(config: GPTConfig, devices: int, sp: bool | None) -> list[int]:
+    """The context-parallel degrees the search weighs where ``--cp`` is not pinned: 1, and for a long sequence
+    (``CP_SEARCH_MIN_SEQUENCE``) under fused attention every power of two dividing the devices and, with causal load
+    balancing, half the sequence, down to ``CP_SEARCH_MIN_TOKENS`` a rank -- except beside pinned sequence
+    parallelism, which autopar's runtime does not run with a context split."""
+    if sp or config.attention == "materialized" or config.seq < CP_SEARCH_MIN_SEQUENCE:
+        return [1]
+    out, cp = [1], 2
+    while config.seq // cp >= CP_SEARCH_MIN_TOKENS and devices % cp == 0 and config.seq % (2 * cp) == 0:
+        out.append(cp)
+        cp *= 2
+    return out
+
+
+def _context_and_sequence(config: GPTConfig, fixed: dict) -> tuple[int | None, bool | None]:
+    """The pinned context-parallel degree and sequence parallelism, checked (one line each); either unpinned is
+    None. Unpinned, the search weighs sequence parallelism for every tensor group (autopar's runtime runs it with
+    tensor parallelism, in the layout modes and inside pipeline stages) except beside a context split, which the
+    runtime does not run with it, and the context-parallel degrees of :func:`context_options`."""
+    cp = fixed.get("cp")
     sp = None if fixed.get("sp") is None else bool(fixed["sp"])
-    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
-        raise ConfigError(f"--cp must be a positive context-parallel degree, got {fixed.get('cp')!r}")
-    if cp > 1 and config.attention == "materialized":
-        raise ConfigError(f"--cp {cp} needs a fused attention (--attention fused or flash2): ring attention passes "
-                          "key/value blocks between fused attention kernels, it never materializes the scores")
-    if cp > 1 and config.seq % (2 * cp):
-        raise ConfigError(f"--cp {cp} needs the sequence ({config.seq}) divisible by 2 x cp = {2 * cp}: with causal "
-                          "load balancing each rank holds two mirrored chunks")
+    if cp is not None:
+        if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+            raise ConfigError(f"--cp must be a positive context-parallel degree, got {cp!r}")
+        if cp > 1 and config.attention == "materialized":
+            raise ConfigError(f"--cp {cp} needs a fused attention (--attention fused or flash2): ring attention "
+                              "passes key/value blocks between fused attention kernels, it never materializes the "
+                              "scores")
+        if cp > 1 and config.seq % (2 * cp):
+            raise ConfigError(f"--cp {cp} needs the sequence ({config.seq}) divisible by 2 x cp = {2 * cp}: with "
+                              "causal load balancing each rank holds two mirrored chunks")
     if sp and fixed.get("tp") == 1:
         raise ConfigError("--sp (sequence parallelism) splits the tensor-parallel group's norms and residuals on the "
                           "sequence: it needs --tp 2 or more")
-    if sp and fixed.get("tp") and config.seq % (fixed["tp"] * cp):
-        raise ConfigError(f"--sp needs the sequence per context-parallel rank ({config.seq // cp}) divisible by --tp "
-                          f"{fixed['tp']}")
+    if sp and fixed.get("tp") and config.seq % (fixed["tp"] * (cp or 1)):
+        raise ConfigError("--sp needs the sequence" + (" per context-parallel rank" if (cp or 1) > 1 else "")
+                          + f" ({config.seq // (cp or 1)}) divisible by --tp {fixed['tp']}")
     return cp, sp
 
 
-def _enumerate(planner: LayerPlanner, devices: int, global_batch: int, fixed: dict, cp: int, sp: bool | None,
-               limit: float, memory_limit: float | None, max_micro_batch: int, progress) -> tuple[list, list, Candidate | None, int]:
-    """Every (tensor, pipeline, data, micro-batch, ZeRO, recomputation, virtual stages) candidate the pins leave:
-    those that fit ``limit``, those that fit only the device's whole memory, the smallest, and how many."""
+def _enumerate(planner: LayerPlanner, devices: int, global_batch: int, fixed: dict, cps: list[int],
+               sp: bool | None, limit: float, memory_limit: float | None, max_micro_batch: int,
+               progress) -> tuple[list, list, Candidate | None, int]:
+    """Every (context, tensor, pipeline, data, micro-batch, ZeRO, recomputation, virtual stages) candidate the pins
+    leave, over the context-parallel degrees ``cps``: those that fit ``limit``, those that fit only the device's
+    whole memory, the smallest, and how many."""
+    fitting, on_device, smallest, considered = [], [], None, 0
+    for cp in cps:
+        found = _enumerate_context(planner, devices, global_batch, fixed, cp, sp, limit, memory_limit,
+                                   max_micro_batch, progress)
+        fitting += found[0]
+        on_device += found[1]
+        if found[2] is not None and (smallest is None or found[2].memory < smallest.memory):
+            smallest = found[2]
+        considered += found[3]
+    return fitting, on_device, smallest, considered
+
+
+def _enumerate_context(planner: LayerPlanner, devices: int, global_batch: int, fixed: dict, cp: int,
+                       sp: bool | None, limit: float, memory_limit: float | None, max_micro_batch: int,
+                       progress) -> tuple[list, list, Candidate | None, int]:
+    """:func:`_enumerate` at one context-parallel degree."""
     config, spec = planner.config, planner.spec
     keep = lambda key, value: fixed.get(key) is None or fixed[key] == value  # noqa: E731
     fitting, on_device, smallest, considered = [], [], None, 0
@@ -460,7 +517,7 @@ def _enumerate(planner: LayerPlanner, devices: int, global_batch: int, fixed: di
                 levels = ((fixed["zero"] if fixed.get("zero") is not None else 0,) if d * cp == 1
                           else (0, 1) if p > 1 and fixed.get("zero") is None else (0, 1, 2, 3))
                 for zero in [z for z in levels if keep("zero", z) and (z or fixed.get("zero_shard") is None)]:
-                    for shard in _shard_groups(spec, fixed, zero, t, d * cp, p):
+                    for shard in _shard_groups(spec, fixed, zero, t, d, cp, p):
                         for recompute in recomputes:
                             slots = config.layers + (2 if split and p > 1 else 0)
                             for v in virtual_stages(slots, p, global_batch // (d * b), fixed.get("vpp")):
@@ -480,13 +537,18 @@ def _enumerate(planner: LayerPlanner, devices: int, global_batch: int, fixed: di
     return fitting, on_device, smallest, considered
 
 
-def _shard_groups(spec, fixed: dict, zero: int, t: int, replicas: int, p: int) -> list[int]:
-    """ZeRO's shard groups to weigh (``Candidate.shard``; 0: every replica): the pinned one where it divides the
-    replicas; otherwise every replica and, for ZeRO-3 outside pipelines, one node's data-parallel ranks -- hybrid
-    sharding, whose gathers stay on the node's NVLink (FSDP2's HSDP, as torchtitan's ``data_parallel_replicate``)."""
-    pinned = fixed.get("zero_shard")
+def _shard_groups(spec, fixed: dict, zero: int, t: int, d: int, cp: int, p: int) -> list[int]:
+    """ZeRO's shard groups to weigh (``Candidate.shard``; 0: every replica, the ``d x cp`` data- and
+    context-parallel ranks): the pinned one where it divides the replicas; inside pipeline stages with a searched
+    context split, the ``d`` data-parallel replicas (what autopar's runtime shards a stage's optimizer over, replicated
+    across the context group); otherwise every replica and, for ZeRO-3 outside pipelines, one node's data-parallel
+    ranks -- hybrid sharding, whose gathers stay on the node's NVLink (FSDP2's HSDP, as torchtitan's
+    ``data_parallel_replicate``)."""
+    pinned, replicas = fixed.get("zero_shard"), d * cp
     if pinned is not None:
         return [0 if pinned == replicas else pinned] if zero and replicas % pinned == 0 else []
+    if zero and p > 1 and cp > 1 and fixed.get("cp") is None:
+        return [d]
     node = spec.devices_per_node // t if t <= spec.devices_per_node else 0
     if zero == 3 and p == 1 and 1 < node < replicas and replicas % node == 0:
         return [0, node]
@@ -527,6 +589,7 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
     if not (recompute is None or isinstance(recompute, bool) or recompute in ("selective", "block")):
         raise ConfigError(f"--recompute must be full, selective, block or none, got {recompute!r}")
     cp, sp = _context_and_sequence(config, fixed)
+    cps = context_options(config, devices, sp) if cp is None else [cp]
     shard = fixed.get("zero_shard")
     if shard is not None:
         if isinstance(shard, bool) or not isinstance(shard, int) or shard < 1:
@@ -550,11 +613,11 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
         raise ConfigError(f"the global batch must be positive, got {global_batch}")
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
-    if devices % cp:
+    if cp is not None and devices % cp:
         raise ConfigError(f"--cp {cp} does not divide the {devices} devices")
     spec.peak(dtype)
     limit = memory_limit or spec.memory * MEMORY_HEADROOM
-    args = (devices, global_batch, fixed, cp, sp, limit, memory_limit, max_micro_batch, progress)
+    args = (devices, global_batch, fixed, cps, sp, limit, memory_limit, max_micro_batch, progress)
     planner = LayerPlanner(config, spec, dtype)
     fitting, on_device, smallest, considered = _enumerate(planner, *args)
     if smallest is not None and not fitting:
