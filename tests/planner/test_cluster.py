@@ -662,6 +662,10 @@ def test_the_search_weighs_context_parallelism_for_long_sequences_as_autopar_run
     assert megatron.to_dict()["not_run_by_autopar"] == [
         f"ZeRO-1 over the context group inside pipeline stages (autopar shards over the {megatron.best.d} "
         "data-parallel replicas)"]
+    # a sequence that fits only split: --cp 1 is the pin to give up, and the error says so
+    with pytest.raises(ConfigError, match=r"fits nowhere .*; without --cp 1 it fits \(dp 1 x cp 8 x tp 2 x pp 1"):
+        plan_gpt(dataclasses.replace(long, seq=262144), h100, 16, 8,
+                 fixed={"cp": 1, "tp": 2, "pp": 1, "zero": 3, "recompute": True})
 
 
 @pytest.mark.parametrize("pins, message", [

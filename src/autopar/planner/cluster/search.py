@@ -365,8 +365,9 @@ def _pin_text(key: str, value, fixed: dict) -> str:
 
 def _what_would_fit(config, spec, devices, global_batch, dtype, memory_limit, max_micro_batch, fixed) -> str:
     """What would make a configuration that fits nowhere fit: the ZeRO level, recomputation or micro-batch pin given
-    up alone, fused attention for a model that stores its scores, sequence parallelism for a pinned tensor group --
-    the changes that fit, each with the plan it then gets; '' where none does."""
+    up alone, fused attention for a model that stores its scores, sequence parallelism for a pinned tensor group, a
+    context split where ``--cp 1`` kept the sequence whole -- the changes that fit, each with the plan it then gets;
+    '' where none does."""
     # the pins whose relaxation keeps the tensor degrees searched (tp and pp would search every tensor degree
     # again: tens of seconds for an error line); each remedy plans once, looking no further
     tries = [(f"without {_FLAGS[k]} {_pin_text(k, v, fixed)}", config,
@@ -376,6 +377,8 @@ def _what_would_fit(config, spec, devices, global_batch, dtype, memory_limit, ma
         tries.append(("with --attention fused", dataclasses.replace(config, attention="fused"), fixed))
     if fixed.get("sp") is False and (fixed.get("tp") or 1) > 1:  # the tensor group's activations split by it
         tries.append(("with --sp", config, {**fixed, "sp": True}))
+    if fixed.get("cp") == 1 and len(context_options(config, devices, fixed.get("sp"))) > 1:  # the sequence split
+        tries.append(("without --cp 1", config, {**fixed, "cp": None}))
     fits = []
     for what, cfg, pins in tries:
         try:
