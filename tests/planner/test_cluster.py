@@ -103,7 +103,7 @@ def test_the_cluster_plan_as_one_json_object(capsys):
                 "memory_gib"):
         assert out[key] > 0, key
     c = out["configuration"]
-    assert c["tp"] == 2 and c["dp"] * c["tp"] * c["pp"] == 64 and c["machine"] == "a100-ib"
+    assert c["tp"] == 2 and c["dp"] * c["cp"] * c["tp"] * c["pp"] == 64 and c["machine"] == "a100-ib"
     assert out["tokens_per_s_per_device"] == pytest.approx(512 * 8192 / out["step_s"] / 64)
     assert out["hardware_tflops_per_device"] >= out["model_tflops_per_device"]
     assert sum(out["breakdown_s"].values()) == pytest.approx(out["step_s"], rel=1e-6)
@@ -127,10 +127,11 @@ def test_a_published_configuration_pinned_from_the_command_line(capsys):
     assert out["not_run_by_autopar"] == ["sequence parallelism with context parallelism",
                                          "ZeRO-1 over the context group inside pipeline stages (autopar shards over "
                                          "the 2 data-parallel replicas)"]
-    # sequence parallelism: weighed unpinned (and taken for this tensor group), off with --no-sp
+    # sequence parallelism: weighed unpinned (and taken for this tensor group), off with --no-sp (the sequence
+    # whole: a context split would leave it off)
     for flag, want in (([], True), (["--no-sp"], False)):
         assert cli(["plan", "llama", "--size", "llama3-70b", "-n", "64", "--machine", "h100-ib", "--global-batch",
-                    "128", "--tp", "4", "--pp", "4", "--json", *flag]) == 0
+                    "128", "--tp", "4", "--pp", "4", "--cp", "1", "--json", *flag]) == 0
         assert json.loads(capsys.readouterr().out)["configuration"]["sp"] is want, flag
     assert cli(["plan", "mlp", "-n", "2", "--no-sp"]) == 2
     assert "--no-sp pins the cluster plan" in capsys.readouterr().err
@@ -304,7 +305,7 @@ def test_llama3_8b_fsdp_at_sequence_8192_fits_with_fused_attention_and_not_with_
     """FSDP (ZeRO-3, no tensor or pipeline split) at sequence 8192 on 64 A100s without recomputation: the s x s
     scores of 32 heads (4 GiB a layer in bf16) fit nowhere; the fused kernel keeps q, k, v, its output and one
     log-sum-exp per row, and the plan fits."""
-    pin = {"tp": 1, "pp": 1, "zero": 3, "micro_batch": 1, "recompute": False}
+    pin = {"tp": 1, "pp": 1, "cp": 1, "zero": 3, "micro_batch": 1, "recompute": False}
     with pytest.raises(ConfigError, match="materialized attention fits nowhere on 64 x A100") as info:
         plan_gpt(dataclasses.replace(PRESETS["llama3-8b"], attention="materialized"), A100, 64, 64, fixed=pin)
     # and the line says what would make it fit: selective recomputation (the scores dropped and recomputed), or the

@@ -61,7 +61,7 @@ def collective_seconds(spec, kind: str, nbytes: float, size: int, stride: int = 
 
 def data_parallel_sync(spec, zero: int, m: int, grads: float, unit: float, layers: int, micro: float, replicas: int,
                        stride: int, staged: bool = False, itemsize: int = 2, forward_share: float = 1 / 3,
-                       groups: int = 1) -> float:
+                       groups: int = 1, groups_stride: int | None = None) -> float:
     """Seconds a step spends on the data-parallel group's collectives that the backward does not hide: ``grads``
     bytes of a stage's gradients over ``replicas`` ranks ``stride`` apart, ``m`` micro-batches of ``micro`` seconds.
 
@@ -81,9 +81,12 @@ def data_parallel_sync(spec, zero: int, m: int, grads: float, unit: float, layer
     ``groups`` > 1: hybrid sharding (FSDP2's HSDP, MiCS, MindSpore's ``optimizer_weight_shard_size``): ZeRO shards
     over ``replicas`` consecutive ranks and replicates across ``groups`` such groups, ``replicas x stride`` ranks
     apart, whose gradient shards are all-reduced after each reduce-scatter (FSDP2 all-reduces a unit's shard as soon
-    as it is scattered) -- the shard groups' collectives stay on fewer ranks, often one node's NVLink."""
+    as it is scattered) -- the shard groups' collectives stay on fewer ranks, often one node's NVLink.
+    ``groups_stride``: how far apart the groups lie where they are not consecutive (the data-parallel replicas of
+    a context group shard a pipeline stage's optimizer in autopar's runtime: ``t x cp`` apart, the groups ``t``)."""
     ar = lambda kind, nbytes: spec.collective(kind, nbytes, replicas, stride)[0]  # noqa: E731
-    across = lambda nbytes: spec.collective("all_reduce", nbytes / replicas, groups, stride * replicas)[0] \
+    across = lambda nbytes: spec.collective("all_reduce", nbytes / replicas, groups,
+                                            groups_stride or stride * replicas)[0] \
         if groups > 1 else 0.0  # noqa: E731 -- a shard's gradients over the replica groups
     backward_last = micro * (1 - forward_share)
     main = grads / itemsize * MAIN_GRAD_BYTES

@@ -320,9 +320,13 @@ def evaluate(planner: LayerPlanner, k: Candidate) -> None:
     stage_params = max(first_stage * layer.param_count + embed_params + (head.param_count if k.p == 1 else 0),
                        middle_stage * layer.param_count,
                        last_stage * layer.param_count + head.param_count)
+    # ZeRO over the data-parallel replicas of a context group (autopar's runtime inside stages): those ranks lie
+    # t x cp apart, the context group's copies t apart; otherwise the shard groups are consecutive, t apart
+    by_replica = bool(k.zero) and k.cp > 1 and shard == k.d < replicas
     dp = data_parallel_sync(spec, k.zero, k.m, stage_params * itemsize, layer.param_count * itemsize, per_stage,
-                            micro, shard if k.zero else replicas, k.t, staged=k.p > 1, itemsize=itemsize,
-                            forward_share=layer.forward / layer_time, groups=replicas // shard if k.zero else 1)
+                            micro, shard if k.zero else replicas, k.t * k.cp if by_replica else k.t,
+                            staged=k.p > 1, itemsize=itemsize, forward_share=layer.forward / layer_time,
+                            groups=replicas // shard if k.zero else 1, groups_stride=k.t if by_replica else None)
     tied = spec.collective("all_reduce", cfg.vocab * cfg.hidden / k.t * itemsize, 2,
                            k.t * replicas * (k.p - 1))[0] if k.p > 1 and not cfg.llama else 0.0  # Llama: untied
     optimizer = stage_params / (shard if k.zero >= 1 else 1) * ADAM_TRAFFIC / spec.memory_bandwidth
@@ -542,16 +546,18 @@ def _enumerate_context(planner: LayerPlanner, devices: int, global_batch: int, f
 
 def _shard_groups(spec, fixed: dict, zero: int, t: int, d: int, cp: int, p: int) -> list[int]:
     """ZeRO's shard groups to weigh (``Candidate.shard``; 0: every replica, the ``d x cp`` data- and
-    context-parallel ranks): the pinned one where it divides the replicas; inside pipeline stages with a searched
-    context split, the ``d`` data-parallel replicas (what autopar's runtime shards a stage's optimizer over, replicated
-    across the context group); otherwise every replica and, for ZeRO-3 outside pipelines, one node's data-parallel
-    ranks -- hybrid sharding, whose gathers stay on the node's NVLink (FSDP2's HSDP, as torchtitan's
-    ``data_parallel_replicate``)."""
+    context-parallel ranks): the pinned one where it divides the replicas; beside a searched context split what
+    autopar's runtime shards -- inside pipeline stages the ``d`` data-parallel replicas (a stage's optimizer,
+    replicated across the context group), outside them every replica; otherwise every replica and, for ZeRO-3
+    outside pipelines, one node's data-parallel ranks -- hybrid sharding, whose gathers stay on the node's NVLink
+    (FSDP2's HSDP, as torchtitan's ``data_parallel_replicate``)."""
     pinned, replicas = fixed.get("zero_shard"), d * cp
     if pinned is not None:
         return [0 if pinned == replicas else pinned] if zero and replicas % pinned == 0 else []
-    if zero and p > 1 and cp > 1 and fixed.get("cp") is None:
-        return [d]
+    if zero and cp > 1 and fixed.get("cp") is None:
+        # what autopar's runtime shards beside a searched context split: inside stages the data-parallel replicas
+        # (one replica: nothing to shard, the level is level 0's), outside them every replica
+        return ([d] if d > 1 else []) if p > 1 else [0]
     node = spec.devices_per_node // t if t <= spec.devices_per_node else 0
     if zero == 3 and p == 1 and 1 < node < replicas and replicas % node == 0:
         return [0, node]
