@@ -458,9 +458,10 @@ def _context_and_sequence(config: GPTConfig, fixed: dict) -> tuple[int | None, b
     if sp and fixed.get("tp") == 1:
         raise ConfigError("--sp (sequence parallelism) splits the tensor-parallel group's norms and residuals on the "
                           "sequence: it needs --tp 2 or more")
-    if sp and fixed.get("tp") and config.seq % (fixed["tp"] * (cp or 1)):
-        raise ConfigError("--sp needs the sequence" + (" per context-parallel rank" if (cp or 1) > 1 else "")
-                          + f" ({config.seq // (cp or 1)}) divisible by --tp {fixed['tp']}")
+    split = cp or 1  # the context split the pins fix (a searched one is checked in the search)
+    if sp and fixed.get("tp") and config.seq % (fixed["tp"] * split):
+        raise ConfigError("--sp needs the sequence" + (" per context-parallel rank" if split > 1 else "")
+                          + f" ({config.seq // split}) divisible by --tp {fixed['tp']}")
     return cp, sp
 
 
