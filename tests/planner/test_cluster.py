@@ -706,6 +706,46 @@ def test_fp8_leaves_the_attention_matmuls_in_bf16_and_selective_on_fused_attenti
     assert plan.tflops_per_device(with_recompute=True) == pytest.approx(extra * plan.tflops_per_device())
 
 
+def test_a_head_width_other_than_hidden_over_heads_is_planned_as_the_model_has_it(capsys):
+    # Qwen3-30B-A3B's attention (Megatron-Bridge's Qwen3MoEModelProvider30B_A3B: hidden 2048, 32 heads of 128,
+    # 4 key/value heads): q and o are 2048 x 4096, not 2048 x 2048; a dense SwiGLU of 6144 stands in for its experts
+    for family in ("llama", "gpt"):
+        cfg = GPTConfig(2, 2048, 32, seq=1024, vocab=1000, ffn=6144, kv_heads=4 if family == "llama" else 0,
+                        family=family, head_dim=128)
+        with torch.device("meta"):
+            model = GPT(cfg)
+        assert sum(p.numel() for p in model.parameters()) == cfg.parameters
+        assert cfg.attention_width == 4096 and "32 heads of 128" in cfg.describe()
+        # the matmul FLOPs per token as the model's Linears count them, and the attention's 4 s (heads x head_dim)
+        linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        assert cfg.model_flops(1) == pytest.approx(1024 * (6 * linear + 3 * 2 * 4.0 * 1024 * 4096))
+    same = GPTConfig(2, 2048, 16, seq=1024, family="llama", kv_heads=4, head_dim=128)
+    assert same.parameters == dataclasses.replace(same, head_dim=0).parameters
+    assert same.model_flops(8) == dataclasses.replace(same, head_dim=0).model_flops(8)
+    h100 = load_cluster("h100-ib")
+    qwen = GPTConfig(4, 2048, 32, seq=4096, vocab=151936, ffn=6144, kv_heads=4, family="llama", head_dim=128)
+    layer = LayerPlanner(qwen, h100, "bf16").layer(2, 1)
+    shapes = {r[0]: r[2] for r in layer.rows()}
+    assert "4096" in shapes["q"] and "4096" in shapes["o"]
+    assert layer.param_count == pytest.approx((2 * 2048 * 4096 + 2 * 2048 * 512 + 3 * 2048 * 6144) / 2, rel=1e-3)
+    wide = plan_gpt(qwen, h100, 8, 16, fixed={"tp": 2, "pp": 1, "cp": 1})
+    narrow = plan_gpt(dataclasses.replace(qwen, head_dim=64), h100, 8, 16, fixed={"tp": 2, "pp": 1, "cp": 1})
+    assert wide.best.step > narrow.best.step and wide.best.memory > narrow.best.memory
+    with pytest.raises(ConfigError, match="head_dim must be a positive integer"):
+        GPTConfig(2, 2048, 32, head_dim=-1)
+    assert GPTConfig(2, 2880, 64, head_dim=64).attention_width == 4096  # GPT-OSS: 64 heads of 64 over 2880
+    assert GPTConfig(2, 2880, 50, head_dim=64).attention_width == 3200  # heads need not divide the hidden size then
+    with pytest.raises(ConfigError, match="not divisible by 50 heads"):
+        GPTConfig(2, 2880, 50)
+    assert cli(["plan", "llama", "--layers", "2", "--hidden", "2048", "--heads", "32", "--head-dim", "128",
+                "--kv-heads", "4", "--seq", "4096", "-n", "8", "--machine", "h100-ib", "--global-batch", "16",
+                "--tp", "2", "--pp", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "32 heads of 128" in out["configuration"]["model"]
+    assert cli(["plan", "mlp", "-n", "2", "--head-dim", "64", "--no-calibrate"]) == 2
+    assert "--head-dim pins the cluster plan" in capsys.readouterr().err
+
+
 def test_gpt_only_pins_on_another_model_are_one_line(capsys):
     assert cli(["plan", "mlp", "-n", "2", "--tp", "2", "--sp", "--no-calibrate"]) == 2
     assert "--tp, --sp pin the cluster plan (autopar plan gpt|llama ...)" in capsys.readouterr().err

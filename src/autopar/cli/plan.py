@@ -38,6 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--vocab", type=int, default=None, help="vocabulary (gpt: 51200, llama: 128256)")
     g.add_argument("--kv-heads", type=int, default=None, help="key/value heads (grouped-query attention)")
     g.add_argument("--ffn", type=int, default=None, help="feed-forward size (gpt: 4 x hidden)")
+    g.add_argument("--head-dim", type=int, default=None,
+                   help="each attention head's width where heads x head-dim is not the hidden size (Qwen3: 128)")
     g.add_argument("--global-batch", type=int, default=512, help="sequences per step")
     g.add_argument("--machine", default=None, help="preset name or cluster JSON file (default: this host)")
     g.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 | fp8 (default bf16, fp32 on this host; fp8: the "
@@ -166,7 +168,10 @@ def run(args: argparse.Namespace) -> int:
                                              ("--recompute", args.recompute),
                                              ("--recompute-layers", args.recompute_layers),
                                              ("--split-embedding-and-loss", args.split_embedding_and_loss),
-                                             ("--micro-batch", args.micro_batch), ("--machine", args.machine))
+                                             ("--micro-batch", args.micro_batch), ("--machine", args.machine),
+                                             ("--size", args.size), ("--hidden", args.hidden), ("--heads", args.heads),
+                                             ("--kv-heads", args.kv_heads), ("--head-dim", args.head_dim),
+                                             ("--ffn", args.ffn), ("--vocab", args.vocab))
                     if value not in (None, False)]
     if cluster_only:
         raise ConfigError(f"{', '.join(cluster_only)} pin{'s' if len(cluster_only) == 1 else ''} the cluster plan "
@@ -196,13 +201,15 @@ def gpt_config(args: argparse.Namespace):
         base = PRESETS[args.size.lower()]
         return GPTConfig(args.layers or base.layers, args.hidden or base.hidden, args.heads or base.heads,
                          args.seq or base.seq, args.vocab or base.vocab, args.ffn or base.ffn,
-                         base.kv_heads if args.kv_heads is None else args.kv_heads, base.family, args.attention)
+                         base.kv_heads if args.kv_heads is None else args.kv_heads, base.family, args.attention,
+                         base.head_dim if args.head_dim is None else args.head_dim)
     if not args.layers or not args.hidden:
         raise ConfigError(f"autopar plan {args.model} needs --size ({', '.join(PRESETS)}) or --layers and --hidden")
     heads = args.heads or max(1, args.hidden // 128)
     llama = args.model == "llama"
     return GPTConfig(args.layers, args.hidden, heads, args.seq or 2048, args.vocab or (128256 if llama else 51200),
-                     args.ffn or 0, args.kv_heads or 0, "llama" if llama else "gpt", args.attention)
+                     args.ffn or 0, args.kv_heads or 0, "llama" if llama else "gpt", args.attention,
+                     args.head_dim or 0)
 
 
 def run_gpt(args: argparse.Namespace) -> int:

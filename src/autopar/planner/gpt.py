@@ -45,13 +45,18 @@ class GPTConfig:
     # flash-attn 2); materialized: two batched matmuls and a softmax, the s x s scores kept for the backward
     # (Megatron-LM before FlashAttention, 2021-2022)
     attention: str = "fused"
+    # 0: hidden / heads; else each head's width, where the attention is wider or narrower than the residual stream
+    # (Qwen3-30B-A3B: hidden 2048, 32 heads of 128 -- q and o are 2048 x 4096; GPT-OSS: 2880, 64 heads of 64)
+    head_dim: int = 0
 
     def __post_init__(self):
         for name in ("layers", "hidden", "heads", "seq", "vocab"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"GPT {name} must be a positive integer, got {value!r}")
-        if self.hidden % self.heads:
+        if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim < 0:
+            raise ConfigError(f"head_dim must be a positive integer (0: hidden / heads), got {self.head_dim!r}")
+        if not self.head_dim and self.hidden % self.heads:
             raise ConfigError(f"GPT hidden size {self.hidden} is not divisible by {self.heads} heads")
         if self.family not in ("gpt", "llama"):
             raise ConfigError(f"model family must be gpt or llama, got {self.family!r}")
@@ -66,6 +71,16 @@ class GPTConfig:
         return self.kv_heads or self.heads
 
     @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def attention_width(self) -> int:
+        """The queries' (and the attention output's) width: heads x head size -- the hidden size unless
+        ``head_dim`` says otherwise."""
+        return self.heads * self.head_size
+
+    @property
     def ffn_size(self) -> int:
         return self.ffn or 4 * self.hidden
 
@@ -76,31 +91,33 @@ class GPTConfig:
     @property
     def parameters(self) -> int:
         """Exact count of this module's parameters (GPT: embeddings tied with the output head)."""
-        h, f, kv = self.hidden, self.ffn_size, self.kv_groups * (self.hidden // self.heads)
+        h, f, kv, a = self.hidden, self.ffn_size, self.kv_groups * self.head_size, self.attention_width
         if self.llama:  # no biases; q, k, v, o; gate, up, down; two RMSNorms; untied head, final norm
-            layer = h * h + 2 * h * kv + h * h + 3 * h * f + 2 * h
+            layer = h * a + 2 * h * kv + a * h + 3 * h * f + 2 * h
             return self.layers * layer + 2 * self.vocab * h + h
-        layer = 3 * h * h + 3 * h + (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
+        layer = 3 * h * a + 3 * a + (a * h + h) + (h * f + f) + (f * h + h) + 4 * h
         return self.layers * layer + self.vocab * h + self.seq * h + 2 * h
 
     def model_flops(self, global_batch: int, recompute: bool | str = False) -> float:
         """FLOPs of one training step, the matmuls only (Narayanan et al.): per token and layer 2 x (the projections'
         weights) + 4 s h for the attention, x3 for forward and backward (x4 with full recompute), plus the output
-        head's 6 h V. For the GPT shape this is 72 B s l h^2 (1 + s/6h + V/12lh), 96 ... (V/16lh) with recompute.
+        head's 6 h V (with ``head_dim``, q and o are h x heads x head_dim and the attention 4 s heads head_dim).
+        For the GPT shape this is 72 B s l h^2 (1 + s/6h + V/12lh), 96 ... (V/16lh) with recompute.
         ``recompute="selective"`` adds the attention core's forward once more, 4 s h per token and layer (Korthikanti
         et al. 2022, arXiv 2205.05198 sec. 5)."""
         b, s, l, h, v, f = global_batch, self.seq, self.layers, self.hidden, self.vocab, self.ffn_size
-        kv = self.kv_groups * (h // self.heads)
-        weights = 2 * h * h + 2 * h * kv + (3 if self.llama else 2) * h * f
-        per_token_layer = 2.0 * weights + 4.0 * s * h
+        kv, a = self.kv_groups * self.head_size, self.attention_width
+        weights = 2 * h * a + 2 * h * kv + (3 if self.llama else 2) * h * f
+        per_token_layer = 2.0 * weights + 4.0 * s * a
         if recompute == "selective":
-            return b * s * (l * (3.0 * per_token_layer + 4.0 * s * h) + 6.0 * h * v)
+            return b * s * (l * (3.0 * per_token_layer + 4.0 * s * a) + 6.0 * h * v)
         passes = 4.0 if recompute else 3.0
         return b * s * (passes * l * per_token_layer + 6.0 * h * v)
 
     def describe(self) -> str:
         name = "Llama" if self.llama else "GPT"
-        heads = f"{self.heads} heads" + (f" ({self.kv_groups} key/value)" if self.kv_groups != self.heads else "")
+        heads = f"{self.heads} heads" + (f" of {self.head_dim}" if self.head_dim else "") + (
+            f" ({self.kv_groups} key/value)" if self.kv_groups != self.heads else "")
         return (f"{name} {self.parameters / 1e9:.1f}B: {self.layers} layers, hidden {self.hidden}, {heads}, "
                 f"sequence {self.seq}, vocabulary {self.vocab}, {self.attention} attention")
 
@@ -118,24 +135,24 @@ PRESETS = {  # GPT-3's shapes (Brown et al. 2020, table 2.1) with Megatron's voc
 class GPTLayer(nn.Module):
     """Pre-norm decoder layer: causal self-attention and a GELU feed-forward, each with a residual."""
 
-    def __init__(self, hidden: int, heads: int, ffn: int, fused: bool = True):
+    def __init__(self, hidden: int, heads: int, ffn: int, fused: bool = True, head_dim: int = 0):
         super().__init__()
-        self.heads = heads
+        self.heads, self.d = heads, head_dim or hidden // heads
         self.ln1 = nn.LayerNorm(hidden)
-        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.qkv = nn.Linear(hidden, 3 * heads * self.d)
         self.attention = _Attention(fused)
-        self.proj = nn.Linear(hidden, hidden)
+        self.proj = nn.Linear(heads * self.d, hidden)
         self.ln2 = nn.LayerNorm(hidden)
         self.fc1 = nn.Linear(hidden, ffn)
         self.act = nn.GELU()
         self.fc2 = nn.Linear(ffn, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        d = h // self.heads
+        b, s, _ = x.shape
+        d = self.d
         qkv = self.qkv(self.ln1(x)).reshape(b, s, self.heads, 3 * d)
         q, k, v = (t.transpose(1, 2) for t in qkv.split(d, dim=-1))
-        ctx = self.attention(q, k, v).transpose(1, 2).reshape(b, s, h)
+        ctx = self.attention(q, k, v).transpose(1, 2).reshape(b, s, self.heads * d)
         x = x + self.proj(ctx)
         return x + self.fc2(self.act(self.fc1(self.ln2(x))))
 
@@ -144,28 +161,28 @@ class LlamaLayer(nn.Module):
     """Pre-norm Llama decoder layer: RMSNorm, grouped-query causal attention (rotary positions are element-wise on
     q and k: costed with the element-wise work), a SwiGLU MLP."""
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, ffn: int, fused: bool = True):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, ffn: int, fused: bool = True, head_dim: int = 0):
         super().__init__()
         self.heads, self.kv_heads = heads, kv_heads
-        d = hidden // heads
+        self.d = d = head_dim or hidden // heads
         self.norm1 = nn.RMSNorm(hidden)
-        self.q = nn.Linear(hidden, hidden, bias=False)  # laid out [kv group, queries of the group, d]
+        self.q = nn.Linear(hidden, heads * d, bias=False)  # laid out [kv group, queries of the group, d]
         self.kv = nn.Linear(hidden, 2 * kv_heads * d, bias=False)  # [kv group, k and v, d]
         self.attention = _Attention(fused)
-        self.o = nn.Linear(hidden, hidden, bias=False)
+        self.o = nn.Linear(heads * d, hidden, bias=False)
         self.norm2 = nn.RMSNorm(hidden)
         self.gate = nn.Linear(hidden, ffn, bias=False)
         self.up = nn.Linear(hidden, ffn, bias=False)
         self.down = nn.Linear(ffn, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        kv, d = self.kv_heads, h // self.heads
+        b, s, _ = x.shape
+        kv, d = self.kv_heads, self.d
         g = self.heads // kv
         y = self.norm1(x)
         q = self.q(y).reshape(b, s, kv, g, d).permute(0, 2, 3, 1, 4).reshape(b, kv, g * s, d)
         k, v = (t.transpose(1, 2) for t in self.kv(y).reshape(b, s, kv, 2 * d).split(d, dim=-1))
-        ctx = self.attention(q, k, v).reshape(b, kv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, h)
+        ctx = self.attention(q, k, v).reshape(b, kv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, self.heads * d)
         x = x + self.o(ctx)
         y = self.norm2(x)
         return x + self.down(nn.functional.silu(self.gate(y)) * self.up(y))
@@ -196,8 +213,8 @@ class _Attention(nn.Module):
 def make_layer(config: GPTConfig) -> nn.Module:
     c = config
     fused = c.attention != "materialized"
-    return LlamaLayer(c.hidden, c.heads, c.kv_groups, c.ffn_size, fused) if c.llama else GPTLayer(
-        c.hidden, c.heads, c.ffn_size, fused)
+    return LlamaLayer(c.hidden, c.heads, c.kv_groups, c.ffn_size, fused, c.head_dim) if c.llama else GPTLayer(
+        c.hidden, c.heads, c.ffn_size, fused, c.head_dim)
 
 
 class GPTHead(nn.Module):
