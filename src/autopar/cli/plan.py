@@ -32,7 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", type=int, default=None, help="mlp / gpt layers (mlp: 4)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (transformer: 128, gpt: 2048)")
     g = p.add_argument_group("gpt on a cluster")
-    g.add_argument("--size", default=None, help="a preset: 1.3b, 13b, 175b (GPT-3), llama3-8b, llama3-70b")
+    g.add_argument("--size", default=None, help="a preset: 1.3b, 13b, 175b (GPT-3), llama3-8b, llama3-70b; mixtures "
+                   "of experts qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b, mixtral-8x22b")
     g.add_argument("--hidden", type=int, default=None, help="gpt hidden size")
     g.add_argument("--heads", type=int, default=None, help="gpt attention heads (default hidden / 128)")
     g.add_argument("--vocab", type=int, default=None, help="vocabulary (gpt: 51200, llama: 128256)")
@@ -40,6 +41,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--ffn", type=int, default=None, help="feed-forward size (gpt: 4 x hidden)")
     g.add_argument("--head-dim", type=int, default=None,
                    help="each attention head's width where heads x head-dim is not the hidden size (Qwen3: 128)")
+    g.add_argument("--experts", type=int, default=None,
+                   help="llama: a mixture of experts -- every layer's MLP this many SwiGLU experts (Qwen3-MoE, "
+                        "Mixtral; presets qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b, mixtral-8x22b)")
+    g.add_argument("--top-k", type=int, default=None, help="experts each token is routed to (default 2)")
+    g.add_argument("--expert-ffn", type=int, default=None, help="each expert's feed-forward size (default --ffn)")
+    g.add_argument("--ep", type=int, default=None,
+                   help="pin the expert-parallel degree: the experts over this many consecutive ranks, each holding "
+                        "experts / ep whole (unpinned, searched where autopar runs it; --ep 1 keeps them whole)")
+    g.add_argument("--moe-dispatcher", default=None, choices=("alltoall", "deepep"),
+                   help="how tokens reach their experts: alltoall (NCCL's all-to-all, a copy a chosen expert: "
+                        "Megatron's alltoall dispatcher, autopar's; the default) or deepep (DeepEP's / HybridEP's "
+                        "kernels, Megatron's flex dispatcher: a token once a node over the network, once a rank)")
+    g.add_argument("--ep-overlap", action="store_true",
+                   help="the experts' all-to-alls hidden behind another micro-batch's compute (Megatron's "
+                        "--overlap-moe-expert-parallel-comm)")
     g.add_argument("--global-batch", type=int, default=512, help="sequences per step")
     g.add_argument("--machine", default=None, help="preset name or cluster JSON file (default: this host)")
     g.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 | fp8 (default bf16, fp32 on this host; fp8: the "
@@ -171,7 +187,11 @@ def run(args: argparse.Namespace) -> int:
                                              ("--micro-batch", args.micro_batch), ("--machine", args.machine),
                                              ("--size", args.size), ("--hidden", args.hidden), ("--heads", args.heads),
                                              ("--kv-heads", args.kv_heads), ("--head-dim", args.head_dim),
-                                             ("--ffn", args.ffn), ("--vocab", args.vocab))
+                                             ("--ffn", args.ffn), ("--vocab", args.vocab),
+                                             ("--experts", args.experts), ("--top-k", args.top_k),
+                                             ("--expert-ffn", args.expert_ffn), ("--ep", args.ep),
+                                             ("--moe-dispatcher", args.moe_dispatcher),
+                                             ("--ep-overlap", args.ep_overlap))
                     if value not in (None, False)]
     if cluster_only:
         raise ConfigError(f"{', '.join(cluster_only)} pin{'s' if len(cluster_only) == 1 else ''} the cluster plan "
@@ -199,17 +219,19 @@ def gpt_config(args: argparse.Namespace):
         if args.size.lower() not in PRESETS:
             raise ConfigError(f"unknown --size {args.size!r}; expected one of {', '.join(PRESETS)}")
         base = PRESETS[args.size.lower()]
+        pick = lambda given, preset: preset if given is None else given  # noqa: E731
         return GPTConfig(args.layers or base.layers, args.hidden or base.hidden, args.heads or base.heads,
                          args.seq or base.seq, args.vocab or base.vocab, args.ffn or base.ffn,
-                         base.kv_heads if args.kv_heads is None else args.kv_heads, base.family, args.attention,
-                         base.head_dim if args.head_dim is None else args.head_dim)
+                         pick(args.kv_heads, base.kv_heads), base.family, args.attention,
+                         pick(args.head_dim, base.head_dim), pick(args.experts, base.experts),
+                         pick(args.top_k, base.top_k), pick(args.expert_ffn, base.expert_ffn))
     if not args.layers or not args.hidden:
         raise ConfigError(f"autopar plan {args.model} needs --size ({', '.join(PRESETS)}) or --layers and --hidden")
     heads = args.heads or max(1, args.hidden // 128)
     llama = args.model == "llama"
     return GPTConfig(args.layers, args.hidden, heads, args.seq or 2048, args.vocab or (128256 if llama else 51200),
                      args.ffn or 0, args.kv_heads or 0, "llama" if llama else "gpt", args.attention,
-                     args.head_dim or 0)
+                     args.head_dim or 0, args.experts or 0, args.top_k or 0, args.expert_ffn or 0)
 
 
 def run_gpt(args: argparse.Namespace) -> int:
@@ -234,7 +256,8 @@ def run_gpt(args: argparse.Namespace) -> int:
              "cp": args.cp, "sp": args.sp, "zero_shard": args.zero_shard,
              "recompute": {None: None, "full": True, "on": True, "none": False, "off": False,
                            "selective": "selective", "block": "block"}[args.recompute],
-             "recompute_layers": args.recompute_layers, "split_embedding": args.split_embedding_and_loss or None}
+             "recompute_layers": args.recompute_layers, "split_embedding": args.split_embedding_and_loss or None,
+             "ep": args.ep, "dispatcher": args.moe_dispatcher, "ep_overlap": args.ep_overlap or None}
     print(f"[autopar] planning {config.describe()} on {args.nproc} x {spec.device_name} ({spec.name})...",
           file=sys.stderr, flush=True)
     plan = plan_gpt(config, spec, args.nproc, args.global_batch, dtype, limit, fixed=fixed)

@@ -48,6 +48,12 @@ class GPTConfig:
     # 0: hidden / heads; else each head's width, where the attention is wider or narrower than the residual stream
     # (Qwen3-30B-A3B: hidden 2048, 32 heads of 128 -- q and o are 2048 x 4096; GPT-OSS: 2880, 64 heads of 64)
     head_dim: int = 0
+    # a mixture of experts (the Llama family: Qwen3-MoE, Mixtral): every layer's SwiGLU MLP is ``experts`` SwiGLU
+    # experts of ``expert_ffn`` (0: ``ffn``), each token routed by a linear router to ``top_k`` of them (0: 2) and
+    # their outputs summed with the router's weights; 0 experts: a dense MLP
+    experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
 
     def __post_init__(self):
         for name in ("layers", "hidden", "heads", "seq", "vocab"):
@@ -65,6 +71,21 @@ class GPTConfig:
         if isinstance(self.kv_heads, bool) or not isinstance(self.kv_heads, int) or self.kv_heads < 0 \
                 or self.heads % self.kv_groups:
             raise ConfigError(f"kv_heads must be a positive divisor of the {self.heads} heads, got {self.kv_heads!r}")
+        for name in ("experts", "top_k", "expert_ffn"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be a positive integer (0: {_MOE_DEFAULTS[name]}), got {value!r}")
+        if self.experts:
+            if self.experts < 2:
+                raise ConfigError(f"a mixture of experts needs 2 experts or more, got experts = {self.experts}")
+            if not self.llama:
+                raise ConfigError("a mixture of experts is planned on the Llama shape (SwiGLU experts, RMSNorm, "
+                                  "rotary positions): use model llama (autopar plan llama --experts ...)")
+            if self.top_k > self.experts:
+                raise ConfigError(f"top_k ({self.top_k}) routes each token to more experts than there are "
+                                  f"({self.experts})")
+        elif self.top_k or self.expert_ffn:
+            raise ConfigError("top_k and expert_ffn describe a mixture of experts: give experts too (--experts N)")
 
     @property
     def kv_groups(self) -> int:
@@ -89,11 +110,33 @@ class GPTConfig:
         return self.family == "llama"
 
     @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def experts_chosen(self) -> int:
+        """Experts a token is routed to (``top_k``, 2 where unset)."""
+        return self.top_k or 2
+
+    @property
+    def expert_ffn_size(self) -> int:
+        return self.expert_ffn or self.ffn_size
+
+    def _mlp_weights(self, active: bool) -> int:
+        """A layer's MLP weights: the dense SwiGLU / GELU MLP's, or the experts' (``active``: the ``top_k`` a token
+        runs) and the router's."""
+        h = self.hidden
+        if not self.moe:
+            return (3 if self.llama else 2) * h * self.ffn_size
+        return (self.experts_chosen if active else self.experts) * 3 * h * self.expert_ffn_size + h * self.experts
+
+    @property
     def parameters(self) -> int:
         """Exact count of this module's parameters (GPT: embeddings tied with the output head)."""
         h, f, kv, a = self.hidden, self.ffn_size, self.kv_groups * self.head_size, self.attention_width
-        if self.llama:  # no biases; q, k, v, o; gate, up, down; two RMSNorms; untied head, final norm
-            layer = h * a + 2 * h * kv + a * h + 3 * h * f + 2 * h
+        if self.llama:  # no biases; q, k, v, o; gate, up, down (or the experts and the router); two RMSNorms;
+            # untied head, final norm
+            layer = h * a + 2 * h * kv + a * h + self._mlp_weights(active=False) + 2 * h
             return self.layers * layer + 2 * self.vocab * h + h
         layer = 3 * h * a + 3 * a + (a * h + h) + (h * f + f) + (f * h + h) + 4 * h
         return self.layers * layer + self.vocab * h + self.seq * h + 2 * h
@@ -105,9 +148,9 @@ class GPTConfig:
         For the GPT shape this is 72 B s l h^2 (1 + s/6h + V/12lh), 96 ... (V/16lh) with recompute.
         ``recompute="selective"`` adds the attention core's forward once more, 4 s h per token and layer (Korthikanti
         et al. 2022, arXiv 2205.05198 sec. 5)."""
-        b, s, l, h, v, f = global_batch, self.seq, self.layers, self.hidden, self.vocab, self.ffn_size
+        b, s, l, h, v = global_batch, self.seq, self.layers, self.hidden, self.vocab
         kv, a = self.kv_groups * self.head_size, self.attention_width
-        weights = 2 * h * a + 2 * h * kv + (3 if self.llama else 2) * h * f
+        weights = 2 * h * a + 2 * h * kv + self._mlp_weights(active=True)  # a mixture: the experts a token runs
         per_token_layer = 2.0 * weights + 4.0 * s * a
         if recompute == "selective":
             return b * s * (l * (3.0 * per_token_layer + 4.0 * s * a) + 6.0 * h * v)
@@ -118,8 +161,18 @@ class GPTConfig:
         name = "Llama" if self.llama else "GPT"
         heads = f"{self.heads} heads" + (f" of {self.head_dim}" if self.head_dim else "") + (
             f" ({self.kv_groups} key/value)" if self.kv_groups != self.heads else "")
-        return (f"{name} {self.parameters / 1e9:.1f}B: {self.layers} layers, hidden {self.hidden}, {heads}, "
+        experts = (f", {self.experts} experts of {self.expert_ffn_size} (top {self.experts_chosen}; "
+                   f"{self.active_parameters / 1e9:.1f}B active)") if self.moe else ""
+        return (f"{name} {self.parameters / 1e9:.1f}B: {self.layers} layers, hidden {self.hidden}, {heads}{experts}, "
                 f"sequence {self.seq}, vocabulary {self.vocab}, {self.attention} attention")
+
+    @property
+    def active_parameters(self) -> int:
+        """The parameters a token runs through: a mixture's ``top_k`` experts of each layer, not all of them."""
+        return self.parameters - self.layers * (self._mlp_weights(active=False) - self._mlp_weights(active=True))
+
+
+_MOE_DEFAULTS = {"experts": "a dense MLP", "top_k": "2", "expert_ffn": "ffn"}
 
 
 PRESETS = {  # GPT-3's shapes (Brown et al. 2020, table 2.1) with Megatron's vocabulary
@@ -129,6 +182,17 @@ PRESETS = {  # GPT-3's shapes (Brown et al. 2020, table 2.1) with Megatron's voc
     # Llama 3 (Meta 2024, table 3): 8B and 70B, sequence 8192, vocabulary 128256, GQA with 8 key/value heads
     "llama3-8b": GPTConfig(32, 4096, 32, seq=8192, vocab=128256, ffn=14336, kv_heads=8, family="llama"),
     "llama3-70b": GPTConfig(80, 8192, 64, seq=8192, vocab=128256, ffn=28672, kv_heads=8, family="llama"),
+    # mixtures of experts, from their Hugging Face config.json files: Qwen3-30B-A3B and Qwen3-235B-A22B
+    # (Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B: 128 experts, 8 a token, 4 key/value heads of 128; pretrained at
+    # 4,096 tokens), Mixtral 8x7B and 8x22B (mistralai/Mixtral-8x7B-v0.1, Mixtral-8x22B-v0.1: 8 experts, 2 a token)
+    "qwen3-30b-a3b": GPTConfig(48, 2048, 32, seq=4096, vocab=151936, kv_heads=4, family="llama", head_dim=128,
+                               experts=128, top_k=8, expert_ffn=768),
+    "qwen3-235b-a22b": GPTConfig(94, 4096, 64, seq=4096, vocab=151936, kv_heads=4, family="llama", head_dim=128,
+                                 experts=128, top_k=8, expert_ffn=1536),
+    "mixtral-8x7b": GPTConfig(32, 4096, 32, seq=4096, vocab=32000, ffn=14336, kv_heads=8, family="llama",
+                              experts=8, top_k=2),
+    "mixtral-8x22b": GPTConfig(56, 6144, 48, seq=4096, vocab=32768, ffn=16384, kv_heads=8, family="llama",
+                               experts=8, top_k=2),
 }
 
 
@@ -161,7 +225,11 @@ class LlamaLayer(nn.Module):
     """Pre-norm Llama decoder layer: RMSNorm, grouped-query causal attention (rotary positions are element-wise on
     q and k: costed with the element-wise work), a SwiGLU MLP."""
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, ffn: int, fused: bool = True, head_dim: int = 0):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, ffn: int, fused: bool = True, head_dim: int = 0,
+                 experts: bool = False):
+        """``experts``: a mixture-of-experts layer as the planner captures it -- the attention, its residual and the
+        norm before the MLP; the router and the experts, whose work depends on where the experts live (expert
+        parallelism) rather than on a layout of these operators, are costed by ``cluster/experts.py``."""
         super().__init__()
         self.heads, self.kv_heads = heads, kv_heads
         self.d = d = head_dim or hidden // heads
@@ -171,9 +239,11 @@ class LlamaLayer(nn.Module):
         self.attention = _Attention(fused)
         self.o = nn.Linear(heads * d, hidden, bias=False)
         self.norm2 = nn.RMSNorm(hidden)
-        self.gate = nn.Linear(hidden, ffn, bias=False)
-        self.up = nn.Linear(hidden, ffn, bias=False)
-        self.down = nn.Linear(ffn, hidden, bias=False)
+        self.experts = experts
+        if not experts:
+            self.gate = nn.Linear(hidden, ffn, bias=False)
+            self.up = nn.Linear(hidden, ffn, bias=False)
+            self.down = nn.Linear(ffn, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -185,6 +255,8 @@ class LlamaLayer(nn.Module):
         ctx = self.attention(q, k, v).reshape(b, kv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, self.heads * d)
         x = x + self.o(ctx)
         y = self.norm2(x)
+        if self.experts:  # the experts' output (the same shape as their input) joins the residual
+            return x + y
         return x + self.down(nn.functional.silu(self.gate(y)) * self.up(y))
 
 
@@ -213,7 +285,7 @@ class _Attention(nn.Module):
 def make_layer(config: GPTConfig) -> nn.Module:
     c = config
     fused = c.attention != "materialized"
-    return LlamaLayer(c.hidden, c.heads, c.kv_groups, c.ffn_size, fused, c.head_dim) if c.llama else GPTLayer(
+    return LlamaLayer(c.hidden, c.heads, c.kv_groups, c.ffn_size, fused, c.head_dim, c.moe) if c.llama else GPTLayer(
         c.hidden, c.heads, c.ffn_size, fused, c.head_dim)
 
 

@@ -59,6 +59,27 @@ def collective_seconds(spec, kind: str, nbytes: float, size: int, stride: int = 
 
 
 
+def all_to_all_seconds(spec, off_node: float, on_node: float, size: int, stride: int = 1) -> float:
+    """Seconds of an all-to-all in which each member of a group of ``size`` (``stride`` ranks apart) sends
+    ``off_node`` bytes to members on other nodes and ``on_node`` bytes to other members on its own node.
+
+    An all-to-all is point-to-point sends to every peer at once: the bytes leaving the node go through the sender's
+    own NIC -- "Alltoall cannot aggregate the bandwidth of multiple NICs, so the performance you should see is the
+    performance of a single NIC" (NCCL's maintainers, NVIDIA/nccl-tests#267) and "the portion that's going through
+    the network will determine the global time" (NVIDIA/nccl-tests#130) -- the rest over NVLink at the same time;
+    the slower of the two sets the time. Its latency is a collective's base latency and one hop (the sends to the
+    peers run concurrently). The same bound holds for DeepEP's kernels, which reach the NIC's line rate across nodes
+    and NVLink's inside one ("Bottleneck bandwidth" 43-58 GB/s RDMA on 50 GB/s CX7 NICs, 153-158 GB/s on H800's
+    ~160 GB/s NVLink: deepseek-ai/DeepEP docs/legacy.md, 'Normal kernels with NVLink and RDMA forwarding'); what
+    they save is bytes (``experts.py``)."""
+    if size <= 1 or off_node + on_node <= 0:
+        return 0.0
+    _, nodes = placement(spec, size, stride)
+    hop = spec.inter.latency if nodes > 1 else spec.intra.latency
+    base = NCCL_BASE_LATENCY["Simple"] if spec.nccl else 0.0
+    return base + hop + max(off_node / spec.nic_per_device if nodes > 1 else 0.0, on_node / spec.intra.effective)
+
+
 def data_parallel_sync(spec, zero: int, m: int, grads: float, unit: float, layers: int, micro: float, replicas: int,
                        stride: int, staged: bool = False, itemsize: int = 2, forward_share: float = 1 / 3,
                        groups: int = 1, groups_stride: int | None = None) -> float:

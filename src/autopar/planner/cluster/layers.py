@@ -13,6 +13,7 @@ import torch
 
 from autopar.errors import StrategyError
 from autopar.planner.cluster.attention import attention_core, kept_by_core, with_context_parallel
+from autopar.planner.cluster.experts import expert_block
 from autopar.planner.cluster.kernels import FUSED_LOSS_TRAFFIC_BYTES_PER_LOGIT, LOSS_TRAFFIC_BYTES_PER_LOGIT
 from autopar.planner.cluster.memory import kept_twice, loss_peak_bytes, whole_on_every_device
 from autopar.planner.cluster.spec import ClusterSpec
@@ -52,6 +53,10 @@ class LayerPlan:
     # place of the operator-level search's own pricing of them
     tp_comm: dict | None = None
     extra_rows: tuple = ()  # rows of work outside the captured operators (the head's cross entropy), as rows() gives
+    # a mixture of experts (experts.py): this device's experts' parameters (sharded and synchronised over the
+    # expert-data-parallel ranks, not the attention's), and the seconds of its all-to-alls left exposed
+    expert_param_count: float = 0.0
+    dispatch: float = 0.0
 
     def rows(self) -> list[tuple]:
         out = []
@@ -131,10 +136,15 @@ class LayerPlanner:
     """The plans of one decoder layer and of the output head, per (tensor degree, micro-batch, context degree,
     sequence parallelism) -- each made once and reused by every candidate that needs it."""
 
-    def __init__(self, config: GPTConfig, spec: ClusterSpec, dtype: str, fused_loss: bool = False):
+    def __init__(self, config: GPTConfig, spec: ClusterSpec, dtype: str, fused_loss: bool = False,
+                 dispatcher: str = "alltoall", ep_overlap: bool = False):
         """``fused_loss``: the cross entropy one fused kernel that writes its gradient over the logits (no fp32
-        copies kept: ``memory.loss_peak_bytes``), as a run that only fits with one ran it."""
+        copies kept: ``memory.loss_peak_bytes``), as a run that only fits with one ran it. ``dispatcher`` and
+        ``ep_overlap``: how a mixture of experts' tokens travel (``experts.py``), and whether its all-to-alls hide
+        behind another micro-batch's compute (Megatron-Core's ``--overlap-moe-expert-parallel-comm``: the forward of
+        one micro-batch beside the backward of another, each one's all-to-alls under the other's GEMMs)."""
         self.config, self.spec, self.dtype, self.fused_loss = config, spec, dtype, fused_loss
+        self.dispatcher, self.ep_overlap = dispatcher, ep_overlap
         self.torch_dtype = DTYPES[dtype]
         self.itemsize = torch.tensor([], dtype=self.torch_dtype).element_size()
         self._layers: dict = {}
@@ -148,7 +158,8 @@ class LayerPlanner:
     def with_fused_loss(self) -> "LayerPlanner":
         """The same planner with a fused cross entropy: its layers' plans and captures shared (the loss is the
         head's alone), its heads planned again."""
-        fused = LayerPlanner(self.config, self.spec, self.dtype, fused_loss=True)
+        fused = LayerPlanner(self.config, self.spec, self.dtype, fused_loss=True, dispatcher=self.dispatcher,
+                             ep_overlap=self.ep_overlap)
         fused._layers, fused._graphs, fused._head_modules = self._layers, self._graphs, self._head_modules
         return fused
 
@@ -169,15 +180,39 @@ class LayerPlanner:
             self._graphs[(which, b, cp)] = capture(module, loss, inputs)
         return self._graphs[(which, b, cp)]
 
-    def layer(self, t: int, b: int, cp: int = 1, sp: bool = False) -> LayerPlan:
-        """One decoder layer on a tensor group of ``t`` for a micro-batch of ``b``, with ``1/cp`` of the sequence."""
+    def layer(self, t: int, b: int, cp: int = 1, sp: bool = False, ep: int = 1) -> LayerPlan:
+        """One decoder layer on a tensor group of ``t`` for a micro-batch of ``b``, with ``1/cp`` of the sequence;
+        a mixture of experts' over an expert-parallel group of ``ep``."""
         if (t, b, cp, sp) not in self._layers:
             c = self.config
             x = torch.empty(b, c.seq // cp, c.hidden, dtype=self.torch_dtype, device="meta")
             graph = self._graph("layer", b, cp, self.layer_module, None, (x,))
             plan = plan_module(self.layer_module, None, (x,), t, self.spec, self.dtype, graph, sp, c.attention)
             self._layers[(t, b, cp, sp)] = with_context_parallel(plan, cp, self.spec)
-        return self._layers[(t, b, cp, sp)]
+        plan = self._layers[(t, b, cp, sp)]
+        if not self.config.moe:
+            return plan
+        if (t, b, cp, sp, ep) not in self._layers:
+            self._layers[(t, b, cp, sp, ep)] = self._with_experts(plan, b, cp, sp, ep)
+        return self._layers[(t, b, cp, sp, ep)]
+
+    def _with_experts(self, plan: LayerPlan, b: int, cp: int, sp: bool, ep: int) -> LayerPlan:
+        """The captured attention half of a mixture-of-experts layer (``gpt.LlamaLayer(experts=True)``) with its
+        experts (``experts.py``) on the rank's tokens -- its share of the sequence, and of that 1/t under sequence
+        parallelism (a tensor group without it holds the same tokens on every rank: Megatron-Core requires sequence
+        parallelism beside expert parallelism, and the search runs a mixture's tensor groups with it)."""
+        c = self.config
+        tokens = b * c.seq / cp / (plan.t if sp else 1)
+        block = expert_block(c, self.spec, self.spec.group_machine(1, 1, self.dtype), tokens, ep, self.dispatcher,
+                             self.itemsize)
+        dispatch = block.dispatch
+        if self.ep_overlap:  # the all-to-alls under the other micro-batch's attention and experts
+            dispatch = max(0.0, block.dispatch - block.compute - plan.time)
+        return dataclasses.replace(
+            plan, time=plan.time + block.compute + dispatch, forward=plan.forward + block.forward,
+            param_count=plan.param_count + block.router_param_count, expert_param_count=block.param_count,
+            activation_bytes=plan.activation_bytes + block.activation_bytes, dispatch=dispatch,
+            extra_rows=plan.extra_rows + block.rows)
 
     def head(self, t: int, b: int, cp: int = 1, sp: bool = False) -> LayerPlan:
         if (t, b, cp, sp) not in self._heads:

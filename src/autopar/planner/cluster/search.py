@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from autopar.errors import ConfigError
 from autopar.planner.cluster.collectives import data_parallel_sync
+from autopar.planner.cluster.experts import DISPATCHERS
 from autopar.planner.cluster.layers import DTYPES, LayerPlanner
 from autopar.planner.cluster.memory import MEMORY_HEADROOM, weight_state_bytes
 from autopar.planner.cluster.pipeline import in_flight, schedule_seconds, stage_sizes, virtual_stages
@@ -60,6 +61,7 @@ class Candidate:
     # --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split, DeepSpeed's
     # --pp-partition-method 'type:transformer|embedding'): the first and last stages hold a layer fewer
     split_embedding: bool = False
+    ep: int = 1  # expert-parallel degree: a mixture's experts over ep consecutive ranks (experts.py)
     step: float = 0.0
     memory: float = 0.0
     parts: dict = field(default_factory=dict)  # seconds by cause
@@ -71,7 +73,14 @@ class Candidate:
 
     def mesh(self) -> str:
         return (f"dp {self.d}" + (f" x cp {self.cp}" if self.cp > 1 else "") + f" x tp {self.t}"
-                + (" (sp)" if self.sp else "") + f" x pp {self.p}" + (f" (vpp {self.v})" if self.v > 1 else ""))
+                + (" (sp)" if self.sp else "") + f" x pp {self.p}" + (f" (vpp {self.v})" if self.v > 1 else "")
+                + (f", ep {self.ep}" if self.ep > 1 else ""))
+
+    @property
+    def expert_replicas(self) -> int:
+        """The ranks holding the same experts (expert-data parallel): a stage's tensor x context x data ranks over
+        the expert-parallel degree."""
+        return self.t * self.cp * self.d // self.ep
 
     @property
     def shard_group(self) -> int:
@@ -89,6 +98,11 @@ class Candidate:
         out = []
         if self.cp > 1 and self.sp:
             out.append("sequence parallelism with context parallelism")
+        if self.ep > 1:  # autopar runs expert parallelism beside data parallel, ZeRO and tensor parallelism
+            out += [what for what, where in (("expert parallelism inside pipeline stages", self.p > 1),
+                                             ("expert parallelism with context parallelism", self.cp > 1),
+                                             ("sequence parallelism beside expert parallelism", self.sp))
+                    if where]
         if self.p > 1 and self.zero >= 1 and self.cp > 1 and self.shard_group == self.d * self.cp:
             out.append(f"ZeRO-{self.zero} over the context group inside pipeline stages (autopar shards over the "
                        f"{self.d} data-parallel replicas)")
@@ -163,6 +177,16 @@ class MeshPlan:
     # device's whole memory: a published run may well have run there; the plan says it is tight
     tight: bool = False
 
+    def not_run(self, c: Candidate) -> list[str]:
+        """What of ``c`` autopar's runtime does not run (:meth:`Candidate.not_run_by_autopar`), and of the
+        mixture's dispatch: autopar's all-to-all is torch's (NCCL's), run in turn with the compute."""
+        out = c.not_run_by_autopar()
+        if c.ep > 1 and self.planner.dispatcher != "alltoall":
+            out.append(f"the {self.planner.dispatcher} dispatcher (autopar's all-to-all is NCCL's)")
+        if c.ep > 1 and self.planner.ep_overlap:
+            out.append("all-to-alls overlapped with another micro-batch's compute")
+        return out
+
     @property
     def model_flops(self) -> float:
         return self.config.model_flops(self.global_batch)
@@ -200,8 +224,10 @@ class MeshPlan:
                               "recompute_layers": c.recompute_layers,
                               "attention": self.config.attention, "cp": c.cp, "sp": c.sp,
                               "zero_shard": c.shard_group if c.zero else None,
-                              "split_embedding": c.split_embedding},
-            "not_run_by_autopar": c.not_run_by_autopar(),
+                              "split_embedding": c.split_embedding, "ep": c.ep,
+                              **({"moe_dispatcher": self.planner.dispatcher, "ep_overlap": self.planner.ep_overlap}
+                                 if self.config.moe else {})},
+            "not_run_by_autopar": self.not_run(c),
             "memory_tight": self.tight,
             "loss": "fused" if self.planner.fused_loss else "fp32",
             "vocab_padded": self.planner.padded_vocab(c.t),
@@ -241,7 +267,13 @@ class MeshPlan:
             f"memory per device: {c.memory / gib:.1f} GiB = " + " + ".join(
                 f"{k} {v / gib:.1f}" for k, v in c.memory_parts.items()),
         ]
-        layer = self.planner.layer(c.t, c.b, c.cp, c.sp)
+        layer = self.planner.layer(c.t, c.b, c.cp, c.sp, c.ep)
+        if cfg.moe:
+            lines.append(f"experts: {cfg.experts // c.ep} of the {cfg.experts} a rank (expert parallelism over "
+                         f"{c.ep} ranks, their gradients over {c.expert_replicas} replicas), each token to "
+                         f"{cfg.experts_chosen}, dispatched by {self.planner.dispatcher}"
+                         + (" overlapped with another micro-batch" if self.planner.ep_overlap else "")
+                         + f"; all-to-alls exposed: {layer.dispatch * 1e3:.2f} ms a layer and micro-batch")
         if c.cp > 1:
             lines.append(f"context parallelism: ring attention over {c.cp} ranks, {cfg.seq // c.cp} tokens each (two "
                          f"mirrored chunks); key/value ring not hidden by the attention: "
@@ -257,8 +289,8 @@ class MeshPlan:
             lines.append(f"note: no plan fits the {self.memory_limit / gib:.1f} GiB the search keeps free of workspace and "
                          f"fragmentation; this one needs {c.memory / gib:.1f} of the device's "
                          f"{self.spec.memory / gib:.1f} GiB and may not run")
-        if c.not_run_by_autopar():
-            lines.append(f"note: autopar's runtime does not run {' or '.join(c.not_run_by_autopar())} yet: this "
+        if self.not_run(c):
+            lines.append(f"note: autopar's runtime does not run {' or '.join(self.not_run(c))} yet: this "
                          "predicts another system's run")
         lines += [
             "",
@@ -294,7 +326,7 @@ def evaluate(planner: LayerPlanner, k: Candidate) -> None:
     collectives (``collectives.py``), the optimizer's memory traffic, and the memory the stage keeps (``memory.py``).
     Ranks are in Megatron's order: tensor innermost, then context, data, pipeline."""
     cfg, spec, itemsize = planner.config, planner.spec, planner.itemsize
-    layer, head = planner.layer(k.t, k.b, k.cp, k.sp), planner.head(k.t, k.b, k.cp, k.sp)
+    layer, head = planner.layer(k.t, k.b, k.cp, k.sp, k.ep), planner.head(k.t, k.b, k.cp, k.sp)
     first_stage, middle_stage, last_stage = k.stage_layers(cfg.layers)
     per_stage = max(first_stage, middle_stage, last_stage)
     boundary = k.b * (cfg.seq // k.cp) * cfg.hidden * itemsize
@@ -327,9 +359,25 @@ def evaluate(planner: LayerPlanner, k: Candidate) -> None:
                             micro, shard if k.zero else replicas, k.t * k.cp if by_replica else k.t,
                             staged=k.p > 1, itemsize=itemsize, forward_share=layer.forward / layer_time,
                             groups=replicas // shard if k.zero else 1, groups_stride=k.t if by_replica else None)
+    # a mixture's experts: synchronised and ZeRO-sharded over the expert-data-parallel ranks (``ep`` apart, the
+    # expert-parallel groups being consecutive), in the same backward as the rest -- with what the rest's
+    # collectives left of the time that hides them (a micro-batch's, every micro-batch's under ZeRO-2/3)
+    experts = per_stage * layer.expert_param_count
+    if experts and k.expert_replicas > 1:
+        exposed = data_parallel_sync(spec, k.zero, k.m, stage_params * itemsize, layer.param_count * itemsize,
+                                     per_stage, 0.0, shard if k.zero else replicas,
+                                     k.t * k.cp if by_replica else k.t, staged=k.p > 1, itemsize=itemsize,
+                                     forward_share=layer.forward / layer_time,
+                                     groups=replicas // shard if k.zero else 1,
+                                     groups_stride=k.t if by_replica else None)
+        hidden = max(0.0, exposed - dp) / (k.m if k.zero >= 2 else 1)
+        dp += data_parallel_sync(spec, k.zero, k.m, experts * itemsize, layer.expert_param_count * itemsize,
+                                 per_stage, max(0.0, micro - hidden), k.expert_replicas, k.ep, staged=k.p > 1,
+                                 itemsize=itemsize, forward_share=layer.forward / layer_time)
     tied = spec.collective("all_reduce", cfg.vocab * cfg.hidden / k.t * itemsize, 2,
                            k.t * replicas * (k.p - 1))[0] if k.p > 1 and not cfg.llama else 0.0  # Llama: untied
-    optimizer = stage_params / (shard if k.zero >= 1 else 1) * ADAM_TRAFFIC / spec.memory_bandwidth
+    optimizer = (stage_params / (shard if k.zero >= 1 else 1) + experts / (k.expert_replicas if k.zero >= 1 else 1)
+                 ) * ADAM_TRAFFIC / spec.memory_bandwidth
     k.parts = {"pipeline": pipeline, "data-parallel sync": dp, "optimizer": optimizer}
     if tied:
         k.parts["tied embedding"] = tied
@@ -337,6 +385,9 @@ def evaluate(planner: LayerPlanner, k: Candidate) -> None:
     # memory of the largest stage; ZeRO shards over the data- and context-parallel ranks (Megatron's distributed
     # optimizer)
     state = weight_state_bytes(k.zero, stage_params, shard, itemsize, layer.param_count, staged=k.p > 1)
+    if experts:
+        state += weight_state_bytes(k.zero, experts, k.expert_replicas, itemsize, layer.expert_param_count,
+                                    staged=k.p > 1)
     flight = in_flight(k.p, k.m, k.v)
 
     def stage_acts(layers: int, flight: int) -> float:
@@ -438,6 +489,28 @@ def context_options(config: GPTConfig, devices: int, sp: bool | None) -> list[in
     return out
 
 
+def _experts(config: GPTConfig, fixed: dict) -> tuple[str, bool]:
+    """The mixture of experts' pins, checked (one line each): ``ep``, ``dispatcher``, ``ep_overlap``; returns the
+    dispatcher (NCCL's all-to-all, autopar's, unless pinned) and whether the all-to-alls overlap."""
+    ep, dispatcher, overlap = fixed.get("ep"), fixed.get("dispatcher"), fixed.get("ep_overlap")
+    given = [flag for flag, value in (("--ep", ep), ("--moe-dispatcher", dispatcher), ("--ep-overlap", overlap))
+             if value not in (None, False)]
+    if given and not config.moe:
+        raise ConfigError(f"{', '.join(given)} describe{'s' if len(given) == 1 else ''} how a mixture of experts "
+                          f"runs, and {config.describe().split(':')[0]} has none: give --experts (and --top-k, "
+                          "--expert-ffn) or a mixture preset (--size qwen3-30b-a3b, mixtral-8x7b, ...)")
+    if ep is not None:
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+            raise ConfigError(f"--ep must be a positive expert-parallel degree, got {ep!r}")
+        if config.experts % ep:
+            raise ConfigError(f"--ep {ep} does not divide the {config.experts} experts: each rank of an "
+                              f"expert-parallel group holds experts / ep whole experts (try a divisor of "
+                              f"{config.experts})")
+    if dispatcher is not None and dispatcher not in DISPATCHERS:
+        raise ConfigError(f"--moe-dispatcher must be {' or '.join(DISPATCHERS)}, got {dispatcher!r}")
+    return dispatcher or "alltoall", bool(overlap)
+
+
 def _context_and_sequence(config: GPTConfig, fixed: dict) -> tuple[int | None, bool | None]:
     """The pinned context-parallel degree and sequence parallelism, checked (one line each); either unpinned is
     None. Unpinned, the search weighs sequence parallelism for every tensor group (autopar's runtime runs it with
@@ -496,12 +569,16 @@ def _enumerate_context(planner: LayerPlanner, devices: int, global_batch: int, f
     # every divisor of a node, and one step across nodes (two nodes' worth), for the cost model to reject
     tp_options = [t for t in list(range(1, spec.devices_per_node + 1)) + [2 * spec.devices_per_node]
                   if (t > spec.devices_per_node or spec.devices_per_node % t == 0) and (devices // cp) % t == 0
-                  and config.kv_groups % t == 0 and config.ffn_size % t == 0 and keep("tp", t)
+                  and config.kv_groups % t == 0 and (config.moe or config.ffn_size % t == 0) and keep("tp", t)
                   and (not sp or (t > 1 and config.seq % (t * cp) == 0))]
 
     def sp_options(t: int) -> list[bool]:  # unpinned: with and without, for a tensor group dividing the sequence
         if sp is not None:
             return [sp]
+        if config.moe and t > 1 and fixed.get("cp") == cp and config.seq % (t * cp) == 0:
+            # a pinned context degree (a published run's) beside a mixture's tensor group: the sequence split
+            # Megatron-Core requires there ("sequence parallelism must be used" with expert and tensor parallelism)
+            return [True]
         return [False, True] if t > 1 and cp == 1 and config.seq % t == 0 else [False]
 
     split = bool(fixed.get("split_embedding"))
@@ -524,13 +601,14 @@ def _enumerate_context(planner: LayerPlanner, devices: int, global_batch: int, f
                 # (with one replica every level shards over one rank: a pinned level is kept, and costs level 0's)
                 levels = ((fixed["zero"] if fixed.get("zero") is not None else 0,) if d * cp == 1
                           else (0, 1) if p > 1 and fixed.get("zero") is None else (0, 1, 2, 3))
-                for zero in [z for z in levels if keep("zero", z) and (z or fixed.get("zero_shard") is None)]:
+                for zero, ep in [(z, e) for z in levels if keep("zero", z) and (z or fixed.get("zero_shard") is None)
+                                 for e in expert_options(config, fixed, t, cp, d, p, seq_split)]:
                     for shard in _shard_groups(spec, fixed, zero, t, d, cp, p):
                         for recompute in recomputes:
                             slots = config.layers + (2 if split and p > 1 else 0)
                             for v in virtual_stages(slots, p, global_batch // (d * b), fixed.get("vpp")):
                                 k = Candidate(t, p, d, b, global_batch // (d * b), zero, recompute, v, cp, seq_split,
-                                              shard=shard, split_embedding=split and p > 1)
+                                              shard=shard, split_embedding=split and p > 1, ep=ep)
                                 if recompute == "block":
                                     k = _fewest_recomputed(planner, k, limit, fixed.get("recompute_layers"))
                                 else:
@@ -543,6 +621,21 @@ def _enumerate_context(planner: LayerPlanner, devices: int, global_batch: int, f
                                 elif memory_limit is None and k.memory <= spec.memory:
                                     on_device.append(k)
     return fitting, on_device, smallest, considered
+
+
+def expert_options(config: GPTConfig, fixed: dict, t: int, cp: int, d: int, p: int, sp: bool) -> list[int]:
+    """The expert-parallel degrees to weigh for a mixture of experts on a stage's ``t x cp x d`` ranks (1 for a
+    dense model): the pinned one where it divides them and the experts; searched, every divisor of both -- where
+    autopar's runtime runs expert parallelism: beside data parallel and ZeRO, outside pipeline stages, with the
+    sequence whole and no tensor group (``Candidate.not_run_by_autopar``)."""
+    if not config.moe:
+        return [1]
+    ranks, pinned = t * cp * d, fixed.get("ep")
+    if pinned is not None:
+        return [pinned] if ranks % pinned == 0 and config.experts % pinned == 0 else []
+    if p > 1 or cp > 1 or t > 1 or sp:
+        return [1]
+    return [e for e in range(1, min(ranks, config.experts) + 1) if ranks % e == 0 and config.experts % e == 0]
 
 
 def _shard_groups(spec, fixed: dict, zero: int, t: int, d: int, cp: int, p: int) -> list[int]:
@@ -583,9 +676,10 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
     configuration); the rest is searched. ``_remedy``: where nothing fits, say what would (the remedies' own plans do not look further)."""
     fixed = dict(fixed or {})
     unknown = set(fixed) - {"tp", "pp", "micro_batch", "zero", "recompute", "vpp", "cp", "sp", "recompute_layers",
-                            "zero_shard", "split_embedding"}
+                            "zero_shard", "split_embedding", "ep", "dispatcher", "ep_overlap"}
     if unknown:
         raise ConfigError(f"unknown plan constraint(s): {', '.join(sorted(unknown))}")
+    dispatcher, ep_overlap = _experts(config, fixed)
     vpp = fixed.get("vpp")
     if vpp is not None and (isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1):
         raise ConfigError(f"--vpp must be a positive number of virtual stages per device, got {vpp!r}")
@@ -628,7 +722,7 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
     spec.peak(dtype)
     limit = memory_limit or spec.memory * MEMORY_HEADROOM
     args = (devices, global_batch, fixed, cps, sp, limit, memory_limit, max_micro_batch, progress)
-    planner = LayerPlanner(config, spec, dtype)
+    planner = LayerPlanner(config, spec, dtype, dispatcher=dispatcher, ep_overlap=ep_overlap)
     fitting, on_device, smallest, considered = _enumerate(planner, *args)
     if smallest is not None and not fitting:
         # nothing fits the headroom with the cross entropy's fp32 copies (memory.LOSS_BYTES_PER_LOGIT): a run that
@@ -648,7 +742,8 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
             + (" + the embedding and the loss" if fixed.get("split_embedding") else "") + "), cp "
             "the devices; interleaving (vpp) needs the micro-batches divisible by pp and at least pp x vpp layers"
             + ("" if fixed.get("split_embedding") else " (with --split-embedding-and-loss the embedding and the loss "
-               "count as two more)") + "; a ZeRO shard group (--zero-shard) the data-parallel ranks (dp x cp)")
+               "count as two more)") + "; a ZeRO shard group (--zero-shard) the data-parallel ranks (dp x cp)"
+            + ("; ep the experts and a stage's tp x cp x dp ranks" if config.moe else ""))
     too_big = considered - len(fitting)
     tight = not fitting and bool(on_device)
     if tight:  # the search's headroom is a margin of its own, not the device's: a pinned published run may fit
