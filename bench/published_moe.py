@@ -5,19 +5,20 @@ The 68 runs were collected before the planner had any model of a mixture of expe
 source states it; what a source leaves unstated is searched, as a user knowing only what was published would:
 
 - the model: the planner's preset of the same architecture at the row's sequence (Qwen3-30B-A3B, Qwen3-235B-A22B,
-  Mixtral 8x7B / 8x22B). Architectures the planner has no model of -- multi-head latent attention (DeepSeek-V3,
-  Kimi K2, Moonlight), shared experts, Mamba or linear-attention hybrids (Nemotron 3, Qwen3-Next), GPT-OSS's
-  alternating sliding-window attention with sinks -- are listed with the reason, not planned;
+  Mixtral 8x7B / 8x22B, DeepSeek-V3, Kimi K2, Moonlight-16B-A3B, GPT-OSS-120B / 20B). Architectures the planner
+  has no model of -- Mamba or linear-attention hybrids (Nemotron 3, Qwen3-Next) -- are listed with the reason, not
+  planned;
 - ``tp``, ``pp``, ``vpp``, ``cp``, ``ep``, the micro-batch as given; ZeRO 3 where the row runs FSDP, else searched;
   ``--recompute full`` / ``none`` where stated, the rest (Megatron's per-module recomputation of norms and
   activations) searched;
 - the dtype: fp8 for FP8 rows (the recipe -- current, delayed, blockwise scaling -- is not modelled apart), bf16
   otherwise and where unstated;
 - the dispatcher: ``deepep`` where the row names DeepEP, HybridEP or Megatron's ``flex`` dispatcher, ``alltoall``
-  where it names that, else what the row's notes read from the source's recipe, else ``alltoall`` (the all-to-all
+  where it names an all-to-all (the name before any parenthesised explanation), else what the row's notes read from the source's recipe, else ``alltoall`` (the all-to-all
   dispatcher Megatron's MoE guide recommends with expert parallelism); ``--ep-overlap`` where the row or its notes
   say the expert-parallel all-to-all overlap is on;
 - the machine: ``h100-ib`` (DGX H100, 8 a node) at the row's GPU count;
+- the global batch as given, or torchtitan's local batch times its data-parallel sharding degree;
 - the unit: tokens/s a GPU where the source gives it, else step time. Rows with only TFLOP/s (each framework counts
   a mixture's FLOPs its own way: ``moe_runs.md``) or without a batch, a sequence or a GPU count are listed, not
   planned. Where the layers alone cannot fill a row's pipeline chunks but with the embedding and the loss they do
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import time
 from collections import defaultdict
@@ -46,7 +48,10 @@ from autopar.planner.gpt import PRESETS
 
 RUNS = Path(__file__).parent / "published" / "moe_runs.json"
 ARCHITECTURES = {"Qwen3-30B-A3B": "qwen3-30b-a3b", "Qwen3-235B-A22B": "qwen3-235b-a22b",
-                 "Mixtral 8x7B": "mixtral-8x7b", "Mixtral 8x22B": "mixtral-8x22b"}
+                 "Mixtral 8x7B": "mixtral-8x7b", "Mixtral 8x22B": "mixtral-8x22b",
+                 "DeepSeek-V3 (671B total / 37B active)": "deepseek-v3", "Kimi K2 (1T total)": "kimi-k2",
+                 "Moonlight-16B-A3B (DeepSeek-V3-style)": "moonlight-16b-a3b", "GPT-OSS-120B": "gpt-oss-120b",
+                 "GPT-OSS-20B": "gpt-oss-20b"}
 
 
 def not_modelled(model: dict) -> str:
@@ -56,12 +61,8 @@ def not_modelled(model: dict) -> str:
     if model.get("layers") is None:
         return "the source gives no architecture"
     attention = str(model.get("attention", ""))
-    if attention.startswith("MLA"):
-        return "multi-head latent attention and shared experts are not modelled"
     if "hybrid" in attention or "Mamba" in model["name"] or "hybrid" in model["name"]:
         return "a Mamba / linear-attention hybrid is not modelled"
-    if "sliding" in attention:
-        return "alternating sliding-window attention with sinks is not modelled"
     return "this architecture is not modelled"
 
 
@@ -71,10 +72,12 @@ def _says(row: dict, *words: str) -> bool:
 
 
 def dispatcher(row: dict) -> str:
-    named = str(row["config"].get("dispatcher") or "")
+    # the name the row gives, before any explanation in parentheses ("standard EP all-to-all (inferred: 'Before' =
+    # without the DeepEP backend ...)" names the all-to-all)
+    named = str(row["config"].get("dispatcher") or "").split("(")[0]
     if any(w in named for w in ("DeepEP", "HybridEP", "flex")):
         return "deepep"
-    if "alltoall" in named.lower():
+    if any(w in named.lower() for w in ("alltoall", "all-to-all")):
         return "alltoall"
     return "deepep" if _says(row, "HybridEP dispatcher", "DeepEP dispatcher", "flex+HybridEP") else "alltoall"
 
@@ -123,14 +126,29 @@ def unit(row: dict) -> tuple[str, float] | None:
     return None
 
 
+def global_batch(row: dict) -> int | None:
+    """The row's global batch: as given, or torchtitan's local batch a data-parallel rank times its sharding degree
+    ("local_batch_size=16", "dp_shard 64": torchtitan's ``local_batch_size`` is a data-parallel rank's batch)."""
+    c = row["config"]
+    if c.get("gbs"):
+        return c["gbs"]
+    local = re.search(r"local_batch_size=(\d+)", str(c.get("other") or ""))
+    shard = re.search(r"dp_shard (\d+)", str(c.get("other") or ""))
+    return int(local[1]) * int(shard[1]) if local and shard else None
+
+
 def plan_one(row: dict) -> dict:
-    c, gpus = row["config"], row["cluster"]["num_gpus"]
+    c, gpus = dict(row["config"]), row["cluster"]["num_gpus"]
+    c["gbs"] = global_batch(row)
     out = {"name": row["run"], "set": row["set"], "gpus": gpus, "natural_routing": c.get("forced_load_balance") is False,
            "group": None}
     why = not_modelled(row["model"])
     metric = unit(row)
+    if not why and not str(row["cluster"]["gpu"]).startswith("H100"):
+        why = f"no preset of the {row['cluster']['gpu']}"
     if not why and metric is None:
-        why = "the source gives only TFLOP/s, counted its own way"
+        why = ("the source gives only TFLOP/s, counted its own way" if row["measured"].get("model_tflops_per_gpu")
+               or row["measured"].get("mfu") else "the source gives no step time or throughput")
     if not why and (not gpus or not c.get("gbs") or not c.get("seq_len")):
         why = "the source gives no " + ", ".join(w for w, v in (("GPU count", gpus), ("global batch", c.get("gbs")),
                                                                  ("sequence", c.get("seq_len"))) if not v)

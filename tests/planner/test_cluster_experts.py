@@ -144,7 +144,7 @@ def test_autopar_plan_takes_a_mixture_from_the_command_line(capsys):
 
 def test_a_mixture_plans_its_layer_as_the_attention_half_and_the_experts():
     planner = plan_gpt(QWEN, H100, 16, 64, fixed={**PINS, "ep": 16}).planner
-    dense_half = planner._layers[(1, 1, 1, False)]
+    dense_half = planner._layers[("layer", 1, 1, 1, False)]
     layer = planner.layer(1, 1, 1, False, 16)
     names = [n.name.split(".")[-1] for n in dense_half.graph.nodes]
     assert "gate" not in names and "q" in names  # the captured half: attention, no MLP
@@ -153,3 +153,69 @@ def test_a_mixture_plans_its_layer_as_the_attention_half_and_the_experts():
     rows = [r[0] for r in layer.rows()]
     assert rows[-4:] == ["router", "experts.fc1", "experts.fc2", "experts.dispatch"]
     assert dataclasses.replace(QWEN, experts=0, top_k=0, expert_ffn=0).moe is False
+
+
+def test_latent_attention_shared_experts_and_windows_have_their_published_sizes():
+    # DeepSeek-V3: "671B total parameters with 37B activated" (its report, excluding the multi-token-prediction
+    # module); Kimi K2: 1.04 trillion, 32 billion activated; Moonlight-16B-A3B; GPT-OSS: 116.8B / 20.9B, 5.1B / 3.6B
+    # active (its model card counts no embedding: 0.58B each of the input and output ones)
+    for name, total, active in (("deepseek-v3", 671, 37), ("kimi-k2", 1040, 32.5), ("moonlight-16b-a3b", 16, 2.9),
+                                ("gpt-oss-120b", 116.8, 5.13 + 0.58), ("gpt-oss-20b", 20.9, 3.61 + 0.58)):
+        c = PRESETS[name]
+        assert c.parameters / 1e9 == pytest.approx(total, rel=0.015), name
+        assert c.active_parameters / 1e9 == pytest.approx(active, rel=0.03), name
+    d = PRESETS["deepseek-v3"]
+    assert (d.qk_head, d.v_head, d.expert_layers) == (192, 128, 58)
+    assert "latent attention (kv rank 512, q rank 1536)" in d.describe()
+    assert "the first 3 layers dense" in d.describe() and "shared 2048" in d.describe()
+    assert "a sliding window of 128 in 18 layers" in PRESETS["gpt-oss-120b"].describe()
+
+
+def test_a_sliding_window_computes_its_band_of_the_causal_pairs():
+    from autopar.ops.math import FusedAttention
+
+    assert FusedAttention(3).window_share(8) == pytest.approx((3 * 8 - 3) / 36)
+    assert FusedAttention(0).window_share(8) == 1.0 == FusedAttention(16).window_share(8)
+    oss = PRESETS["gpt-oss-120b"]
+    full = dataclasses.replace(oss, sliding_window=0, sliding_layers=0)
+    core = 2 * oss.seq * oss.heads * 2 * oss.head_size * 3 * oss.seq * 64  # q k^T and p v, x3, 64 sequences
+    saved = oss.layers / 2 * core * (1 - oss.window_share())
+    assert full.model_flops(64) - oss.model_flops(64) == pytest.approx(saved, rel=1e-9)
+    short = dataclasses.replace(oss, layers=4, sliding_layers=2)  # fits 16 GPUs with ZeRO-1
+    planner = plan_gpt(short, H100, 16, 64, fixed={**PINS, "ep": 16}).planner
+    whole, window = (planner._layers[(which, 1, 1, 1, False)] for which in ("layer", "window"))
+    attention = [n for n in window.graph.nodes if n.kind == "attention"][0]
+    assert attention.flops == pytest.approx(oss.window_share() * [n for n in whole.graph.nodes
+                                                                   if n.kind == "attention"][0].flops)
+    mixed = planner.layer(1, 1, 1, False, 16)
+    assert whole.time > window.time and mixed.time == pytest.approx(
+        (planner._with_experts(whole, 1, 1, False, 16).time + planner._with_experts(window, 1, 1, False, 16).time) / 2)
+
+
+def test_latent_attention_splits_its_up_projections_by_heads_and_keeps_the_latents_whole():
+    d = PRESETS["deepseek-v3"]
+    plan = plan_gpt(d, H100, 1024, 8192, fixed={"tp": 2, "pp": 8, "vpp": 4, "ep": 64, "cp": 1, "micro_batch": 1,
+                                                "dispatcher": "deepep"})
+    layer = plan.planner.layer(2, 1, 1, True, 64)
+    strategies = {r[0]: r[3] for r in layer.rows()}
+    assert strategies["q_down"] == strategies["kv_down"] == "((1, 1, 1), (1, 1))"  # whole on both ranks
+    assert strategies["q_up"] == strategies["kv_up"] == "((1, 1, 1), (2, 1))"  # the heads split
+    assert strategies["o"] == "((1, 1, 2), (1, 2))" and "gate" in strategies  # the shared expert, as a dense MLP
+    attention = [n for n in plan.planner._layers[("layer", 2, 1, 1, True)].graph.nodes if n.kind == "attention"][0]
+    assert attention.shapes[0][-1] == 192 and attention.shapes[2][-1] == 128 and attention.out_shape[-1] == 128
+    # the dense first layers averaged in: 3 of 61 layers with an MLP of 18,432 and no experts
+    moe_only = plan.planner._with_experts(plan.planner._layers[("layer", 2, 1, 1, True)], 1, 1, True, 64)
+    assert layer.expert_param_count == pytest.approx(moe_only.expert_param_count * 58 / 61)
+    assert plan.to_dict()["configuration"]["moe_dispatcher"] == "deepep"
+
+
+def test_a_latent_or_windowed_shape_that_cannot_hold_is_one_line():
+    for kwargs, message in (({"family": "llama", "q_lora_rank": 64}, "give kv_lora_rank too"),
+                            ({"family": "gpt", "kv_lora_rank": 64}, "latent attention is planned on the Llama"),
+                            ({"family": "llama", "kv_lora_rank": 64, "kv_heads": 2}, "kv_heads must be 4"),
+                            ({"family": "llama", "sliding_layers": 1}, "give sliding_window too"),
+                            ({"family": "llama", "sliding_window": 8, "sliding_layers": 3}, "more than the 2 layers"),
+                            ({"family": "llama", "experts": 4, "dense_layers": 2}, "leaves none of the 2 layers"),
+                            ({"family": "llama", "shared_expert_ffn": 64}, "give experts too")):
+        with pytest.raises(ConfigError, match=message):
+            GPTConfig(2, 256, 4, **kwargs)

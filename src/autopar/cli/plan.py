@@ -13,6 +13,7 @@ or ``--machine cluster.json`` (same form); without ``--machine`` it plans for th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 from pathlib import Path
@@ -219,12 +220,11 @@ def gpt_config(args: argparse.Namespace):
         if args.size.lower() not in PRESETS:
             raise ConfigError(f"unknown --size {args.size!r}; expected one of {', '.join(PRESETS)}")
         base = PRESETS[args.size.lower()]
-        pick = lambda given, preset: preset if given is None else given  # noqa: E731
-        return GPTConfig(args.layers or base.layers, args.hidden or base.hidden, args.heads or base.heads,
-                         args.seq or base.seq, args.vocab or base.vocab, args.ffn or base.ffn,
-                         pick(args.kv_heads, base.kv_heads), base.family, args.attention,
-                         pick(args.head_dim, base.head_dim), pick(args.experts, base.experts),
-                         pick(args.top_k, base.top_k), pick(args.expert_ffn, base.expert_ffn))
+        given = {name: getattr(args, name) for name in ("layers", "hidden", "heads", "seq", "vocab", "ffn", "kv_heads",
+                                                          "head_dim", "experts", "top_k", "expert_ffn")}
+        # the preset with what the flags give in its place (its latent attention, shared experts, ... kept)
+        return dataclasses.replace(base, attention=args.attention,
+                                   **{k: v for k, v in given.items() if v is not None})
     if not args.layers or not args.hidden:
         raise ConfigError(f"autopar plan {args.model} needs --size ({', '.join(PRESETS)}) or --layers and --hidden")
     heads = args.heads or max(1, args.hidden // 128)

@@ -70,24 +70,43 @@ class FusedAttention(ShardablePrimitive):
     """Causal scaled-dot-product attention as one kernel (FlashAttention, torch's SDPA): the ``s x s`` scores are
     never stored -- the backward recomputes them from q, k, v and the per-row log-sum-exp.
 
-    ``q`` is ``[batch, heads, g x s, d]`` against ``k``, ``v`` of ``[batch, heads, s, d]``: with grouped-query
-    attention each key/value head serves ``g`` query heads stacked along the rows (row ``r`` is position ``r % s``).
-    Batch and heads may be split; rows, keys and the head dimension stay whole (splitting the keys is context
-    parallelism, whose partial results need a log-sum-exp merge)."""
+    ``q`` is ``[batch, heads, g x s, d]`` against ``k`` of ``[batch, heads, s, d]`` and ``v`` of ``[batch, heads,
+    s, e]`` (``e`` = ``d`` but in multi-head latent attention, whose queries and keys carry a rotary part the values
+    do not): with grouped-query attention each key/value head serves ``g`` query heads stacked along the rows (row
+    ``r`` is position ``r % s``). Batch and heads may be split; rows, keys and the head dimensions stay whole
+    (splitting the keys is context parallelism, whose partial results need a log-sum-exp merge).
+
+    ``window``: sliding-window attention, each query meeting only the ``window`` latest keys (Mistral's, GPT-OSS's
+    every other layer) -- its kernel skips the blocks outside the band, so its work is :meth:`window_share` of the
+    causal kernel's."""
+
+    def __init__(self, window: int = 0):
+        super().__init__()
+        self.window = window
+
+    def window_share(self, s: int) -> float:
+        """The share of the causal ``s x s`` triangle's query-key pairs a sliding window of ``window`` keeps:
+        ``sum(min(i, w) for i in 1..s)`` over ``s (s + 1) / 2``."""
+        w = min(self.window, s) if self.window else s
+        return (w * s - w * (w - 1) / 2) / (s * (s + 1) / 2)
 
     def spec(self, q, k, v) -> S.OpSpec:
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
             raise StrategyError(f"{self.name}: q, k, v must be [batch, heads, rows, head_dim], got shapes "
                                 f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-        return S.OpSpec(("noid", "nojd", "nojd"), "noid", unsplittable=frozenset("ijd"))
+        return S.OpSpec(("noid", "nojd", "noje"), "noie", unsplittable=frozenset("ijde"))
 
     def compute(self, q, k, v):
         b, h, rows, d = q.shape
-        s = k.shape[2]
+        s, e = k.shape[2], v.shape[3]
         g = rows // s
         q = q.reshape(b, h, g, s, d)
-        k, v = (t.unsqueeze(2).expand(b, h, g, s, d) for t in (k, v))
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True).reshape(b, h, rows, d)
+        k, v = k.unsqueeze(2).expand(b, h, g, s, d), v.unsqueeze(2).expand(b, h, g, s, e)
+        if self.window and self.window < s:  # the band of the latest ``window`` keys, this one included
+            i = torch.arange(s, device=q.device)
+            band = (i[:, None] - i[None, :] >= 0) & (i[:, None] - i[None, :] < self.window)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=band).reshape(b, h, rows, e)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).reshape(b, h, rows, e)
 
 
 class BiasAdd(ShardablePrimitive):

@@ -54,6 +54,23 @@ class GPTConfig:
     experts: int = 0
     top_k: int = 0
     expert_ffn: int = 0
+    # a mixture's companions (DeepSeek-V3, Kimi K2, Moonlight): an always-on SwiGLU of ``shared_expert_ffn`` beside
+    # the routed experts (the shared experts together), and the first ``dense_layers`` layers with a dense SwiGLU MLP
+    # of ``ffn`` instead of experts
+    shared_expert_ffn: int = 0
+    dense_layers: int = 0
+    # multi-head latent attention (DeepSeek-V2/V3, arXiv 2405.04434 sec. 2.1): keys and values projected up from a
+    # latent of ``kv_lora_rank``, queries from one of ``q_lora_rank`` (0: from the residual stream directly); each
+    # query and key head ``head_dim`` wide plus ``rope_head_dim`` of rotary positions (one rotary key shared by the
+    # heads), each value head ``v_head_dim`` (0: head_dim); 0 kv_lora_rank: grouped-query attention
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # sliding-window attention: ``sliding_layers`` of the layers (0 with a window: all) attend to the latest
+    # ``sliding_window`` keys only (GPT-OSS: every other layer, 128 keys; Mistral 7B: every layer, 4,096)
+    sliding_window: int = 0
+    sliding_layers: int = 0
 
     def __post_init__(self):
         for name in ("layers", "hidden", "heads", "seq", "vocab"):
@@ -71,10 +88,10 @@ class GPTConfig:
         if isinstance(self.kv_heads, bool) or not isinstance(self.kv_heads, int) or self.kv_heads < 0 \
                 or self.heads % self.kv_groups:
             raise ConfigError(f"kv_heads must be a positive divisor of the {self.heads} heads, got {self.kv_heads!r}")
-        for name in ("experts", "top_k", "expert_ffn"):
+        for name in _DEFAULTS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{name} must be a positive integer (0: {_MOE_DEFAULTS[name]}), got {value!r}")
+                raise ConfigError(f"{name} must be a positive integer (0: {_DEFAULTS[name]}), got {value!r}")
         if self.experts:
             if self.experts < 2:
                 raise ConfigError(f"a mixture of experts needs 2 experts or more, got experts = {self.experts}")
@@ -84,8 +101,28 @@ class GPTConfig:
             if self.top_k > self.experts:
                 raise ConfigError(f"top_k ({self.top_k}) routes each token to more experts than there are "
                                   f"({self.experts})")
-        elif self.top_k or self.expert_ffn:
-            raise ConfigError("top_k and expert_ffn describe a mixture of experts: give experts too (--experts N)")
+            if self.dense_layers >= self.layers:
+                raise ConfigError(f"dense_layers ({self.dense_layers}) leaves none of the {self.layers} layers to "
+                                  "the experts: give fewer, or no experts")
+        elif self.top_k or self.expert_ffn or self.shared_expert_ffn or self.dense_layers:
+            raise ConfigError("top_k, expert_ffn, shared_expert_ffn and dense_layers describe a mixture of experts: "
+                              "give experts too (--experts N)")
+        if self.kv_lora_rank and not self.llama:
+            raise ConfigError("multi-head latent attention is planned on the Llama shape (RMSNorm, rotary "
+                              "positions): use model llama")
+        if not self.kv_lora_rank and (self.q_lora_rank or self.rope_head_dim or self.v_head_dim):
+            raise ConfigError("q_lora_rank, rope_head_dim and v_head_dim describe multi-head latent attention: give "
+                              "kv_lora_rank too")
+        if self.sliding_layers and not self.sliding_window:
+            raise ConfigError("sliding_layers names the layers of a sliding window: give sliding_window too")
+        if self.sliding_layers > self.layers:
+            raise ConfigError(f"sliding_layers ({self.sliding_layers}) is more than the {self.layers} layers")
+        if self.sliding_window and self.attention == "materialized":
+            raise ConfigError("a sliding window is planned on fused attention (its kernel skips the blocks outside "
+                              "the band): use --attention fused or flash2")
+        if self.kv_lora_rank and self.kv_heads not in (0, self.heads):
+            raise ConfigError("multi-head latent attention gives every query head its own key and value head: "
+                              f"kv_heads must be {self.heads} (or unset), got {self.kv_heads}")
 
     @property
     def kv_groups(self) -> int:
@@ -100,6 +137,30 @@ class GPTConfig:
         """The queries' (and the attention output's) width: heads x head size -- the hidden size unless
         ``head_dim`` says otherwise."""
         return self.heads * self.head_size
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head(self) -> int:
+        """A query's (and a key's) head width: with latent attention its rotary part too."""
+        return self.head_size + self.rope_head_dim
+
+    @property
+    def v_head(self) -> int:
+        return self.v_head_dim or self.head_size
+
+    @property
+    def windowed_layers(self) -> int:
+        """The layers whose attention is the sliding window's (all of them where ``sliding_layers`` is 0)."""
+        return (self.sliding_layers or self.layers) if self.sliding_window else 0
+
+    def window_share(self) -> float:
+        """The share of the causal query-key pairs a windowed layer computes (``ops.math.FusedAttention``)."""
+        from autopar.ops.math import FusedAttention
+
+        return FusedAttention(self.sliding_window).window_share(self.seq)
 
     @property
     def ffn_size(self) -> int:
@@ -122,57 +183,95 @@ class GPTConfig:
     def expert_ffn_size(self) -> int:
         return self.expert_ffn or self.ffn_size
 
-    def _mlp_weights(self, active: bool) -> int:
-        """A layer's MLP weights: the dense SwiGLU / GELU MLP's, or the experts' (``active``: the ``top_k`` a token
-        runs) and the router's."""
+    @property
+    def expert_layers(self) -> int:
+        """The layers whose MLP is the experts (all but ``dense_layers``; none of a dense model)."""
+        return self.layers - self.dense_layers if self.moe else 0
+
+    def _attention_weights(self) -> int:
+        """One layer's attention projections: q, k, v and o; with latent attention the down-projections to the
+        latents, their RMSNorms, the up-projections from them, and o."""
+        h, heads = self.hidden, self.heads
+        if not self.mla:
+            a, kv = self.attention_width, self.kv_groups * self.head_size
+            return 2 * h * a + 2 * h * kv
+        q = (h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * heads * self.qk_head if self.q_lora_rank
+             else h * heads * self.qk_head)
+        kv = h * (self.kv_lora_rank + self.rope_head_dim) + self.kv_lora_rank \
+            + self.kv_lora_rank * heads * (self.head_size + self.v_head)
+        return q + kv + heads * self.v_head * h
+
+    def _mlp_weights(self, active: bool, experts: bool = True) -> int:
+        """A layer's MLP weights: the dense SwiGLU / GELU MLP's, or (``experts``, a mixture's layers) the routed
+        experts' (``active``: the ``top_k`` a token runs), the router's and the shared experts'."""
         h = self.hidden
-        if not self.moe:
+        if not (self.moe and experts):
             return (3 if self.llama else 2) * h * self.ffn_size
-        return (self.experts_chosen if active else self.experts) * 3 * h * self.expert_ffn_size + h * self.experts
+        routed = (self.experts_chosen if active else self.experts) * 3 * h * self.expert_ffn_size
+        return routed + h * self.experts + 3 * h * self.shared_expert_ffn
+
+    def _layers_weights(self, active: bool) -> int:
+        """Every decoder layer's projection weights (the attention's and the MLP's)."""
+        dense = self.layers - self.expert_layers
+        return (self.layers * self._attention_weights() + self.expert_layers * self._mlp_weights(active)
+                + dense * self._mlp_weights(active, experts=False))
 
     @property
     def parameters(self) -> int:
         """Exact count of this module's parameters (GPT: embeddings tied with the output head)."""
-        h, f, kv, a = self.hidden, self.ffn_size, self.kv_groups * self.head_size, self.attention_width
-        if self.llama:  # no biases; q, k, v, o; gate, up, down (or the experts and the router); two RMSNorms;
-            # untied head, final norm
-            layer = h * a + 2 * h * kv + a * h + self._mlp_weights(active=False) + 2 * h
-            return self.layers * layer + 2 * self.vocab * h + h
+        h, f, a = self.hidden, self.ffn_size, self.attention_width
+        if self.llama:  # no biases; the projections; two RMSNorms a layer; untied head, final norm
+            return self._layers_weights(active=False) + self.layers * 2 * h + 2 * self.vocab * h + h
         layer = 3 * h * a + 3 * a + (a * h + h) + (h * f + f) + (f * h + h) + 4 * h
         return self.layers * layer + self.vocab * h + self.seq * h + 2 * h
 
     def model_flops(self, global_batch: int, recompute: bool | str = False) -> float:
         """FLOPs of one training step, the matmuls only (Narayanan et al.): per token and layer 2 x (the projections'
         weights) + 4 s h for the attention, x3 for forward and backward (x4 with full recompute), plus the output
-        head's 6 h V (with ``head_dim``, q and o are h x heads x head_dim and the attention 4 s heads head_dim).
+        head's 6 h V (with ``head_dim``, q and o are h x heads x head_dim and the attention 4 s heads head_dim; with
+        latent attention 2 s heads (qk_head + v_head); a mixture counts the experts a token runs).
         For the GPT shape this is 72 B s l h^2 (1 + s/6h + V/12lh), 96 ... (V/16lh) with recompute.
         ``recompute="selective"`` adds the attention core's forward once more, 4 s h per token and layer (Korthikanti
         et al. 2022, arXiv 2205.05198 sec. 5)."""
         b, s, l, h, v = global_batch, self.seq, self.layers, self.hidden, self.vocab
-        kv, a = self.kv_groups * self.head_size, self.attention_width
-        weights = 2 * h * a + 2 * h * kv + self._mlp_weights(active=True)  # a mixture: the experts a token runs
-        per_token_layer = 2.0 * weights + 4.0 * s * a
+        core = 2.0 * s * self.heads * (self.qk_head + self.v_head)  # q k^T and p v, a token (4 s h for the GPT shape)
+        if self.sliding_window:  # the windowed layers' pairs, as their kernel's share of the causal ones
+            core *= 1.0 - self.windowed_layers / l * (1.0 - self.window_share())
+        per_token = 2.0 * self._layers_weights(active=True) + l * core
         if recompute == "selective":
-            return b * s * (l * (3.0 * per_token_layer + 4.0 * s * a) + 6.0 * h * v)
+            return b * s * (3.0 * per_token + l * core + 6.0 * h * v)
         passes = 4.0 if recompute else 3.0
-        return b * s * (passes * l * per_token_layer + 6.0 * h * v)
+        return b * s * (passes * per_token + 6.0 * h * v)
 
     def describe(self) -> str:
         name = "Llama" if self.llama else "GPT"
         heads = f"{self.heads} heads" + (f" of {self.head_dim}" if self.head_dim else "") + (
             f" ({self.kv_groups} key/value)" if self.kv_groups != self.heads else "")
-        experts = (f", {self.experts} experts of {self.expert_ffn_size} (top {self.experts_chosen}; "
-                   f"{self.active_parameters / 1e9:.1f}B active)") if self.moe else ""
+        if self.sliding_window:
+            heads += (f", a sliding window of {self.sliding_window} in " + ("every layer" if self.windowed_layers
+                      == self.layers else f"{self.windowed_layers} layers"))
+        if self.mla:
+            heads += f", latent attention (kv rank {self.kv_lora_rank}" + (
+                f", q rank {self.q_lora_rank}" if self.q_lora_rank else "") + ")"
+        experts = ""
+        if self.moe:
+            experts = (f", {self.experts} experts of {self.expert_ffn_size} (top {self.experts_chosen}"
+                       + (f", shared {self.shared_expert_ffn}" if self.shared_expert_ffn else "")
+                       + ((", the first layer dense" if self.dense_layers == 1 else
+                           f", the first {self.dense_layers} layers dense") if self.dense_layers else "")
+                       + f"; {self.active_parameters / 1e9:.1f}B active)")
         return (f"{name} {self.parameters / 1e9:.1f}B: {self.layers} layers, hidden {self.hidden}, {heads}{experts}, "
                 f"sequence {self.seq}, vocabulary {self.vocab}, {self.attention} attention")
 
     @property
     def active_parameters(self) -> int:
         """The parameters a token runs through: a mixture's ``top_k`` experts of each layer, not all of them."""
-        return self.parameters - self.layers * (self._mlp_weights(active=False) - self._mlp_weights(active=True))
+        return self.parameters - (self._layers_weights(active=False) - self._layers_weights(active=True))
 
 
-_MOE_DEFAULTS = {"experts": "a dense MLP", "top_k": "2", "expert_ffn": "ffn"}
+_DEFAULTS = {"sliding_window": "no window", "sliding_layers": "every layer", "experts": "a dense MLP", "top_k": "2", "expert_ffn": "ffn", "shared_expert_ffn": "none",
+             "dense_layers": "none", "kv_lora_rank": "grouped-query attention", "q_lora_rank": "no query latent",
+             "rope_head_dim": "none", "v_head_dim": "head_dim"}
 
 
 PRESETS = {  # GPT-3's shapes (Brown et al. 2020, table 2.1) with Megatron's vocabulary
@@ -193,6 +292,27 @@ PRESETS = {  # GPT-3's shapes (Brown et al. 2020, table 2.1) with Megatron's voc
                               experts=8, top_k=2),
     "mixtral-8x22b": GPTConfig(56, 6144, 48, seq=4096, vocab=32768, ffn=16384, kv_heads=8, family="llama",
                                experts=8, top_k=2),
+    # latent attention, shared experts and dense first layers, from config.json: DeepSeek-V3 (deepseek-ai/DeepSeek-V3:
+    # 61 layers, the first 3 dense; 256 routed experts of 2048, 8 a token, one shared; q / kv latents of 1536 / 512,
+    # heads of 128 + 64 rotary; pretrained at 4,096 tokens -- its multi-token-prediction module is not counted),
+    # Kimi K2 (moonshotai/Kimi-K2-Base: 384 experts, 64 heads, the first layer dense), Moonlight-16B-A3B
+    # (moonshotai/Moonlight-16B-A3B: no query latent, 64 experts of 1408, 6 a token, two shared)
+    "deepseek-v3": GPTConfig(61, 7168, 128, seq=4096, vocab=129280, ffn=18432, family="llama", head_dim=128,
+                             experts=256, top_k=8, expert_ffn=2048, shared_expert_ffn=2048, dense_layers=3,
+                             kv_lora_rank=512, q_lora_rank=1536, rope_head_dim=64, v_head_dim=128),
+    "kimi-k2": GPTConfig(61, 7168, 64, seq=4096, vocab=163840, ffn=18432, family="llama", head_dim=128,
+                         experts=384, top_k=8, expert_ffn=2048, shared_expert_ffn=2048, dense_layers=1,
+                         kv_lora_rank=512, q_lora_rank=1536, rope_head_dim=64, v_head_dim=128),
+    # GPT-OSS (openai/gpt-oss-120b, gpt-oss-20b config.json: 64 heads of 64 over 2,880, 8 key/value; 128 / 32 experts
+    # of 2,880, 4 a token; every other layer a sliding window of 128 keys -- its attention sinks, a scalar a head,
+    # and its projections' biases are not counted)
+    "gpt-oss-120b": GPTConfig(36, 2880, 64, seq=4096, vocab=201088, kv_heads=8, family="llama", head_dim=64,
+                              experts=128, top_k=4, expert_ffn=2880, sliding_window=128, sliding_layers=18),
+    "gpt-oss-20b": GPTConfig(24, 2880, 64, seq=4096, vocab=201088, kv_heads=8, family="llama", head_dim=64,
+                             experts=32, top_k=4, expert_ffn=2880, sliding_window=128, sliding_layers=12),
+    "moonlight-16b-a3b": GPTConfig(27, 2048, 16, seq=8192, vocab=163842, ffn=11264, family="llama", head_dim=128,
+                                   experts=64, top_k=6, expert_ffn=1408, shared_expert_ffn=2816, dense_layers=1,
+                                   kv_lora_rank=512, rope_head_dim=64, v_head_dim=128),
 }
 
 
@@ -227,37 +347,79 @@ class LlamaLayer(nn.Module):
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, ffn: int, fused: bool = True, head_dim: int = 0,
                  experts: bool = False):
-        """``experts``: a mixture-of-experts layer as the planner captures it -- the attention, its residual and the
-        norm before the MLP; the router and the experts, whose work depends on where the experts live (expert
-        parallelism) rather than on a layout of these operators, are costed by ``cluster/experts.py``."""
+        """``experts``: a mixture-of-experts layer as the planner captures it -- the attention, its residual, the
+        norm before the MLP and the shared experts' SwiGLU of ``ffn`` (none where 0); the router and the routed
+        experts, whose work depends on where the experts live (expert parallelism) rather than on a layout of these
+        operators, are costed by ``cluster/experts.py``."""
         super().__init__()
         self.heads, self.kv_heads = heads, kv_heads
         self.d = d = head_dim or hidden // heads
         self.norm1 = nn.RMSNorm(hidden)
-        self.q = nn.Linear(hidden, heads * d, bias=False)  # laid out [kv group, queries of the group, d]
-        self.kv = nn.Linear(hidden, 2 * kv_heads * d, bias=False)  # [kv group, k and v, d]
+        self._projections(hidden, heads, kv_heads, d)
         self.attention = _Attention(fused)
-        self.o = nn.Linear(heads * d, hidden, bias=False)
         self.norm2 = nn.RMSNorm(hidden)
         self.experts = experts
-        if not experts:
+        self.mlp = ffn > 0 or not experts
+        if self.mlp:
             self.gate = nn.Linear(hidden, ffn, bias=False)
             self.up = nn.Linear(hidden, ffn, bias=False)
             self.down = nn.Linear(ffn, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
+    def _projections(self, hidden: int, heads: int, kv_heads: int, d: int) -> None:
+        self.q = nn.Linear(hidden, heads * d, bias=False)  # laid out [kv group, queries of the group, d]
+        self.kv = nn.Linear(hidden, 2 * kv_heads * d, bias=False)  # [kv group, k and v, d]
+        self.o = nn.Linear(heads * d, hidden, bias=False)
+
+    def _attend(self, y: torch.Tensor) -> torch.Tensor:
+        """The attention's output ``[b, s, heads x value head]``, from the normed input."""
+        b, s, _ = y.shape
         kv, d = self.kv_heads, self.d
         g = self.heads // kv
-        y = self.norm1(x)
         q = self.q(y).reshape(b, s, kv, g, d).permute(0, 2, 3, 1, 4).reshape(b, kv, g * s, d)
         k, v = (t.transpose(1, 2) for t in self.kv(y).reshape(b, s, kv, 2 * d).split(d, dim=-1))
-        ctx = self.attention(q, k, v).reshape(b, kv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, self.heads * d)
-        x = x + self.o(ctx)
+        return self.attention(q, k, v).reshape(b, kv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, self.heads * d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.o(self._attend(self.norm1(x)))
         y = self.norm2(x)
-        if self.experts:  # the experts' output (the same shape as their input) joins the residual
-            return x + y
-        return x + self.down(nn.functional.silu(self.gate(y)) * self.up(y))
+        out = x + self.down(nn.functional.silu(self.gate(y)) * self.up(y)) if self.mlp else x
+        return out + y if self.experts else out  # the routed experts' output (their input's shape) joins too
+
+
+class LatentLayer(LlamaLayer):
+    """A Llama layer with multi-head latent attention (DeepSeek-V2/V3's, arXiv 2405.04434 sec. 2.1): the input
+    projected down to a query latent (``q_down``, normed; or straight to the queries without one) and to a key/value
+    latent with one rotary key (``kv_down``, normed), each latent up to the heads (``q_up``: queries of ``d + r``;
+    ``kv_up``: keys' non-rotary ``d`` and values' ``e``), the shared rotary key appended to every head's key, and
+    ``o`` from the heads' values. Tensor parallelism splits the up-projections by heads and ``o`` by rows, as
+    Megatron-Core does; the down-projections are whole on every rank of the group."""
+
+    def __init__(self, hidden: int, heads: int, ffn: int, fused: bool, head_dim: int, experts: bool,
+                 q_rank: int, kv_rank: int, rope: int, v_head: int):
+        self.q_rank, self.kv_rank, self.rope, self.e = q_rank, kv_rank, rope, v_head
+        super().__init__(hidden, heads, heads, ffn, fused, head_dim, experts)
+
+    def _projections(self, hidden: int, heads: int, kv_heads: int, d: int) -> None:
+        if self.q_rank:
+            self.q_down = nn.Linear(hidden, self.q_rank, bias=False)
+            self.q_norm = nn.RMSNorm(self.q_rank)
+            self.q_up = nn.Linear(self.q_rank, heads * (d + self.rope), bias=False)
+        else:
+            self.q = nn.Linear(hidden, heads * (d + self.rope), bias=False)
+        self.kv_down = nn.Linear(hidden, self.kv_rank + self.rope, bias=False)
+        self.kv_norm = nn.RMSNorm(self.kv_rank)
+        self.kv_up = nn.Linear(self.kv_rank, heads * (d + self.e), bias=False)
+        self.o = nn.Linear(heads * self.e, hidden, bias=False)
+
+    def _attend(self, y: torch.Tensor) -> torch.Tensor:
+        b, s, _ = y.shape
+        h, d, e, r = self.heads, self.d, self.e, self.rope
+        q = self.q_up(self.q_norm(self.q_down(y))) if self.q_rank else self.q(y)
+        q = q.reshape(b, s, h, d + r).transpose(1, 2)
+        latent, rotary = self.kv_down(y).split([self.kv_rank, r], dim=-1)
+        k, v = self.kv_up(self.kv_norm(latent)).reshape(b, s, h, d + e).split([d, e], dim=-1)
+        k = torch.cat([k, rotary.unsqueeze(2).expand(b, s, h, r)], dim=-1).transpose(1, 2)
+        return self.attention(q, k, v.transpose(1, 2)).transpose(1, 2).reshape(b, s, h * e)
 
 
 class _Attention(nn.Module):
@@ -282,11 +444,23 @@ class _Attention(nn.Module):
         return self.context(self.softmax(scores.masked_fill(mask, float("-inf"))), v)
 
 
-def make_layer(config: GPTConfig) -> nn.Module:
+def make_layer(config: GPTConfig, dense: bool = False, window: bool = False) -> nn.Module:
+    """One decoder layer of ``config``: a mixture's layer (its attention half and shared experts; ``cluster/
+    experts.py`` costs the routed experts), or with ``dense`` one of its dense layers (``dense_layers``); with
+    ``window`` one whose attention is the sliding window's."""
     c = config
     fused = c.attention != "materialized"
-    return LlamaLayer(c.hidden, c.heads, c.kv_groups, c.ffn_size, fused, c.head_dim, c.moe) if c.llama else GPTLayer(
-        c.hidden, c.heads, c.ffn_size, fused, c.head_dim)
+    if not c.llama:
+        layer = GPTLayer(c.hidden, c.heads, c.ffn_size, fused, c.head_dim)
+    else:
+        experts = c.moe and not dense
+        ffn = c.shared_expert_ffn if experts else c.ffn_size
+        layer = LatentLayer(c.hidden, c.heads, ffn, fused, c.head_dim, experts, c.q_lora_rank, c.kv_lora_rank,
+                            c.rope_head_dim, c.v_head) if c.mla else LlamaLayer(
+            c.hidden, c.heads, c.kv_groups, ffn, fused, c.head_dim, experts)
+    if window:
+        layer.attention.fused.window = c.sliding_window
+    return layer
 
 
 class GPTHead(nn.Module):

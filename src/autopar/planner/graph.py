@@ -118,9 +118,9 @@ def _flops(kind: str, shapes, out_shape, groups: int = 1) -> float:
         return 2.0 * _numel(out_shape) * (w[1] * w[2] * w[3])
     if kind == "softmax":
         return 5.0 * _numel(out_shape)  # max, subtract, exp, sum, divide
-    if kind == "attention":  # q k^T and p v, 2 x 2 b h i j d, of which the causal kernel computes half
-        q, k = shapes[0], shapes[1]
-        return 2.0 * _numel(q) * k[2]
+    if kind == "attention":  # q k^T and p v, 2 b h i j (d + e), of which the causal kernel computes half
+        q, k, v = shapes[0], shapes[1], shapes[2]
+        return _numel(q) * k[2] * (1.0 + v[-1] / q[-1])
     if kind == "elementwise":
         return float(max(_numel(s) for s in (*shapes, out_shape)))
     a = shapes[0]
@@ -339,6 +339,8 @@ class Tracer:
             out = op.compute(*args, **kwargs)
             self.depth -= 1
             self.finish_node(node, out)
+            if kind == "attention" and op.window:  # a sliding window: the kernel's band of the causal triangle
+                node.flops *= op.window_share(tensors[1].shape[2])
             return out
         self.depth += 1
         out = op.compute(*args, **kwargs)

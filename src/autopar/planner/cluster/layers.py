@@ -132,6 +132,20 @@ def _megatron_layout(graph: Graph, t: int) -> Graph:
     return dataclasses.replace(graph, nodes=nodes)
 
 
+# what a layer plan holds per layer, averaged where a model's layers differ
+_PER_LAYER = ("time", "forward", "param_count", "activation_bytes", "input_bytes", "core_activation_bytes",
+              "core_forward", "context_ring", "expert_param_count", "dispatch")
+
+
+def average_layer(layer: LayerPlan, other: LayerPlan, share: float) -> LayerPlan:
+    """``layer`` standing for a model whose ``share`` of layers are ``other`` (a mixture's dense first layers, the
+    sliding-window layers): its
+    time, memory and parameters the layers' average -- the search plans every layer alike, so stages are costed at
+    the average layer; the operator rows stay ``layer``'s."""
+    return dataclasses.replace(layer, **{k: (1 - share) * getattr(layer, k) + share * getattr(other, k)
+                                         for k in _PER_LAYER})
+
+
 class LayerPlanner:
     """The plans of one decoder layer and of the output head, per (tensor degree, micro-batch, context degree,
     sequence parallelism) -- each made once and reused by every candidate that needs it."""
@@ -152,6 +166,10 @@ class LayerPlanner:
         c = config
         with torch.device("meta"):
             self.layer_module = make_layer(c).to(self.torch_dtype)
+            # a mixture's dense layers (DeepSeek-V3's first three), planned apart and averaged in (``layer``)
+            self.dense_module = make_layer(c, dense=True).to(self.torch_dtype) if c.moe and c.dense_layers else None
+            # the sliding-window layers (GPT-OSS's every other one), planned apart and averaged in
+            self.window_module = make_layer(c, window=True).to(self.torch_dtype) if c.sliding_window else None
         self._head_modules: dict = {}  # padded vocabulary -> the head's module (meta)
         self._graphs: dict = {}  # (layer | head, micro-batch, cp) -> its capture: the same for every tensor degree
 
@@ -161,6 +179,8 @@ class LayerPlanner:
         fused = LayerPlanner(self.config, self.spec, self.dtype, fused_loss=True, dispatcher=self.dispatcher,
                              ep_overlap=self.ep_overlap)
         fused._layers, fused._graphs, fused._head_modules = self._layers, self._graphs, self._head_modules
+        fused.layer_module, fused.dense_module, fused.window_module = (self.layer_module, self.dense_module,
+                                                                       self.window_module)
         return fused
 
     def padded_vocab(self, t: int) -> int:
@@ -183,18 +203,32 @@ class LayerPlanner:
     def layer(self, t: int, b: int, cp: int = 1, sp: bool = False, ep: int = 1) -> LayerPlan:
         """One decoder layer on a tensor group of ``t`` for a micro-batch of ``b``, with ``1/cp`` of the sequence;
         a mixture of experts' over an expert-parallel group of ``ep``."""
-        if (t, b, cp, sp) not in self._layers:
-            c = self.config
-            x = torch.empty(b, c.seq // cp, c.hidden, dtype=self.torch_dtype, device="meta")
-            graph = self._graph("layer", b, cp, self.layer_module, None, (x,))
-            plan = plan_module(self.layer_module, None, (x,), t, self.spec, self.dtype, graph, sp, c.attention)
-            self._layers[(t, b, cp, sp)] = with_context_parallel(plan, cp, self.spec)
-        plan = self._layers[(t, b, cp, sp)]
-        if not self.config.moe:
+        c = self.config
+        plan = self._captured("layer", self.layer_module, t, b, cp, sp)
+        if not c.moe and self.window_module is None:
             return plan
         if (t, b, cp, sp, ep) not in self._layers:
-            self._layers[(t, b, cp, sp, ep)] = self._with_experts(plan, b, cp, sp, ep)
+            mixture = (lambda p: self._with_experts(p, b, cp, sp, ep)) if c.moe else (lambda p: p)  # noqa: E731
+            layer = mixture(plan)
+            if self.window_module is not None:
+                window = mixture(self._captured("window", self.window_module, t, b, cp, sp))
+                layer = average_layer(layer, window, c.windowed_layers / c.layers)
+            if self.dense_module is not None:  # dense layers taken as full attention's
+                layer = average_layer(layer, self._captured("dense", self.dense_module, t, b, cp, sp),
+                                      c.dense_layers / c.layers)
+            self._layers[(t, b, cp, sp, ep)] = layer
         return self._layers[(t, b, cp, sp, ep)]
+
+    def _captured(self, which: str, module, t: int, b: int, cp: int, sp: bool) -> LayerPlan:
+        """``module`` (a decoder layer) captured at a micro-batch of ``b`` and ``1/cp`` of the sequence and planned
+        on a tensor group of ``t``."""
+        if (which, t, b, cp, sp) not in self._layers:
+            c = self.config
+            x = torch.empty(b, c.seq // cp, c.hidden, dtype=self.torch_dtype, device="meta")
+            graph = self._graph(which, b, cp, module, None, (x,))
+            plan = plan_module(module, None, (x,), t, self.spec, self.dtype, graph, sp, c.attention)
+            self._layers[(which, t, b, cp, sp)] = with_context_parallel(plan, cp, self.spec)
+        return self._layers[(which, t, b, cp, sp)]
 
     def _with_experts(self, plan: LayerPlan, b: int, cp: int, sp: bool, ep: int) -> LayerPlan:
         """The captured attention half of a mixture-of-experts layer (``gpt.LlamaLayer(experts=True)``) with its

@@ -295,7 +295,13 @@ class MeshPlan:
         lines += [
             "",
             f"one decoder layer on a tensor group of {c.t}, micro-batch {c.b}"
-            + (f" of {cfg.seq // c.cp} tokens a sequence" if c.cp > 1 else "") + " (every layer the same):",
+            + (f" of {cfg.seq // c.cp} tokens a sequence" if c.cp > 1 else "")
+            + (" (the stages costed at the model's average layer: " + ", ".join(
+                what for what, where in ((f"{cfg.dense_layers} of {cfg.layers} dense", cfg.dense_layers),
+                                         (f"{cfg.windowed_layers} of {cfg.layers} windowed", cfg.sliding_window
+                                          and cfg.windowed_layers < cfg.layers)) if where) + "; the rows a "
+               + ("mixture's" if cfg.moe else "full attention's") + "):" if cfg.dense_layers or (
+                   cfg.sliding_window and cfg.windowed_layers < cfg.layers) else " (every layer the same):"),
         ]
         lines += _table(layer.rows())
         lines.append("output head and loss on the last stage:")

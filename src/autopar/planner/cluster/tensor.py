@@ -35,9 +35,13 @@ from dataclasses import dataclass
 
 # Megatron's tensor-parallel layout: the projections into the attention and the MLP split by columns (their
 # outputs), those out of them by rows; the head's vocabulary projection by columns (vocabulary-parallel)
-COLUMN_PARALLEL = {"qkv", "fc1", "q", "kv", "gate", "up", "out"}
+COLUMN_PARALLEL = {"qkv", "fc1", "q", "kv", "gate", "up", "out", "q_up", "kv_up"}
 ROW_PARALLEL = {"proj", "fc2", "o", "down"}
-BLOCKS = ((("qkv", "q", "kv"), ("proj", "o")), (("fc1", "gate", "up"), ("fc2", "down")))
+# latent attention's down-projections to its latents: whole on every rank of the group (Megatron-Core's MLA: the
+# latents are small; the up-projections from them split the heads)
+REPLICATED = {"q_down", "kv_down"}
+BLOCKS = ((("qkv", "q", "kv", "q_down", "kv_down", "q_up", "kv_up"), ("proj", "o")),
+          (("fc1", "gate", "up"), ("fc2", "down")))
 
 
 def short_name(node) -> str:
@@ -47,10 +51,12 @@ def short_name(node) -> str:
 def megatron_strategy(node, t: int) -> tuple | None:
     """The strategy Megatron gives a projection over ``t`` (column- or row-split), None for anything else."""
     short = short_name(node)
-    if node.kind != "linear" or (short not in COLUMN_PARALLEL and short not in ROW_PARALLEL):
+    if node.kind != "linear" or (short not in COLUMN_PARALLEL | ROW_PARALLEL | REPLICATED):
         return None
     rank = len(node.shapes[0])
     bias = len(node.shapes) > 2
+    if short in REPLICATED:
+        return ((1,) * rank, (1, 1)) + (((1,),) if bias else ())
     if short in COLUMN_PARALLEL:
         return ((1,) * rank, (t, 1)) + (((t,),) if bias else ())
     return ((1,) * (rank - 1) + (t,), (1, t)) + (((1,),) if bias else ())
