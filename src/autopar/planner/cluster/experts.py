@@ -104,7 +104,9 @@ def expert_block(config, spec, machine, tokens: float, ep: int, dispatcher: str,
         ("experts.fc2", "grouped linear", f"{local} x ({rows:,} x {f} -> {h})", f"ep {ep}",
          f"{local} experts a rank", 3 * fc2 * 1e3, 0.0),
         ("experts.dispatch", "all-to-all", f"{(off + on) / 2**20:,.1f} MiB out a rank", dispatcher,
-         "dispatch + combine, x2 backward", other * 1e3, dispatch * 1e3),
+         "dispatch + combine, x2 backward", other * 1e3, dispatch * 1e3) if ep > 1 else
+        ("experts.permute", "memory-bound", f"{received:,.0f} token copies", "local", "permute + combine",
+         other * 1e3, 0.0),
     )
     return ExpertBlock(compute + dispatch, (fc1 + fc2 + router) + other / 3 + 2 * one, compute, dispatch, kept,
                        local * 3 * h * f, h * e, table)

@@ -268,10 +268,15 @@ class MeshPlan:
                 f"{k} {v / gib:.1f}" for k, v in c.memory_parts.items()),
         ]
         layer = self.planner.layer(c.t, c.b, c.cp, c.sp, c.ep)
-        if cfg.moe:
+        if cfg.moe and c.ep == 1:
+            lines.append(f"experts: all {cfg.experts} on every rank (no expert parallelism; their gradients over "
+                         f"{c.expert_replicas} replica{'s' if c.expert_replicas > 1 else ''}), each token to "
+                         f"{cfg.experts_chosen}")
+        elif cfg.moe:
             lines.append(f"experts: {cfg.experts // c.ep} of the {cfg.experts} a rank (expert parallelism over "
-                         f"{c.ep} ranks, their gradients over {c.expert_replicas} replicas), each token to "
-                         f"{cfg.experts_chosen}, dispatched by {self.planner.dispatcher}"
+                         f"{c.ep} ranks, their gradients over {c.expert_replicas} replica"
+                         f"{'s' if c.expert_replicas > 1 else ''}), each token to {cfg.experts_chosen}, dispatched "
+                         f"by {self.planner.dispatcher}"
                          + (" overlapped with another micro-batch" if self.planner.ep_overlap else "")
                          + f"; all-to-alls exposed: {layer.dispatch * 1e3:.2f} ms a layer and micro-batch")
         if c.cp > 1:
