@@ -4,7 +4,7 @@
 inside ``forward``, a ``ModelOutput`` back), float64, AdamW + 2 micro-steps + ``clip_grad_norm_(1.0)`` -- equal to
 one process on the same global batches, ``state_dict()`` loading into a fresh one-process model, and (sliced and
 ZeRO-3 modes) ``save_pretrained`` read back by ``from_pretrained``; the causal LMs also context parallel, and a
-``MixtralForCausalLM`` with its experts spread over the ranks. One launch runs
+``MixtralForCausalLM`` with its experts spread over the ranks, and pipelined. One launch runs
 every case (tests/scripts/hf_train.py)."""
 import pytest
 
@@ -28,10 +28,11 @@ def test_transformers_models_train_exactly_in_every_mode(procs, tmp_path):
     # cp: context parallelism -- each rank loads half of every sequence (input_ids and labels), RoPE's positions,
     # the causal mask and the shifted labels of the loss inside forward taken at their global places (cp_ring: the
     # keys and values passed round a ring, the causal work balanced over mirrored chunks)
-    # mixtral: a mixture of experts -- its experts spread over the ranks (ep), with ZeRO-3, with attention by names
+    # mixtral: a mixture of experts -- its experts spread over the ranks (ep), with ZeRO-3, with attention by names,
+    # and pipelined (its experts one opaque operator of the stage's trace, which cannot follow their routing)
     cases = [[m, mode] for m in MODELS for mode in MODES] + [[m, x] for x in ("wrapped_pipe", "cp")
                                                              for m in ("llama", "gpt2")] + [["llama", "cp_ring"]] + [
-        ["mixtral", mode] for mode in ("data", "ep", "ep_zero3", "ep_names")]
+        ["mixtral", mode] for mode in ("data", "ep", "ep_zero3", "ep_names", "pipe", "wrapped_pipe")]
     for rank, case, r in train_cases(procs, tmp_path, cases):
         model, mode = case.split("/")
         if mode in ("megatron", "names", "zero3"):  # save_pretrained from the parallel model, from_pretrained

@@ -19,7 +19,7 @@ gradients add up, as a pipeline step per micro-step gives), wrapped_pipe (the sa
 user's six-line wrapper returning ``.logits``), cp (context parallelism: ``dataset_strategy=((1, n), (1, n))``, each
 rank loading its slice of every sequence); for mixtral (MixtralForCausalLM, 4 experts, top-2) also ep (expert
 parallelism: ``{"*.experts": "expert"}``), ep_zero1 / ep_zero3 (and ZeRO), ep_names (and attention split by
-names). Per case: the largest parameter difference and ``state_dict()`` loaded into a fresh one-process
+names), pipe and wrapped_pipe (its experts one opaque operator of the stages' trace). Per case: the largest parameter difference and ``state_dict()`` loaded into a fresh one-process
 model, and which parameters are stored split. Writes JSON to OUT_PREFIX.<rank>.
 """
 import json
@@ -134,7 +134,8 @@ def reference(model_name: str, summed: bool = False) -> dict:
         return full(train(model_name, model, micro_step=step_fn))
 
 
-SPLITS = {"llama": "model.layers.1", "gpt2": "transformer.h.1", "bert": "bert.encoder.layer.1", "vit": "blocks.1"}
+SPLITS = {"llama": "model.layers.1", "gpt2": "transformer.h.1", "bert": "bert.encoder.layer.1", "vit": "blocks.1",
+          "mixtral": "model.layers.1"}
 
 
 def lm_loss(logits, labels):
@@ -145,7 +146,7 @@ def lm_loss(logits, labels):
 def outside_loss(model_name: str, model, step: int, micro: int) -> torch.Tensor:
     """The pipeline's loss in one process: ``lm_loss`` on the logits (HF's own loss upcasts logits to float32,
     which float64 training would see as ~1e-6 apart), the classifiers' cross-entropy as ``labels=`` computes it."""
-    if model_name not in ("llama", "gpt2"):
+    if model_name not in ("llama", "gpt2", "mixtral"):
         return loss_of(model_name, model, step, micro)
     ids = IDS[step, micro]
     return lm_loss(model(input_ids=ids).logits, ids)
@@ -167,14 +168,14 @@ def pipelined(model_name: str, model, wrapped: bool = False):
     last stage's output: a ModelOutput's tensors), the inputs positional, the label last. ``wrapped``: the model
     inside :class:`LogitsOf` (its layers hand an expanded mask and RoPE's cos/sin across the split)."""
     autopar.set_auto_parallel_context(parallel_mode="data_parallel", gradients_mean=True)
-    loss_fn = lm_loss if model_name in ("llama", "gpt2") else F.cross_entropy
+    loss_fn = lm_loss if model_name in ("llama", "gpt2", "mixtral") else F.cross_entropy
     net, split = (LogitsOf(model), f"model.{SPLITS[model_name]}") if wrapped else (model, SPLITS[model_name])
     runner = autopar.PipelineParallel(net, loss_fn, micro_batches=2, split_points=[split])
     parts, part = runner.replicas, runner.replica
 
     def micro_step(step, micro):
         args, kwargs = inputs_of(model_name, step, micro, parts, part)
-        if model_name in ("llama", "gpt2"):
+        if model_name in ("llama", "gpt2", "mixtral"):
             runner.step(kwargs["input_ids"], kwargs["labels"])
         elif model_name == "bert":
             runner.step(kwargs["input_ids"], kwargs["attention_mask"], kwargs["labels"])

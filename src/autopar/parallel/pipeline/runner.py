@@ -37,7 +37,9 @@ from autopar.comm.topology import pipeline_mesh
 from autopar.common import grad_owners as owners
 from autopar.errors import ConfigError, user_stacklevel
 from autopar.labels import call_loss, class_indices
+from autopar.layout.leaves import stacked_experts
 from autopar.parallel.pipeline import stage_layout as layout
+from autopar.parallel.pipeline.opaque_experts import opaque_while_traced
 from autopar.parallel.pipeline.split import network_output_loss, piece_calls, pieces_of
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -107,6 +109,15 @@ class PipelineParallel:
         if unknown:
             raise ConfigError(f"PipelineParallel tensor_parallel names '{unknown[0]}', which is not a module of the "
                               "network")
+        marked = [n for n, m in names.items() if getattr(m, "_autopar_experts", False)]
+        if marked:  # autopar.shard(model, {"*.experts": "expert"}), made for the layout modes
+            warnings.warn(f"autopar: expert parallelism (marked on '{marked[0]}') is not run inside pipeline stages "
+                          "yet: a stage's experts run whole on each of its ranks", stacklevel=user_stacklevel())
+        experts = [n for n in self.tensor_plan if stacked_experts(names[n])]
+        if experts:
+            raise ConfigError(f"PipelineParallel tensor_parallel names '{experts[0]}', a module of stacked experts: "
+                              "inside pipeline stages a mixture's experts run whole on each rank (expert parallelism "
+                              "there is not run yet); split the projections around them")
         self.split_points = list(split_points)
         self.schedule_name = schedule
         self.gradients_mean = gradients_mean
@@ -154,7 +165,7 @@ class PipelineParallel:
         try:
             # the trace calls the network: it must not parallelize itself meanwhile
             with _context.managed(), _no_generation_cache(self.network), _stand_ins(self.network, deferred_build), \
-                    layout.attention_traced_plainly(self.laid_out):
+                    layout.attention_traced_plainly(self.laid_out), opaque_while_traced(self.network):
                 pipe = pipeline(self.network, mb_args=example,
                                 split_spec={name: SplitPoint.BEGINNING for name in self.split_points})
         except Exception as exc:  # noqa: BLE001 - torch.export's many failure types, said in one line

@@ -62,7 +62,6 @@ class Candidate:
     # --pp-partition-method 'type:transformer|embedding'): the first and last stages hold a layer fewer
     split_embedding: bool = False
     ep: int = 1  # expert-parallel degree: a mixture's experts over ep consecutive ranks (experts.py)
-    moe: bool = False  # the model is a mixture of experts
     step: float = 0.0
     memory: float = 0.0
     parts: dict = field(default_factory=dict)  # seconds by cause
@@ -99,12 +98,12 @@ class Candidate:
         out = []
         if self.cp > 1 and self.sp:
             out.append("sequence parallelism with context parallelism")
-        if self.ep > 1:  # autopar runs expert parallelism beside data parallel, ZeRO and tensor parallelism
-            out += [what for what, where in (("expert parallelism with context parallelism", self.cp > 1),
+        if self.ep > 1:  # autopar runs expert parallelism beside data parallel, ZeRO and tensor parallelism; inside
+            # pipeline stages a mixture's experts run whole on each rank
+            out += [what for what, where in (("expert parallelism inside pipeline stages", self.p > 1),
+                                             ("expert parallelism with context parallelism", self.cp > 1),
                                              ("sequence parallelism beside expert parallelism", self.sp))
                     if where]
-        if self.moe and self.p > 1:  # the stage's trace cannot follow the routing's data-dependent shapes
-            out.append("a mixture of experts inside pipeline stages")
         if self.p > 1 and self.zero >= 1 and self.cp > 1 and self.shard_group == self.d * self.cp:
             out.append(f"ZeRO-{self.zero} over the context group inside pipeline stages (autopar shards over the "
                        f"{self.d} data-parallel replicas)")
@@ -599,8 +598,6 @@ def _enumerate_context(planner: LayerPlanner, devices: int, global_batch: int, f
         for p in range(1, min(config.layers + (2 if split else 0), devices // (t * cp)) + 1):
             if (devices // (t * cp)) % p or not keep("pp", p):
                 continue
-            if config.moe and p > 1 and fixed.get("pp") is None:
-                continue  # autopar's pipelines cannot trace a mixture's routing (Candidate.not_run_by_autopar)
             d = devices // (t * cp * p)
             if global_batch % d:
                 continue
@@ -623,8 +620,7 @@ def _enumerate_context(planner: LayerPlanner, devices: int, global_batch: int, f
                             slots = config.layers + (2 if split and p > 1 else 0)
                             for v in virtual_stages(slots, p, global_batch // (d * b), fixed.get("vpp")):
                                 k = Candidate(t, p, d, b, global_batch // (d * b), zero, recompute, v, cp, seq_split,
-                                              shard=shard, split_embedding=split and p > 1, ep=ep,
-                                              moe=config.moe)
+                                              shard=shard, split_embedding=split and p > 1, ep=ep)
                                 if recompute == "block":
                                     k = _fewest_recomputed(planner, k, limit, fixed.get("recompute_layers"))
                                 else:
@@ -642,8 +638,9 @@ def _enumerate_context(planner: LayerPlanner, devices: int, global_batch: int, f
 def expert_options(config: GPTConfig, fixed: dict, t: int, cp: int, d: int, p: int, sp: bool) -> list[int]:
     """The expert-parallel degrees to weigh for a mixture of experts on a stage's ``t x cp x d`` ranks (1 for a
     dense model): the pinned one where it divides them and the experts; searched, every divisor of both -- where
-    autopar's runtime runs expert parallelism: beside data parallel and ZeRO, with the sequence whole and no tensor
-    group (``Candidate.not_run_by_autopar``; a mixture inside pipeline stages is pinned, never searched)."""
+    autopar's runtime runs expert parallelism: beside data parallel and ZeRO, outside pipeline stages (inside
+    them a mixture's experts run whole on each rank), with the sequence whole and no tensor group
+    (``Candidate.not_run_by_autopar``)."""
     if not config.moe:
         return [1]
     ranks, pinned = t * cp * d, fixed.get("ep")

@@ -1,0 +1,145 @@
+"""A mixture's experts as one opaque operator in a pipeline stage's trace.
+
+torch's pipelines trace the network (``torch.export``) and cut the graph into stages; a module of stacked experts
+(:func:`autopar.layout.leaves.stacked_experts`: transformers' ``MixtralExperts``, ``Qwen2MoeExperts``, autopar's
+``StackedExperts``) picks each expert's tokens with ``nonzero`` / ``where`` -- shapes the trace cannot follow ("data/
+shape-dependent control flow"), so no mixture could be split into stages. While the network is traced, each such
+module's call is one operator, ``autopar::stacked_experts``, whose result has its input's shape (what the trace
+needs) and whose work is the module's own forward on the stage's rank, run eagerly with the piece's parameters.
+Its backward runs that forward again under autograd (one more forward of the experts, no activations kept between)
+and returns the gradients of the tokens, the routing weights and the experts' weights: exact, the same arithmetic
+as the module's own backward.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.func import functional_call
+
+from autopar.errors import ConfigError
+from autopar.layout.leaves import stacked_experts
+from autopar.parallel.tensor.handlers import install
+
+# key -> (module, the names of its parameters in the order the operator receives them)
+_MODULES: dict[int, tuple[torch.nn.Module, tuple[str, ...]]] = {}
+
+
+def _run(key: int, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+         params: list[torch.Tensor]) -> torch.Tensor:
+    module, names = _MODULES[key]
+    return functional_call(module, dict(zip(names, params)), (hidden, index, weights))
+
+
+@torch.library.custom_op("autopar::stacked_experts", mutates_args=())
+def _experts(key: int, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+             params: list[torch.Tensor]) -> torch.Tensor:
+    with torch.no_grad():
+        out = _run(key, hidden, index, weights, params)
+    return out.clone() if any(out is t for t in (hidden, weights, *params)) else out
+
+
+@_experts.register_fake
+def _(key, hidden, index, weights, params):
+    return torch.empty_like(hidden)
+
+
+def _setup(ctx, inputs, output) -> None:
+    key, hidden, index, weights, params = inputs
+    ctx.key, ctx.params = key, len(params)
+    ctx.save_for_backward(hidden, index, weights, *params)
+
+
+def _backward(ctx, grad):
+    saved = ctx.saved_tensors
+    mesh = next((t.device_mesh for t in (grad, *saved) if isinstance(t, DTensor)), None)
+    tokens = _token_placements(saved[0], saved[1], saved[2]) if mesh is not None else None
+    hidden, index, weights = (_local(t, tokens) for t in saved[:3])
+    params, grad = [_local(p, None) for p in saved[3:]], _local(grad, tokens)
+    wanted = [ctx.needs_input_grad[1], ctx.needs_input_grad[3]]
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(w) for t, w in zip((hidden, weights), wanted)]
+        own = [p.detach().requires_grad_(True) for p in params]
+        out = _run(ctx.key, leaves[0], index, leaves[1], own)
+        asked = [t for t in (*leaves, *own) if t.requires_grad]
+        got = iter(torch.autograd.grad(out, asked, grad, allow_unused=True))
+    grads = [next(got) if t.requires_grad else None for t in (*leaves, *own)]
+    if mesh is not None:  # a laid-out stage's: the tokens' gradients placed as the tokens, the weights' summed over
+        # the ranks whose tokens they saw (partial where the tokens are split, replicated where they are not)
+        weight = [Partial() if p.is_shard() else Replicate() for p in tokens]
+        grads = [g if g is None or not isinstance(s, DTensor) else DTensor.from_local(
+            g, mesh, tokens if i < 2 else weight, run_check=False)
+            for i, (g, s) in enumerate(zip(grads, (saved[0], saved[2], *saved[3:])))]
+    return None, grads[0], None, grads[1], list(grads[2:])
+
+
+def _on_local_tensors(op_call, args: tuple, kwargs: dict):
+    """DTensor's handler of the operator (a stage laid out over a tensor or context group, whose pieces compute on
+    DTensors): the experts whole on each rank of the group, on its tokens -- all of them where they are
+    replicated, its share where the sequence is split (the experts map each token alone) -- their results placed
+    as the tokens."""
+    key, hidden, index, weights, params = args
+    mesh = next(t.device_mesh for t in (hidden, index, weights, *params) if isinstance(t, DTensor))
+    tokens = _token_placements(hidden, index, weights)
+    out = op_call(key, _local(hidden, tokens), _local(index, tokens), _local(weights, tokens),
+                  [_local(p, None) for p in params], **kwargs)
+    return DTensor.from_local(out, mesh, tokens, run_check=False)
+
+
+def _token_placements(hidden, index, weights) -> list:
+    """Where the tokens are: replicated, or split over their rows (a context split) -- the placements of the
+    tokens' hidden states once partial sums (a row-split projection's output) are reduced."""
+    for t in (hidden, index, weights):
+        if isinstance(t, DTensor):
+            return [Replicate() if p.is_partial() else p for p in t.placements]
+    raise AssertionError("no DTensor among the tokens")
+
+
+def _local(t, placements):
+    """``t``'s local tensor at ``placements`` (None: replicated -- the experts' weights): partial sums reduced, as
+    any other consumer of them reduces them; one line where the weights or the hidden size are split (a tensor plan
+    that splits the experts or what feeds them, which the experts' operator does not run)."""
+    if not isinstance(t, DTensor):
+        return t
+    want = list(placements) if placements is not None else [Replicate()] * t.device_mesh.ndim
+    if any(p.is_shard() and p.dim != 0 for p in want) or (placements is None and any(
+            p.is_shard() for p in t.placements)):
+        raise ConfigError(f"stacked experts inside a pipeline stage run whole on each rank, on its tokens, but "
+                          f"receive a tensor placed {tuple(t.placements)}: keep the experts and the modules that "
+                          "feed them out of tensor_parallel (split the attention's projections)")
+    if tuple(t.placements) != tuple(want):
+        t = t.redistribute(t.device_mesh, want)
+    return t.to_local()
+
+
+_experts.register_autograd(_backward, setup_context=_setup)
+
+
+@contextlib.contextmanager
+def opaque_while_traced(network: torch.nn.Module):
+    """Every module of stacked experts in ``network`` called as ``autopar::stacked_experts`` while the context lasts
+    (the trace); the graph keeps the operator, which runs the module's own forward whenever the stage calls it."""
+    patched = []
+    install(torch.ops.autopar.stacked_experts.default, _on_local_tensors)  # (DTensor's table: once it is used)
+    for module in network.modules():
+        if not stacked_experts(module) or "forward" in module.__dict__:
+            continue
+        names = tuple(name for name, _ in module.named_parameters())
+        key = id(module)
+        _MODULES[key] = (module, names)
+
+        def forward(hidden_states, top_k_index, top_k_weights, *rest, _module=module, _key=key, _names=names):
+            if rest:
+                raise TypeError(f"{type(_module).__name__}: a pipeline stage calls stacked experts with (hidden_states, "
+                                "top_k_index, top_k_weights) only")
+            params = [dict(_module.named_parameters())[n] for n in _names]
+            return _experts(_key, hidden_states, top_k_index, top_k_weights, params)
+
+        module.forward = forward
+        patched.append(module)
+    try:
+        yield
+    finally:
+        for module in patched:
+            del module.forward
