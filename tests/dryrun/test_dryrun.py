@@ -12,7 +12,7 @@ from autopar.dataset.synth import write_synthetic_cifar10
 from procutil import ROOT, SCRIPTS, autopar_cmd
 
 MODES = ["dp", "zero1", "zero2", "zero3", "semi_megatron", "semi_megatron_sp", "cp", "cp_ring", "ep", "pipeline",
-         "pipeline_zero1", "pipeline_tp", "pipeline_cp", "auto"]
+         "pipeline_zero1", "pipeline_tp", "pipeline_cp", "pipeline_moe", "auto"]
 # The real runs: gradients reduced through the process group (the CPU-only shared-memory reducer is not what a
 # cluster runs), AUTO decided by its prediction alone (a measured round picks by timing, which varies run to run)
 ENV = {"AUTOPAR_SHARED_MEMORY": "0", "AUTOPAR_AUTO_TRIALS": "0", "AUTOPAR_MEASURE_OPS": "0"}
@@ -24,7 +24,7 @@ SIZES = {("semi_megatron", 4): ("2", "32", "512", "64", "4"), ("semi_megatron_sp
 # replicas, AUTO's search); the tensor split on both. Every mode was within the 10 % on both world sizes while this test
 # ran them all (until 2026-11-27).
 # (the ring: 2 ranks pass its blocks round as 4 do; the experts' all-to-all: 2 ranks exchange tokens as 4 do)
-ON_2 = {"dp", "zero1", "zero2", "semi_megatron", "cp_ring", "ep"}
+ON_2 = {"dp", "zero1", "zero2", "semi_megatron", "cp_ring", "ep", "pipeline_moe"}
 SKIP = {(m, 2) for m in MODES if m not in ON_2} | {(m, 4) for m in ON_2 - {"semi_megatron"}}
 CASES = [(m, n) for n in (2, 4) for m in MODES if (m, n) not in SKIP]
 

@@ -181,8 +181,8 @@ def route_alike(module: torch.nn.Module, args):
     from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
     experts = getattr(module, "num_experts", None)
-    if not isinstance(experts, int) or isinstance(experts, bool) or len(args) < 3:
-        return None
+    if not isinstance(experts, int) or isinstance(experts, bool) or len(args) < 3 or torch.compiler.is_exporting():
+        return None  # (a pipeline's trace: there the experts are one opaque operator, which needs no routing values)
     tokens, index, weights = args[0], args[1], args[2]
     local = getattr(index, "_local_tensor", index)  # a DTensor's routing: its local rows
     if not (isinstance(tokens, torch.Tensor) and isinstance(local, torch.Tensor) and is_fake(local)
