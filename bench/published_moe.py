@@ -34,13 +34,11 @@ import argparse
 import dataclasses
 import json
 import re
-import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 from published_gpt import predicted  # bench/ is the script's own folder
-from published_runs import ordering, stats
+from published_runs import planned_rows, stats, summaries
 
 from autopar.errors import ConfigError
 from autopar.planner.cluster import load_cluster, plan_gpt
@@ -184,22 +182,9 @@ def main() -> None:
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args()
     runs = [r for r in json.loads(RUNS.read_text()) if args.set == "all" or r["set"] == args.set]
-    rows = []
-    for row in runs:
-        r = plan_one(row)
-        rows.append(r)
-        print(f"[bench] {r['name']}: " + (f"published {r['value']:.4g}, predicted {r['predicted']:.4g} "
-                                         f"({r['error_pct']:+.1f}%) {r['plan']}" if r["planned"]
-                                         else f"not planned: {r['error']}"), file=sys.stderr, flush=True)
-    summary = {}
-    for name in sorted({r["set"] for r in rows}):
-        part = [r for r in rows if r["set"] == name]
-        by_source = defaultdict(list)
-        for r in part:
-            by_source[r["name"].split("-")[0]].append(r)
-        summary[name] = {**stats(part), "ordering": ordering(part),
-                         "balanced_routing": stats([r for r in part if not r["natural_routing"]]),
-                         "by_source": {s: stats(v) for s, v in sorted(by_source.items())}}
+    rows = planned_rows(runs, plan_one)
+    summary = summaries(rows, lambda name: name.split("-")[0], lambda part: {
+        "balanced_routing": stats([r for r in part if not r["natural_routing"]])})
     text = json.dumps({"rows": rows, "summary": summary}, indent=1)
     if args.out:
         Path(args.out).write_text(text + "\n")

@@ -123,6 +123,33 @@ def source_of(name: str) -> str:
     return name.split("-")[0].split(" ")[0].lower()
 
 
+def planned_rows(runs: list[dict], plan, quiet: bool = False) -> list[dict]:
+    """Each run planned by ``plan(run)``, a line each on stderr (unless ``quiet``)."""
+    rows = []
+    for row in runs:
+        r = plan(row)
+        rows.append(r)
+        if not quiet:
+            print(f"[bench] {r['name']}: " + (f"published {r['value']:.4g}, predicted {r['predicted']:.4g} "
+                                             f"({r['error_pct']:+.1f}%) {r['plan']}" if r["planned"]
+                                             else f"not planned: {r['error']}"), file=sys.stderr, flush=True)
+    return rows
+
+
+def summaries(rows: list[dict], source=source_of, extra=None) -> dict:
+    """Per set: the statistics, the same-job ordering, the statistics by source (``source(name)``), and
+    ``extra(rows)``'s entries."""
+    out = {}
+    for name in sorted({r["set"] for r in rows}):
+        part = [r for r in rows if r["set"] == name]
+        by_source = defaultdict(list)
+        for r in part:
+            by_source[source(r["name"])].append(r)
+        out[name] = {**stats(part), "ordering": ordering(part), **(extra(part) if extra else {}),
+                     "by_source": {s: stats(v) for s, v in sorted(by_source.items())}}
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--set", default="tune", choices=("tune", "test", "all"))
@@ -130,22 +157,8 @@ def main() -> None:
     p.add_argument("--quiet", action="store_true", help="no line per run")
     args = p.parse_args()
     runs = [r for r in json.loads(RUNS.read_text()) if args.set == "all" or r["set"] == args.set]
-    rows = []
-    for row in runs:
-        r = plan_one(row)
-        rows.append(r)
-        if not args.quiet:
-            print(f"[bench] {r['name']}: " + (f"published {r['value']:.4g}, predicted {r['predicted']:.4g} "
-                                             f"({r['error_pct']:+.1f}%) {r['plan']}" if r["planned"]
-                                             else f"not planned: {r['error']}"), file=sys.stderr, flush=True)
-    summary = {}
-    for name in sorted({r["set"] for r in rows}):
-        part = [r for r in rows if r["set"] == name]
-        by_source = defaultdict(list)
-        for r in part:
-            by_source[source_of(r["name"])].append(r)
-        summary[name] = {**stats(part), "ordering": ordering(part),
-                         "by_source": {s: stats(v) for s, v in sorted(by_source.items())}}
+    rows = planned_rows(runs, plan_one, args.quiet)
+    summary = summaries(rows)
     out = {"rows": rows, "summary": summary}
     text = json.dumps(out, indent=1)
     if args.out:
