@@ -13,6 +13,7 @@ as the module's own backward.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
@@ -22,14 +23,15 @@ from autopar.errors import ConfigError
 from autopar.layout.leaves import stacked_experts
 from autopar.parallel.tensor.handlers import install
 
-# key -> (module, the names of its parameters in the order the operator receives them)
-_MODULES: dict[int, tuple[torch.nn.Module, tuple[str, ...]]] = {}
+# key -> (the module, weakly: a network let go is not kept alive here; the names of its parameters in the order the
+# operator receives them)
+_MODULES: dict[int, tuple[weakref.ref, tuple[str, ...]]] = {}
 
 
 def _run(key: int, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
          params: list[torch.Tensor]) -> torch.Tensor:
     module, names = _MODULES[key]
-    return functional_call(module, dict(zip(names, params)), (hidden, index, weights))
+    return functional_call(module(), dict(zip(names, params)), (hidden, index, weights))
 
 
 @torch.library.custom_op("autopar::stacked_experts", mutates_args=())
@@ -127,14 +129,14 @@ def opaque_while_traced(network: torch.nn.Module):
             continue
         names = tuple(name for name, _ in module.named_parameters())
         key = id(module)
-        _MODULES[key] = (module, names)
+        _MODULES[key] = (weakref.ref(module), names)
 
         def forward(hidden_states, top_k_index, top_k_weights, *rest, _module=module, _key=key, _names=names):
             if rest:
                 raise TypeError(f"{type(_module).__name__}: a pipeline stage calls stacked experts with (hidden_states, "
                                 "top_k_index, top_k_weights) only")
-            params = [dict(_module.named_parameters())[n] for n in _names]
-            return _experts(_key, hidden_states, top_k_index, top_k_weights, params)
+            own = dict(_module.named_parameters())
+            return _experts(_key, hidden_states, top_k_index, top_k_weights, [own[n] for n in _names])
 
         module.forward = forward
         patched.append(module)
