@@ -12,7 +12,7 @@ from autopar.dataset.synth import write_synthetic_cifar10
 from procutil import ROOT, SCRIPTS, autopar_cmd
 
 MODES = ["dp", "zero1", "zero2", "zero3", "semi_megatron", "semi_megatron_sp", "cp", "cp_ring", "ep", "pipeline",
-         "pipeline_zero1", "pipeline_tp", "pipeline_cp", "pipeline_moe", "auto"]
+         "pipeline_zero1", "pipeline_tp", "pipeline_cp", "pipeline_moe", "pipeline_ep", "auto"]
 # The real runs: gradients reduced through the process group (the CPU-only shared-memory reducer is not what a
 # cluster runs), AUTO decided by its prediction alone (a measured round picks by timing, which varies run to run)
 ENV = {"AUTOPAR_SHARED_MEMORY": "0", "AUTOPAR_AUTO_TRIALS": "0", "AUTOPAR_MEASURE_OPS": "0"}
@@ -55,13 +55,17 @@ def test_a_dry_run_predicts_the_peak_of_a_real_run_in_every_mode(procs, tmp_path
         got, want = (dry, real) if what == "peak" else (dry["steady"], real["steady"])
         ratio = got["peak_bytes"] / want["peak_bytes"]
         table.append(f"{mode:>14} {what}: predicted {got['peak_bytes']} measured {want['peak_bytes']} {ratio:.3f}")
-        if not 0.9 <= ratio <= 1.1:
+        # expert parallelism inside pipeline stages: its exchange is not simulated, and the dry run says so
+        low = 0.85 if mode == "pipeline_ep" else 0.9
+        if not low <= ratio <= 1.1:
             bad.append(table[-1])
         # the parts add up to the peak
         assert sum(got[k] for k in ("parameters", "gradients", "optimizer", "activations", "other")) == \
             got["peak_bytes"], (mode, got)
     if mode.startswith("pipeline"):  # one simulated rank per stage: rank 0 and the first of stage 1
         assert sorted(report["ranks"]) == ["0", str(n // 2)], report["ranks"].keys()
+    if mode == "pipeline_ep":
+        assert any("does not simulate expert parallelism's exchange" in w for w in dry["warnings"]), dry["warnings"]
     if mode == "auto":
         assert report["predicted_step_s"] and report["predicted_step_s"] > 0
     print("\n".join(table))

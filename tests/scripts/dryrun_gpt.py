@@ -4,7 +4,8 @@ loads its slice of every sequence: context parallelism; cp_ring: attention as a 
 experts, Mixtral's top-2 router, the experts spread over the ranks: expert parallelism), pipeline (2
 stages, ``PipelineParallel``; pipeline_zero1: each stage's optimizer state sharded over its replicas; pipeline_tp:
 each stage's attention and MLP split over 2 ranks; pipeline_cp: each stage's sequence split over 2 ranks;
-pipeline_moe: the ep mode's mixture split into 2 stages, its experts whole on each rank), auto -- for the dry run's tests: the same script is run simulated (``autopar launch
+pipeline_moe: the ep mode's mixture split into 2 stages, its experts whole on each rank; pipeline_ep: and spread
+over each stage's replicas), auto -- for the dry run's tests: the same script is run simulated (``autopar launch
 --dry-run``) and for real on gloo ranks.
 argv: MODE [n_layer n_embd vocab block batch [eager|deferred [full_batch]]] (a tiny GPT by default, built eagerly;
 deferred: ``autopar.deferred_init``, each rank materialising only what it keeps; full_batch: every rank feeds the same
@@ -47,7 +48,7 @@ if sys.argv[8:9] == ["full_batch"]:
 torch.manual_seed(0)
 config = GPTConfig(block_size=block, vocab_size=vocab, n_layer=n_layer, n_head=max(1, n_embd // 32), n_embd=n_embd)
 model = autopar.deferred_init(GPT, config) if build == "deferred" else GPT(config)
-if mode in ("ep", "pipeline_moe"):
+if mode in ("ep", "pipeline_moe", "pipeline_ep"):
     for layer in model.transformer.h:
         layer.mlp = MoE(n_embd)
 if mode == "ep":
@@ -69,9 +70,10 @@ if mode == "pipeline_tp":  # each stage's attention and MLP split over 2 ranks (
                                           f"transformer.h.{i}.{m}": s for i in range(n_layer)
                                           for m, s in (("attn.c_attn", "colwise"), ("attn.c_proj", "rowwise"),
                                                        ("mlp.c_fc", "colwise"), ("mlp.c_proj", "rowwise"))})
-if mode == "pipeline_moe":  # the mixture split into stages, its experts whole on each rank
+if mode in ("pipeline_moe", "pipeline_ep"):  # the mixture split into stages, its experts whole on each rank, or
+    # (pipeline_ep) spread over each stage's replicas
     runner = autopar.PipelineParallel(model, None, micro_batches=2, split_points=[f"transformer.h.{n_layer // 2}"],
-                                      grads="stage")
+                                      grads="stage", ep=n // 2 if mode == "pipeline_ep" else 1)
 if mode == "pipeline_cp":  # each stage's sequence split over 2 ranks (context parallelism inside the stages)
     runner = autopar.PipelineParallel(model, None, micro_batches=2, split_points=[f"transformer.h.{n_layer // 2}"],
                                       grads="stage", cp=2)

@@ -2,12 +2,14 @@
 on the global batch, in float64.
 
 argv: OUT_PREFIX CKPT_DIR. 4 ranks: 2 stages x 2 ranks a stage, their 2 ranks as 2 data-parallel replicas with
-ZeRO-1 or ZeRO-3 over them, as a tensor group splitting the attention-like projections around the experts, or as
-a context group splitting the sequence. The network: two blocks, each a column/row-split pair of projections with
+ZeRO-1 or ZeRO-3 over them or the experts spread over them (expert parallelism: each rank 2 of the 4, each token
+sent to its experts' rank; also with the second rank's experts chosen by no token), as a tensor group splitting the
+attention-like projections around the experts, or as a context group splitting the sequence. The network: two blocks, each a column/row-split pair of projections with
 a residual and a top-2 mixture of 4 experts in Hugging Face's stacked form (``autopar.models.MoEBlock``), routed
 unevenly by its router; the stages split between the blocks. Each case: per-step losses and every parameter after 3
-AdamW steps against one process; the ZeRO case's sliced checkpoint reloaded onto one process. A tensor plan that
-names the experts is one line; the layout modes' expert parallelism marked on a pipelined network is said (the
+AdamW steps against one process; the ZeRO and expert-parallel cases' sliced checkpoints reloaded onto one process.
+A tensor plan that names the experts, and expert parallelism beside ZeRO, over other than all a stage's replicas or
+with grads="full", are one line each; the layout modes' expert parallelism marked on a pipelined network is said (the
 experts run whole). Writes {case: result} to OUT_PREFIX.<rank>.
 """
 import json
@@ -41,10 +43,13 @@ class Block(torch.nn.Module):
 
 
 class Net(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, idle: bool = False):
         super().__init__()
         torch.manual_seed(0)
         self.embed, self.b0, self.b1, self.head = torch.nn.Linear(8, 16), Block(), Block(), torch.nn.Linear(16, 5)
+        if idle:  # every token's two experts among the first two: the second half of the experts takes none
+            for block in (self.b0, self.b1):
+                block.moe.router.register_forward_hook(lambda m, a, out: out + torch.tensor([50.0, 50.0, 0.0, 0.0]))
 
     def forward(self, x):
         return self.head(self.b1(self.b0(self.embed(x))))
@@ -53,8 +58,10 @@ class Net(torch.nn.Module):
 g = torch.Generator().manual_seed(1)
 X, Y = torch.randn(3, 8, 6, 8, generator=g), torch.randint(0, 5, (3, 8, 6), generator=g)
 PROJECTIONS = {f"b{i}.{m}": s for i in (0, 1) for m, s in (("up", "colwise"), ("down", "rowwise"))}
+# ep: the experts spread over a stage's 2 replicas (each rank 2 of the 4; tokens sent to their experts' rank);
+# ep_idle: and the second rank's experts chosen by no token
 CASES = {"zero1": {"zero": "level1"}, "zero3": {"zero": "level3"}, "tp": {"tp": 2, "tensor_parallel": PROJECTIONS},
-         "cp": {"cp": 2}}
+         "cp": {"cp": 2}, "ep": {"ep": 2}, "ep_idle": {"ep": 2}}
 
 
 def loss_fn(out, y):
@@ -65,23 +72,27 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
 
 
-ref, ref_losses = Net(), []
-opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-routed = torch.zeros(4)
-for step in range(len(X)):
-    h = ref.b0.moe.norm(ref.embed(X[step]) + 0).reshape(-1, 16)  # the first router's choices (uneven routing)
-    routed += torch.bincount(ref.b0.moe.router(h).topk(2, dim=-1).indices.flatten(), minlength=4).double()
-    loss = loss_fn(ref(X[step]), Y[step])
-    ref_losses.append(float(loss))
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-want = {k: p.detach() for k, p in ref.named_parameters()}
+def reference(idle: bool):
+    ref, losses = Net(idle), []
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    routed = torch.zeros(4)
+    for step in range(len(X)):
+        h = ref.b0.moe.norm(ref.embed(X[step]) + 0).reshape(-1, 16)  # the first router's choices
+        routed += torch.bincount(ref.b0.moe.router(h).topk(2, dim=-1).indices.flatten(), minlength=4).double()
+        loss = loss_fn(ref(X[step]), Y[step])
+        losses.append(float(loss))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {k: p.detach() for k, p in ref.named_parameters()}, losses, routed.tolist()
 
-results = {"routed": routed.tolist()}
+
+REFS = {idle: reference(idle) for idle in (False, True)}
+results = {"routed": REFS[False][2], "routed_idle": REFS[True][2]}
 for key, kwargs in CASES.items():
+    want, ref_losses, _ = REFS[key == "ep_idle"]
     try:
-        net = Net()
+        net = Net(key == "ep_idle")
         opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
         runner = PipelineParallel(net, loss_fn, 2, ["b1"], grads="stage", **kwargs)
         rows = slice(runner.replica * 8 // runner.replicas, (runner.replica + 1) * 8 // runner.replicas)
@@ -91,7 +102,9 @@ for key, kwargs in CASES.items():
             opt.step()
             opt.zero_grad()
         sliced = None
-        if key == "zero1":  # each rank's shards, reloaded whole onto one process's layout
+        experts = {n: list(p.to_local().shape) for n, p in runner.stage_module.named_parameters()
+                   if getattr(p, "_autopar_spread", False)}  # each rank's share of its stage's experts
+        if key in ("zero1", "ep"):  # each rank's shards, reloaded whole onto one process's layout
             autopar.save_checkpoint(net, f"{ckpt_dir}/{key}_sliced_{rank}", integrated_save=False)
             torch.distributed.barrier()
             plain = Net()
@@ -101,18 +114,21 @@ for key, kwargs in CASES.items():
         results[key] = {"loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)) if runner.replicas == 1
                         else None,
                         "param_diff": max(float((whole(p) - want[k]).abs().max()) for k, p in net.named_parameters()),
-                        "stage": runner.stage_index, "sliced_diff": sliced}
+                        "stage": runner.stage_index, "sliced_diff": sliced, "experts": experts,
+                        "sync": runner.gradient_sync}
     except Exception as exc:  # noqa: BLE001 - recorded: the test names the case
         import traceback
 
         results[key] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}", "trace": traceback.format_exc()[-1500:]}
 
-try:  # the experts split by the tensor plan: one line
-    runner = PipelineParallel(Net(), loss_fn, 2, ["b1"], grads="stage", tp=2,
-                              tensor_parallel={"b0.moe.experts": "colwise", "b1.moe.experts": "colwise"})
-    results["split_experts"] = "no error"
-except ConfigError as exc:
-    results["split_experts"] = str(exc)
+for case, kwargs in (("split_experts", {"tp": 2, "tensor_parallel": {"b0.moe.experts": "colwise"}}),
+                     ("ep_beside_zero", {"ep": 2, "zero": "level1"}), ("ep_uneven", {"ep": 4}),
+                     ("ep_full", {"ep": 2, "grads": "full"})):  # one line each
+    try:
+        PipelineParallel(Net(), loss_fn, 2, ["b1"], **{"grads": "stage", **kwargs})
+        results[case] = "no error"
+    except ConfigError as exc:
+        results[case] = str(exc)
 marked = Net()  # the layout modes' expert parallelism marked, then pipelined: said, the experts whole
 autopar.shard(marked, {"*.experts": "expert"})
 with warnings.catch_warnings(record=True) as caught:

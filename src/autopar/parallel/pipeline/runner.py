@@ -65,12 +65,14 @@ class PipelineParallel:
 
     With ``grads="stage"`` a stage's ranks may also share its work (:mod:`.stage_layout`): ``zero`` shards its
     optimizer over its replicas, ``tp`` / ``tensor_parallel`` split its modules over groups of ``tp`` ranks, ``cp`` /
-    ``cp_algo`` its sequence over groups of ``cp`` ranks (every rank of such a group given the replica's batch)."""
+    ``cp_algo`` its sequence over groups of ``cp`` ranks (every rank of such a group given the replica's batch),
+    ``ep`` spread its mixture's experts over its replicas (expert parallelism: each token sent to its experts'
+    replicas)."""
 
     def __init__(self, network: torch.nn.Module, loss_fn: Any, micro_batches: int, split_points: Sequence[str],
                  schedule: str = "1f1b", gradients_mean: bool = True, virtual_stages: int = 1,
                  reduction: str = "mean", grads: str = "full", zero: str | None = None, tp: int = 1,
-                 tensor_parallel: dict | None = None, cp: int = 1, cp_algo: str = "all_gather"):
+                 tensor_parallel: dict | None = None, cp: int = 1, cp_algo: str = "all_gather", ep: int = 1):
         if not dist.is_initialized():
             raise ConfigError("pipeline parallel needs the cluster: call autopar.communication.init() first")
         if reduction not in ("mean", "sum") or grads not in ("full", "stage"):
@@ -110,14 +112,16 @@ class PipelineParallel:
             raise ConfigError(f"PipelineParallel tensor_parallel names '{unknown[0]}', which is not a module of the "
                               "network")
         marked = [n for n, m in names.items() if getattr(m, "_autopar_experts", False)]
-        if marked:  # autopar.shard(model, {"*.experts": "expert"}), made for the layout modes
-            warnings.warn(f"autopar: expert parallelism (marked on '{marked[0]}') is not run inside pipeline stages "
-                          "yet: a stage's experts run whole on each of its ranks", stacklevel=user_stacklevel())
+        if marked and ep == 1:  # autopar.shard(model, {"*.experts": "expert"}), made for the layout modes
+            warnings.warn(f"autopar: expert parallelism marked on '{marked[0]}' is the layout modes'; here each "
+                          "stage's experts run whole on each of its ranks (inside pipeline stages it is "
+                          "PipelineParallel(..., grads='stage', ep=N): the experts spread over a stage's replicas)",
+                          stacklevel=user_stacklevel())
         experts = [n for n in self.tensor_plan if stacked_experts(names[n])]
         if experts:
             raise ConfigError(f"PipelineParallel tensor_parallel names '{experts[0]}', a module of stacked experts: "
-                              "inside pipeline stages a mixture's experts run whole on each rank (expert parallelism "
-                              "there is not run yet); split the projections around them")
+                              "a tensor split does not split experts; spread them over the stage's replicas with "
+                              "ep=N, and split the projections around them")
         self.split_points = list(split_points)
         self.schedule_name = schedule
         self.gradients_mean = gradients_mean
@@ -128,6 +132,7 @@ class PipelineParallel:
                               f"rank(s) of a pipeline stage ({world} ranks over {self.num_stages} stages)")
         self.pp_group, self.dp_group, self.stage_index, self.replica = _groups(self.num_stages, self.tp, self.cp)
         self.replicas = world // self.num_stages // inner
+        self.ep = layout.expert_plan(ep, grads, self.replicas, self.zero, self.tp, self.cp)
         self._schedule = None
         self.stage_module: torch.nn.Module | None = None
         self._pieces: dict = {}
@@ -194,6 +199,8 @@ class PipelineParallel:
             inner = tuple(name for name, n in (("cp", self.cp), ("tp", self.tp)) if n > 1)
             layout.split_over_tensor_group(modules, self.network, self._sharded, mesh[inner], self.tensor_plan,
                                            self.cp_algo if self.cp > 1 else None)
+        if self.ep > 1:  # the experts spread over the stage's replicas
+            layout.spread_experts(modules, self.network, self._sharded, mesh["dp"])
         if self.zero is not None:  # (after the tensor split: FSDP2 shards the split weights over the replicas)
             layout.shard_over_replicas(modules, self.network, self._sharded, mesh["dp"], self.zero,
                                        self.gradients_mean)
@@ -240,7 +247,9 @@ class PipelineParallel:
         if self.replicas == 1:
             return "each stage's its own (one replica a stage: nothing to sum)"
         how = "reduce-scattered into ZeRO's shards (FSDP2)" if self.zero else "all-reduced"
-        return f"each stage's {how} over its {self.replicas} replicas after the last micro-batch"
+        spread = (f"; its experts spread over its {self.replicas} replicas (each rank's experts' gradients its "
+                  "own)") if self.ep > 1 else ""
+        return f"each stage's {how} over its {self.replicas} replicas after the last micro-batch" + spread
 
     def _training(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
         """The parameter that trains for the network's ``param``: its ZeRO shard, or itself."""
@@ -324,8 +333,12 @@ class PipelineParallel:
                     p.grad = g
         else:  # this stage's gradients over its replicas; a weight tied across stages over the stages holding it
             mine = [p for p in self.stage_module.parameters() if p.grad is not None]
+            spread = [p for p in mine if getattr(p, "_autopar_spread", False)]  # (whole over the group's tokens)
+            mine = [p for p in mine if not getattr(p, "_autopar_spread", False)]
             if self.replicas > 1 and self.zero is None:  # (ZeRO's shards: FSDP2 reduce-scattered them)
                 reduce_now([layout.local(p.grad) for p in mine], self.dp_group, replicas, into=True)
+            for p in spread:  # the replicas' mean, as the others' (their losses' gradients were summed there)
+                layout.local(p.grad).mul_(replicas)
             tied = [self._training(p) for p in self._tied_parameters()]
             if tied:  # (sharded alike on every stage that holds one: the local slices line up)
                 grads = [layout.local(p.grad) if p.grad is not None else torch.zeros_like(layout.local(p))

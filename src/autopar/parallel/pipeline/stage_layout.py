@@ -52,6 +52,39 @@ def shard_over_replicas(pieces: list, network: torch.nn.Module, sharded: dict, m
             old.data = torch.empty(0, dtype=old.dtype, device=old.device)  # its memory: the shard's now
 
 
+def spread_experts(pieces: list, network: torch.nn.Module, sharded: dict, mesh) -> None:
+    """Expert parallelism inside the stage (Megatron-LM's EP under PP, folded over the data-parallel ranks): each
+    module of stacked experts in this rank's pieces keeps ``experts / ep`` of its experts -- its weights split on
+    the expert dimension over the stage's replicas (``mesh``, their ``dp`` axis), marked ``_autopar_spread`` -- and
+    its operator (:mod:`.opaque_experts`) sends each token to the replicas holding its experts. Each rank's experts'
+    gradients are whole over the group's tokens, so the runner does not sum them over the replicas."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from autopar.layout.leaves import stacked_experts
+
+    remap_before_steps()
+    own = dict(network.named_parameters(remove_duplicate=False))
+    # (found before any weight gives its memory up: a module half given up no longer looks stacked)
+    experts = {name for name, module in network.named_modules() if stacked_experts(module)}
+    for piece in pieces:
+        for name, whole in list(piece.graph_module.named_parameters(remove_duplicate=False)):
+            owner, _, attr = name.rpartition(".")
+            if owner not in experts:
+                continue
+            if whole.shape[0] % mesh.size():
+                raise ConfigError(f"ep={mesh.size()}: module '{owner}' has {whole.shape[0]} experts, which the "
+                                  f"{mesh.size()} replicas of its stage do not divide")
+            split = torch.nn.Parameter(distribute_tensor(whole.detach().clone(), mesh, [Shard(0)]),
+                                       requires_grad=whole.requires_grad)
+            split._autopar_spread = True
+            piece.graph_module.get_submodule(owner)._parameters[attr] = split
+            old = own.get(name)
+            if old is not None and id(old) not in sharded:
+                sharded[id(old)] = (old, split)
+                replaced.record(old, split)
+                old.data = torch.empty(0, dtype=old.dtype, device=old.device)
+
+
 def split_over_tensor_group(pieces: list, network: torch.nn.Module, sharded: dict, mesh, plan: dict,
                             context: str | None = None) -> None:
     """Tensor parallelism inside the stage, as Megatron-LM and torchtitan compose it with pipelines: the weights
@@ -139,6 +172,28 @@ def check_sequence_divides(example: tuple, cp: int) -> None:
             raise ConfigError(f"PipelineParallel cp={cp} splits the sequence (dimension 1) of every input: a "
                               f"micro-batch of shape {tuple(t.shape)} does not split into {cp} equal slices (pad "
                               f"the sequence to a multiple of {cp})")
+
+
+def expert_plan(ep, grads: str, replicas: int, zero: str | None, tp: int, cp: int) -> int:
+    """``PipelineParallel(ep=...)``, checked in one line: expert parallelism over the stage's replicas -- all of
+    them (each holding experts / ep), beside data parallel only (not with ZeRO, a tensor or a context split of the
+    stage yet)."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ConfigError(f"PipelineParallel ep must be a positive number of ranks, got {ep!r}")
+    if ep == 1:
+        return 1
+    if grads != "stage":
+        raise ConfigError(f"PipelineParallel ep={ep} spreads a stage's experts over its replicas, which needs "
+                          "grads='stage' (with 'full' every rank steps every parameter)")
+    if ep != replicas:
+        raise ConfigError(f"PipelineParallel ep={ep}: a stage's experts spread over all its {replicas} "
+                          f"data-parallel replica(s) -- give ep={replicas}" + (
+                              "" if ep > replicas else f" (over groups of {ep} of them is not run yet)"))
+    beside = [what for what, on in (("zero", zero is not None), (f"tp={tp}", tp > 1), (f"cp={cp}", cp > 1)) if on]
+    if beside:
+        raise ConfigError(f"PipelineParallel ep={ep} beside {' and '.join(beside)} is not run yet: expert "
+                          "parallelism inside the stages runs beside data parallel only")
+    return ep
 
 
 def zero_level(zero: str | None, grads: str) -> str | None:

@@ -130,14 +130,6 @@ def run(module: torch.nn.Module, forward, hidden_states, top_k_index, top_k_weig
 def _local_experts(module, forward, h, index, weights, start: int, *args, **kwargs) -> torch.Tensor:
     """The module's ``forward`` over tokens ``h`` with this rank's experts ``[start, start + per)`` only: a token's
     choice of another rank's expert takes the "no expert" slot with weight zero."""
-    experts = module.num_experts
-    per = experts // degree_of(module)
-    mine = (index >= start) & (index < start + per)
-    local = torch.where(mine, index - start, torch.full_like(index, per))
-    # another rank's expert adds nothing here whatever the implementation does with the "no expert" slot
-    # (transformers' grouped_mm leaves those rows unwritten): its weight is zero, and transformers is told that
-    # its experts are split (_is_expert_parallel)
-    weights = weights.masked_fill(~mine, 0)
     stacked = {attr: p for attr, p in module._parameters.items() if isinstance(p, DTensor)}
     mine_only = {}
     for attr, p in stacked.items():
@@ -146,6 +138,21 @@ def _local_experts(module, forward, h, index, weights, start: int, *args, **kwar
         target = tuple(expert_layout(attr, module, p).placements())
         at = p if tuple(p.placements) == target else p.redistribute(p.device_mesh, target)
         mine_only[attr] = at.to_local(grad_placements=[Partial() if isinstance(q, Replicate) else q for q in target])
+    return experts_holding(module, forward, mine_only, module.num_experts // degree_of(module), h, index, weights,
+                           start, *args, **kwargs)
+
+
+def experts_holding(module, forward, mine_only: dict, per: int, h, index, weights, start: int, *args,
+                    **kwargs) -> torch.Tensor:
+    """The module's ``forward`` over tokens ``h`` with only the ``per`` experts ``[start, start + per)`` whose
+    weights ``mine_only`` (attribute -> local tensor) holds: a token's choice of another rank's expert takes the "no
+    expert" slot with weight zero."""
+    mine = (index >= start) & (index < start + per)
+    local = torch.where(mine, index - start, torch.full_like(index, per))
+    # another rank's expert adds nothing here whatever the implementation does with the "no expert" slot
+    # (transformers' grouped_mm leaves those rows unwritten): its weight is zero, and transformers is told that
+    # its experts are split (_is_expert_parallel)
+    weights = weights.masked_fill(~mine, 0)
     with holding_experts(module, mine_only, per):
         out = forward(module, h, local, weights, *args, **kwargs)
         if torch.is_grad_enabled() and not out.requires_grad:
@@ -182,6 +189,16 @@ def _dispatched(module, forward, hidden: DTensor, top_k_index: DTensor, top_k_we
     mesh = world_mesh()
     h, index, weights = (_tokens_split(t, mesh).to_local() for t in (hidden, top_k_index, top_k_weights))
     per = module.num_experts // ep
+    local = exchanged(h, index, weights, group, ep, per, lambda h_in, index_in, weights_in: _local_experts(
+        module, forward, h_in, index_in, weights_in, start, *args, **kwargs))
+    return _as_hidden(local, hidden, mesh)
+
+
+def exchanged(h: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, group, ep: int, per: int,
+              experts) -> torch.Tensor:
+    """:func:`_dispatched` on this rank's local tokens ``h`` and their routing, over an expert-parallel ``group``
+    of ``ep`` ranks holding ``per`` experts each: ``experts(tokens, routing, weights)`` runs this rank's on what it
+    receives; the tokens' summed results come back. Differentiable (the all-to-alls' backward is the mirror)."""
     owner = torch.where(index < ep * per, index // per, torch.full_like(index, ep))  # (dropped: no rank)
     picks = [(owner == d).any(-1).nonzero().squeeze(-1) for d in range(ep)]
     sent = [len(p) for p in picks]
@@ -202,7 +219,5 @@ def _dispatched(module, forward, hidden: DTensor, top_k_index: DTensor, top_k_we
         index_in = exchange(index[order], received, sent, grad=False)
     h_in = exchange(h[order], received, sent)
     weights_in = exchange(weights[order], received, sent, grad=weights.requires_grad)
-    out = _local_experts(module, forward, h_in, index_in, weights_in, start, *args, **kwargs)
-    back = exchange(out, sent, received)
-    local = torch.zeros_like(h, dtype=back.dtype).index_add(0, order, back)
-    return _as_hidden(local, hidden, mesh)
+    back = exchange(experts(h_in, index_in, weights_in), sent, received)
+    return torch.zeros_like(h, dtype=back.dtype).index_add(0, order, back)
