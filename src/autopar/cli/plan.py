@@ -34,7 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq", type=int, default=None, help="sequence length (transformer: 128, gpt: 2048)")
     g = p.add_argument_group("gpt on a cluster")
     g.add_argument("--size", default=None, help="a preset: 1.3b, 13b, 175b (GPT-3), llama3-8b, llama3-70b; mixtures "
-                   "of experts qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b, mixtral-8x22b")
+                   "of experts qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b, mixtral-8x22b, deepseek-v3, kimi-k2, "
+                   "moonlight-16b-a3b, gpt-oss-120b, gpt-oss-20b")
     g.add_argument("--hidden", type=int, default=None, help="gpt hidden size")
     g.add_argument("--heads", type=int, default=None, help="gpt attention heads (default hidden / 128)")
     g.add_argument("--vocab", type=int, default=None, help="vocabulary (gpt: 51200, llama: 128256)")
@@ -44,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="each attention head's width where heads x head-dim is not the hidden size (Qwen3: 128)")
     g.add_argument("--experts", type=int, default=None,
                    help="llama: a mixture of experts -- every layer's MLP this many SwiGLU experts (Qwen3-MoE, "
-                        "Mixtral; presets qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b, mixtral-8x22b)")
+                        "Mixtral; the mixture presets of --size)")
     g.add_argument("--top-k", type=int, default=None, help="experts each token is routed to (default 2)")
     g.add_argument("--expert-ffn", type=int, default=None, help="each expert's feed-forward size (default --ffn)")
     g.add_argument("--ep", type=int, default=None,

@@ -51,8 +51,21 @@ def _(key, hidden, index, weights, params):
 
 def _setup(ctx, inputs, output) -> None:
     key, hidden, index, weights, params = inputs
-    ctx.key, ctx.params = key, len(params)
+    ctx.key = key
     ctx.save_for_backward(hidden, index, weights, *params)
+
+
+def _again(ctx, run, hidden, weights, params: list, grad) -> list:
+    """The gradients of the tokens, the routing weights and ``params`` (None where not asked): ``run(hidden,
+    weights, params)`` -- the experts' forward -- again under autograd, differentiated against ``grad``."""
+    wanted = [ctx.needs_input_grad[1], ctx.needs_input_grad[3]]
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(w) for t, w in zip((hidden, weights), wanted)]
+        own = [p.detach().requires_grad_(True) for p in params]
+        out = run(leaves[0], leaves[1], own)
+        asked = [t for t in (*leaves, *own) if t.requires_grad]
+        got = iter(torch.autograd.grad(out, asked, grad, allow_unused=True))
+    return [next(got) if t.requires_grad else None for t in (*leaves, *own)]
 
 
 def _backward(ctx, grad):
@@ -64,14 +77,7 @@ def _backward(ctx, grad):
     tokens = _token_placements(saved[0], saved[1], saved[2]) if mesh is not None else None
     hidden, index, weights = (_local(t, tokens) for t in saved[:3])
     params, grad = [_local(p, None) for p in saved[3:]], _local(grad, tokens)
-    wanted = [ctx.needs_input_grad[1], ctx.needs_input_grad[3]]
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(w) for t, w in zip((hidden, weights), wanted)]
-        own = [p.detach().requires_grad_(True) for p in params]
-        out = _run(ctx.key, leaves[0], index, leaves[1], own)
-        asked = [t for t in (*leaves, *own) if t.requires_grad]
-        got = iter(torch.autograd.grad(out, asked, grad, allow_unused=True))
-    grads = [next(got) if t.requires_grad else None for t in (*leaves, *own)]
+    grads = _again(ctx, lambda h, w, own: _run(ctx.key, h, index, w, own), hidden, weights, params, grad)
     if mesh is not None:  # a laid-out stage's: the tokens' gradients placed as the tokens, the weights' summed over
         # the ranks whose tokens they saw (partial where the tokens are split, replicated where they are not)
         weight = [Partial() if p.is_shard() else Replicate() for p in tokens]
@@ -126,18 +132,13 @@ def _expert_parallel_backward(ctx, grad, saved, mesh):
     -- and its gradients; the experts' weights' placed as the weights (each rank's experts' own, whole over the
     group's tokens)."""
     hidden, index, weights = saved[:3]
-    wanted = [ctx.needs_input_grad[1], ctx.needs_input_grad[3]]
+    local = [p.to_local() for p in saved[3:]]
     if is_fake(hidden):  # a dry run's (the forward's reason): gradients of the inputs' sizes
-        grads = [torch.zeros_like(t) if w else None for t, w in zip((hidden, weights), wanted)] + [
-            torch.zeros_like(p.to_local()) for p in saved[3:]]
+        grads = [torch.zeros_like(t) if ctx.needs_input_grad[i] else None
+                 for t, i in ((hidden, 1), (weights, 3))] + [torch.zeros_like(p) for p in local]
     else:
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(w) for t, w in zip((hidden, weights), wanted)]
-            own = [p.to_local().detach().requires_grad_(True) for p in saved[3:]]
-            out = _expert_parallel(ctx.key, leaves[0], index, leaves[1], own, mesh)
-            asked = [t for t in (*leaves, *own) if t.requires_grad]
-            got = iter(torch.autograd.grad(out, asked, grad, allow_unused=True))
-        grads = [next(got) if t.requires_grad else None for t in (*leaves, *own)]
+        grads = _again(ctx, lambda h, w, own: _expert_parallel(ctx.key, h, index, w, own, mesh), hidden, weights,
+                       local, grad)
     placed = [None if g is None else DTensor.from_local(g, mesh, p.placements, run_check=False)
               for g, p in zip(grads[2:], saved[3:])]
     return None, grads[0], None, grads[1], placed

@@ -271,15 +271,13 @@ class MeshPlan:
                 f"{k} {v / gib:.1f}" for k, v in c.memory_parts.items()),
         ]
         layer = self.planner.layer(c.t, c.b, c.cp, c.sp, c.ep)
-        if cfg.moe and c.ep == 1:
-            lines.append(f"experts: all {cfg.experts} on every rank (no expert parallelism; their gradients over "
-                         f"{c.expert_replicas} replica{'s' if c.expert_replicas > 1 else ''}), each token to "
-                         f"{cfg.experts_chosen}")
-        elif cfg.moe:
-            lines.append(f"experts: {cfg.experts // c.ep} of the {cfg.experts} a rank (expert parallelism over "
-                         f"{c.ep} ranks, their gradients over {c.expert_replicas} replica"
-                         f"{'s' if c.expert_replicas > 1 else ''}), each token to {cfg.experts_chosen}, dispatched "
-                         f"by {self.planner.dispatcher}"
+        if cfg.moe:
+            grads = f"their gradients over {c.expert_replicas} replica{'s' if c.expert_replicas > 1 else ''}"
+            lines.append(f"experts: all {cfg.experts} on every rank (no expert parallelism; {grads}), each token to "
+                         f"{cfg.experts_chosen}" if c.ep == 1 else
+                         f"experts: {cfg.experts // c.ep} of the {cfg.experts} a rank (expert parallelism over {c.ep} "
+                         f"ranks, {grads}), each token to {cfg.experts_chosen}, dispatched by "
+                         f"{self.planner.dispatcher}"
                          + (" overlapped with another micro-batch" if self.planner.ep_overlap else "")
                          + f"; all-to-alls exposed: {layer.dispatch * 1e3:.2f} ms a layer and micro-batch")
         if c.cp > 1:
@@ -303,13 +301,7 @@ class MeshPlan:
         lines += [
             "",
             f"one decoder layer on a tensor group of {c.t}, micro-batch {c.b}"
-            + (f" of {cfg.seq // c.cp} tokens a sequence" if c.cp > 1 else "")
-            + (" (the stages costed at the model's average layer: " + ", ".join(
-                what for what, where in ((f"{cfg.dense_layers} of {cfg.layers} dense", cfg.dense_layers),
-                                         (f"{cfg.windowed_layers} of {cfg.layers} windowed", cfg.sliding_window
-                                          and cfg.windowed_layers < cfg.layers)) if where) + "; the rows a "
-               + ("mixture's" if cfg.moe else "full attention's") + "):" if cfg.dense_layers or (
-                   cfg.sliding_window and cfg.windowed_layers < cfg.layers) else " (every layer the same):"),
+            + (f" of {cfg.seq // c.cp} tokens a sequence" if c.cp > 1 else "") + _layer_kinds(cfg),
         ]
         lines += _table(layer.rows())
         lines.append("output head and loss on the last stage:")
@@ -322,6 +314,18 @@ class MeshPlan:
             lines.append(f"  {r.mesh():<24} {r.b:>5} {r.m:>5} {r.zero:>4} {r.recompute_name[:9]:>9} "
                          f"{r.bubble:>7.1%} {r.step:>8.3f} {r.memory / gib:>6.1f} {self.mfu(r):>6.1%}")
         return "\n".join(lines)
+
+
+def _layer_kinds(cfg: GPTConfig) -> str:
+    """How the one layer shown stands for the model's: all alike, or their average where they differ."""
+    differ = [what for what, n in (("dense", cfg.dense_layers if cfg.moe else 0),
+                                   ("windowed", cfg.windowed_layers if cfg.windowed_layers < cfg.layers else 0)) if n]
+    if not differ:
+        return " (every layer the same):"
+    counts = {"dense": cfg.dense_layers, "windowed": cfg.windowed_layers}
+    return (" (the stages costed at the model's average layer: " + ", ".join(
+        f"{counts[what]} of {cfg.layers} {what}" for what in differ) + "; the rows a "
+        + ("mixture's" if cfg.moe else "full attention's") + "):")
 
 
 def _table(rows: list[tuple]) -> list[str]:
@@ -369,22 +373,19 @@ def evaluate(planner: LayerPlanner, k: Candidate) -> None:
     # ZeRO over the data-parallel replicas of a context group (autopar's runtime inside stages): those ranks lie
     # t x cp apart, the context group's copies t apart; otherwise the shard groups are consecutive, t apart
     by_replica = bool(k.zero) and k.cp > 1 and shard == k.d < replicas
-    dp = data_parallel_sync(spec, k.zero, k.m, stage_params * itemsize, layer.param_count * itemsize, per_stage,
-                            micro, shard if k.zero else replicas, k.t * k.cp if by_replica else k.t,
-                            staged=k.p > 1, itemsize=itemsize, forward_share=layer.forward / layer_time,
-                            groups=replicas // shard if k.zero else 1, groups_stride=k.t if by_replica else None)
+    def dense_sync(hiding: float) -> float:  # the rest's, behind a micro-batch of ``hiding`` seconds
+        return data_parallel_sync(spec, k.zero, k.m, stage_params * itemsize, layer.param_count * itemsize,
+                                  per_stage, hiding, shard if k.zero else replicas, k.t * k.cp if by_replica else k.t,
+                                  staged=k.p > 1, itemsize=itemsize, forward_share=layer.forward / layer_time,
+                                  groups=replicas // shard if k.zero else 1, groups_stride=k.t if by_replica else None)
+
+    dp = dense_sync(micro)
     # a mixture's experts: synchronised and ZeRO-sharded over the expert-data-parallel ranks (``ep`` apart, the
     # expert-parallel groups being consecutive), in the same backward as the rest -- with what the rest's
     # collectives left of the time that hides them (a micro-batch's, every micro-batch's under ZeRO-2/3)
     experts = per_stage * layer.expert_param_count
     if experts and k.expert_replicas > 1:
-        exposed = data_parallel_sync(spec, k.zero, k.m, stage_params * itemsize, layer.param_count * itemsize,
-                                     per_stage, 0.0, shard if k.zero else replicas,
-                                     k.t * k.cp if by_replica else k.t, staged=k.p > 1, itemsize=itemsize,
-                                     forward_share=layer.forward / layer_time,
-                                     groups=replicas // shard if k.zero else 1,
-                                     groups_stride=k.t if by_replica else None)
-        hidden = max(0.0, exposed - dp) / (k.m if k.zero >= 2 else 1)
+        hidden = max(0.0, dense_sync(0.0) - dp) / (k.m if k.zero >= 2 else 1)
         dp += data_parallel_sync(spec, k.zero, k.m, experts * itemsize, layer.expert_param_count * itemsize,
                                  per_stage, max(0.0, micro - hidden), k.expert_replicas, k.ep, staged=k.p > 1,
                                  itemsize=itemsize, forward_share=layer.forward / layer_time)
