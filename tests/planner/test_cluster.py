@@ -619,10 +619,12 @@ def test_context_parallelism_splits_the_sequence_and_passes_keys_and_values_roun
     planner = LayerPlanner(cfg, h100, "bf16")
     one, four = planner.layer(1, 1), planner.layer(1, 1, 4)
     assert four.activation_bytes == pytest.approx(one.activation_bytes / 4, rel=0.01)
-    assert four.time == pytest.approx(one.time / 4, rel=0.05) and four.context_ring == 0.0
+    # the ring hides behind the attention: it shows only as the attention it slows (collectives.behind)
+    assert four.time == pytest.approx(one.time / 4, rel=0.05) and 0.0 < four.context_ring < 0.01 * four.time
     slow = dataclasses.replace(h100, inter=dataclasses.replace(h100.inter, bandwidth=h100.inter.bandwidth / 1000))
     # a ring across nodes (tp 8 fills a node) on a network 1,000x slower shows
-    assert LayerPlanner(cfg, slow, "bf16").layer(8, 1, 4).context_ring > 0.0 == planner.layer(8, 1, 4).context_ring
+    hidden = planner.layer(8, 1, 4)
+    assert LayerPlanner(cfg, slow, "bf16").layer(8, 1, 4).context_ring > 100 * hidden.context_ring > 0.0
     plan = plan_gpt(cfg, h100, 64, 16, fixed={"cp": 4, "tp": 2, "pp": 1, "zero": 3, "micro_batch": 1})
     k = plan.best
     assert (k.d, k.cp, k.t) == (8, 4, 2) and k.mesh() == "dp 8 x cp 4 x tp 2 x pp 1"
@@ -631,9 +633,12 @@ def test_context_parallelism_splits_the_sequence_and_passes_keys_and_values_roun
     assert plan.to_dict()["configuration"]["cp"] == 4 and plan.to_dict()["not_run_by_autopar"] == []
     # ZeRO-3 shards over the 32 replicas, not the 8 data-parallel ones
     assert k.memory_parts["weights+grads+optimizer"] < 16 * cfg.parameters / 16 / 2
-    # --cp 1 keeps the sequence whole; sequence parallelism the search weighs, and takes for the tensor group of 8
+    # --cp 1 keeps the sequence whole; sequence parallelism the search weighs: for the tensor group of 8 it ties
+    # with the whole sequence on time (within 1 %) and holds 30 % less
     ranked = plan_gpt(cfg, h100, 64, 16, fixed={"tp": 8, "cp": 1}).ranked
-    assert all(c.cp == 1 for c in ranked) and ranked[0].sp and any(not c.sp for c in ranked)
+    with_sp = next(c for c in ranked if c.sp)
+    assert all(c.cp == 1 for c in ranked) and any(not c.sp for c in ranked)
+    assert with_sp.step < 1.01 * ranked[0].step and with_sp.memory < 0.75 * ranked[0].memory
 
 
 def test_the_search_weighs_context_parallelism_for_long_sequences_as_autopar_runs_it():

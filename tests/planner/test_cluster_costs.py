@@ -10,6 +10,7 @@ import pytest
 from autopar.cli.main import main as cli
 from autopar.errors import ConfigError
 from autopar.planner.cluster import load_cluster, parse_cluster, plan_gpt
+from autopar.planner.cluster.collectives import OVERLAP_SLOWDOWN, behind
 from autopar.planner.cluster.kernels import LOSS_TRAFFIC_BYTES_PER_LOGIT
 from autopar.planner.cluster.layers import LayerPlanner
 from autopar.planner.cluster.memory import REDUCE_BYTES
@@ -88,19 +89,22 @@ def test_flash2_is_slower_where_attention_dominates_on_hopper_only():
 # ------------------------------------------------------------------------------------------ tensor parallelism
 def test_megatron_tensor_parallel_hides_the_backward_collectives_behind_their_gemms():
     """Sequence parallelism: the input's gather, the output's scatter and its gradient's gather are exposed; the
-    input gradient's scatter and the second gather run under the column-split GEMMs of the backward."""
+    input gradient's scatter and the second gather run under the column-split GEMMs of the backward, which they
+    slow while they share the GPU."""
     machine = H100.group_machine(8, 1, "bf16")
     from autopar.planner.cluster.tensor import GemmTimes
     x = 8192 * 8192 * 2.0
     ag, rs = machine.collective("all_gather", x, 8), machine.collective("reduce_scatter", x, 8)
     slow = GemmTimes(1.0, 1.0, 1.0)  # GEMMs long enough to hide anything
     col, row = block_seconds(machine, 8, x, slow, slow, sp=True)
-    assert col == pytest.approx(ag) and row == pytest.approx(rs + ag)
+    shared = OVERLAP_SLOWDOWN / (1 + OVERLAP_SLOWDOWN)
+    assert col == pytest.approx(ag + shared * (rs + ag)) and row == pytest.approx(rs + ag)
     fast = GemmTimes(0.0, 0.0, 0.0)
     col, _ = block_seconds(machine, 8, x, fast, fast, sp=True)
     assert col == pytest.approx(ag + rs + ag)
-    ar = machine.collective("all_reduce", x, 8)  # without sequence parallelism: the forward's all-reduce only
-    assert block_seconds(machine, 8, x, slow, slow, sp=False) == pytest.approx((0.0, ar))
+    ar = machine.collective("all_reduce", x, 8)  # without sequence parallelism: the forward's all-reduce exposed,
+    # the backward's hidden
+    assert block_seconds(machine, 8, x, slow, slow, sp=False) == pytest.approx((shared * ar, ar))
 
 
 def test_a_fused_input_is_gathered_once_and_the_loss_is_vocabulary_parallel():
@@ -115,7 +119,7 @@ def test_a_fused_input_is_gathered_once_and_the_loss_is_vocabulary_parallel():
     assert layer.tp_comm["q"] < 1.5 * ag
     head = planner.head(4, 1, 1, True)
     logits = 8192 * 128256 * 2.0
-    assert head.tp_comm["out"] < 0.1 * machine.collective("all_gather", logits, 4)
+    assert head.tp_comm["out"] < 2 * ag < 0.2 * machine.collective("all_gather", logits, 4)
 
 
 def test_the_cross_entropy_streams_its_logits_through_memory():
@@ -160,7 +164,25 @@ def test_zero1_hides_its_gathers_under_the_next_forward_one_layer_exposed():
     one = plan_gpt(cfg, H100, 48, 192, fixed={"tp": 1, "pp": 1, "zero": 1, "micro_batch": 4}).best
     whole = 1.5e9 * 2  # the weights' all-gather alone, were it exposed
     ag = H100.for_devices(48).collective("all_gather", whole, 48)[0]
-    assert one.parts["data-parallel sync"] < 0.25 * ag
+    rs = H100.for_devices(48).collective("reduce_scatter", 2 * whole, 48)[0]  # the fp32 gradients
+    # the rest, hidden, shows only as the compute it slows while it runs
+    assert one.parts["data-parallel sync"] < 0.25 * ag + OVERLAP_SLOWDOWN / (1 + OVERLAP_SLOWDOWN) * (ag + rs)
+
+
+def test_a_hidden_collective_slows_the_compute_it_runs_beside():
+    """Compute beside an NCCL collective runs 18.9 % slower (Lee et al. 2025): a collective under a longer window
+    costs that share of its own time, one longer than its window also what sticks out; this host's calibrated
+    figures carry no such term (its measured steps hold their own)."""
+    s = H100.overlap_slowdown
+    assert s == OVERLAP_SLOWDOWN == 0.189
+    assert behind(1.0, 0.0, s) == 1.0
+    assert behind(1.0, 10.0, s) == pytest.approx(0.189 / 1.189)
+    assert behind(3.0, 1.0, s) == pytest.approx(2.0 + 0.189 / 1.189)
+    assert behind(1.0, 10.0, 0.0) == 0.0
+    from autopar.planner.cluster import ClusterSpec
+    from autopar.planner.machine import MachineModel
+    host = ClusterSpec.from_machine_model(MachineModel(device_num=2), 2)
+    assert host.overlap_slowdown == 0.0
 
 
 def test_fsdp_holds_a_layers_unsharded_gradient_and_its_fp32_copy():

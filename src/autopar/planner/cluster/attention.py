@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from autopar.planner.cluster.collectives import behind
 from autopar.planner.cluster.spec import ClusterSpec
 from autopar.planner.costs import forward_backward_passes, nbytes
 
@@ -14,7 +15,8 @@ def with_context_parallel(plan, cp: int, spec: ClusterSpec):
     ``cp`` times the work of the local block (with causal load balancing -- two mirrored chunks a device -- every
     device does ``1/cp`` of the whole), while the key/value blocks travel ``cp - 1`` hops round the group, ``t``
     ranks apart, in the forward, and the keys/values with their gradients (twice the bytes) in the backward. Each
-    hop overlaps the attention of the block in hand, so only a ring slower than the attention shows."""
+    hop overlaps the attention of the block in hand, so only a ring slower than the attention shows, and the
+    attention it slows while they share the GPU (``collectives.behind``)."""
     if cp == 1:
         return plan
     extra = extra_forward = exposed = 0.0
@@ -28,7 +30,8 @@ def with_context_parallel(plan, cp: int, spec: ClusterSpec):
         extra += (cp - 1) * attention
         passes = forward_backward_passes(node)
         extra_forward += (cp - 1) * attention / passes
-        exposed += max(0.0, ring - cp * attention / passes) + max(0.0, 2 * ring - cp * attention * (passes - 1) / passes)
+        exposed += behind(ring, cp * attention / passes, spec.overlap_slowdown) + behind(
+            2 * ring, cp * attention * (passes - 1) / passes, spec.overlap_slowdown)
     return dataclasses.replace(plan, time=plan.time + extra + exposed, forward=plan.forward + extra_forward,
                                context_ring=exposed)
 

@@ -19,6 +19,23 @@ from autopar.planner.machine import RING
 # hops are the presets' link latencies (hwLat Ring LL128: NVLink 1.9 us, network 4.0 us)
 NCCL_BASE_LATENCY = {"LL128": 14.0e-6, "Simple": 8.4e-6}
 NCCL_SIMPLE_HOP = {"intra": 3.4e-6, "inter": 14.0e-6}
+# How much slower compute runs while a collective runs beside it: NCCL's kernels hold SMs and move each byte through
+# HBM two or three times ("300GB/s needs to be multiplied by at least 2x for memory bandwidth", NCCL's maintainers,
+# NVIDIA/nccl#1428), so a GEMM, an attention kernel or an element-wise kernel overlapped with a collective takes
+# longer than alone. Measured, not fitted: 18.9 % on average over the overlapped compute of GPT and Llama training
+# steps on 4 A100 and 4 H100 (Lee et al. 2025, "Characterizing Compute-Communication Overlap in GPU-Accelerated
+# Distributed Deep Learning", arXiv 2507.03114, abstract: "an average computational slowdown of 18.9%, with a
+# maximum of 40.0%")
+OVERLAP_SLOWDOWN = 0.189
+
+
+def behind(comm: float, window: float, slowdown: float) -> float:
+    """Seconds a collective of ``comm`` seconds adds to a step when launched under ``window`` seconds of compute:
+    what sticks out past the compute, and the compute it slows while the two run together (``slowdown``, the
+    cluster's ``overlap_slowdown``: during the ``min(comm, window)`` seconds they share, the compute gets through
+    1 / (1 + slowdown) of its work)."""
+    shared = max(0.0, min(comm, window))
+    return max(0.0, comm - window) + shared * slowdown / (1.0 + slowdown)
 
 
 def placement(spec, size: int, stride: int) -> tuple[int, int]:
@@ -106,20 +123,21 @@ def data_parallel_sync(spec, zero: int, m: int, grads: float, unit: float, layer
     ``groups_stride``: how far apart the groups lie where they are not consecutive (the data-parallel replicas of
     a context group shard a pipeline stage's optimizer in autopar's runtime: ``t x cp`` apart, the groups ``t``)."""
     ar = lambda kind, nbytes: spec.collective(kind, nbytes, replicas, stride)[0]  # noqa: E731
+    hide = lambda comm, window: behind(comm, window, spec.overlap_slowdown)  # noqa: E731
     across = lambda nbytes: spec.collective("all_reduce", nbytes / replicas, groups,
                                             groups_stride or stride * replicas)[0] \
         if groups > 1 else 0.0  # noqa: E731 -- a shard's gradients over the replica groups
     backward_last = micro * (1 - forward_share)
     main = grads / itemsize * MAIN_GRAD_BYTES
     if zero == 0:
-        return max(0.0, ar("all_reduce", main) - backward_last)
+        return hide(ar("all_reduce", main), backward_last)
     if zero == 1:  # Megatron-Core's distributed optimizer with --overlap-grad-reduce --overlap-param-gather: the
         # gradients reduce-scattered a layer's bucket at a time under the last backward, the updated weights
         # gathered a layer at a time under the next step's first forward -- "This overlap method exposes only one
         # DP communication chunk" (NeMo's communication-overlap guide): a layer's
         chunk = unit / itemsize * MAIN_GRAD_BYTES
-        return (max(0.0, ar("reduce_scatter", main) + across(main) - backward_last) + ar("reduce_scatter", chunk)
-                + across(chunk) + max(0.0, ar("all_gather", grads) - micro * forward_share) + ar("all_gather", unit))
+        return (hide(ar("reduce_scatter", main) + across(main), backward_last) + ar("reduce_scatter", chunk)
+                + across(chunk) + hide(ar("all_gather", grads), micro * forward_share) + ar("all_gather", unit))
     rest = max(0.0, grads - layers * unit)  # the embedding and the head: a unit each
     reduced = REDUCE_BYTES / itemsize  # FSDP reduces the gradients in fp32 (memory.REDUCE_BYTES)
     gathers = layers * ar("all_gather", unit) + ar("all_gather", rest)
@@ -128,9 +146,9 @@ def data_parallel_sync(spec, zero: int, m: int, grads: float, unit: float, layer
     exposed = ar("all_gather", unit) + ar("reduce_scatter", unit * reduced) + across(unit * reduced)
     forward, backward = micro * forward_share, micro * (1 - forward_share)
     if staged and zero == 3:
-        return max(0.0, gathers - forward) + max(0.0, scatters - backward) + exposed
+        return hide(gathers, forward) + hide(scatters, backward) + exposed
     if zero == 2:
-        return m * max(0.0, ar("reduce_scatter", grads) + across(grads) - backward) + ar("all_gather", grads)
+        return m * hide(ar("reduce_scatter", grads) + across(grads), backward) + ar("all_gather", grads)
     # each phase hides what it can: the forward's gathers under the forward, the backward's gathers and scatters
     # (a recomputed forward reuses the backward's gather) under the backward
-    return m * (max(0.0, gathers - forward) + max(0.0, gathers + scatters - backward) + exposed)
+    return m * (hide(gathers, forward) + hide(gathers + scatters, backward) + exposed)

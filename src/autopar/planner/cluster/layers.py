@@ -13,6 +13,7 @@ import torch
 
 from autopar.errors import StrategyError
 from autopar.planner.cluster.attention import attention_core, kept_by_core, with_context_parallel
+from autopar.planner.cluster.collectives import behind
 from autopar.planner.cluster.experts import expert_block
 from autopar.planner.cluster.kernels import FUSED_LOSS_TRAFFIC_BYTES_PER_LOGIT, LOSS_TRAFFIC_BYTES_PER_LOGIT
 from autopar.planner.cluster.memory import kept_twice, loss_peak_bytes, whole_on_every_device
@@ -241,7 +242,7 @@ class LayerPlanner:
                              self.itemsize)
         dispatch = block.dispatch
         if self.ep_overlap:  # the all-to-alls under the other micro-batch's attention and experts
-            dispatch = max(0.0, block.dispatch - block.compute - plan.time)
+            dispatch = behind(block.dispatch, block.compute + plan.time, self.spec.overlap_slowdown)
         return dataclasses.replace(
             plan, time=plan.time + block.compute + dispatch, forward=plan.forward + block.forward,
             param_count=plan.param_count + block.router_param_count, expert_param_count=block.param_count,

@@ -33,7 +33,11 @@ def virtual_stages(layers: int, p: int, m: int, pinned: int | None) -> list[int]
         return [pinned] if pinned == 1 or (p > 1 and layers >= p * pinned and m % p == 0) else []
     if p == 1 or m % p:
         return [1]
-    return [v for v in (1, 2, 3, 4, 6, 8, 12, 16) if layers >= p * v]
+    # the usual degrees, and those that cut a stage's layers into equal chunks (80 layers on 4 stages: 5, 10, 20 --
+    # the 5 NeMo's and dgxc's Llama 70B recipes run)
+    per_stage = layers // p
+    even = {v for v in range(2, min(per_stage, 24) + 1) if per_stage % v == 0}
+    return sorted(v for v in {1, 2, 3, 4, 6, 8, 12, 16} | even if layers >= p * v)
 
 
 def stage_sizes(layers: int, parts: int) -> str:

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from autopar.errors import ConfigError
-from autopar.planner.cluster.collectives import collective_seconds, placement
+from autopar.planner.cluster.collectives import OVERLAP_SLOWDOWN, collective_seconds, placement
 from autopar.planner.cluster.kernels import GroupMachine, tile_and_wave_efficiency
 from autopar.planner.machine import MachineModel
 
@@ -84,6 +84,12 @@ class ClusterSpec:
         """The fraction of the measured matmul ceiling a GEMM of ``batch`` x ``m`` x ``n`` outputs reaches
         (kernels.py)."""
         return tile_and_wave_efficiency(self.sms, batch, m, n)
+
+    @property
+    def overlap_slowdown(self) -> float:
+        """How much slower compute runs beside a collective it hides (``collectives.OVERLAP_SLOWDOWN``, measured on
+        NCCL's kernels); none on this host's calibrated figures, whose measured steps hold their own."""
+        return OVERLAP_SLOWDOWN if self.nccl else 0.0
 
     @property
     def devices(self) -> int:

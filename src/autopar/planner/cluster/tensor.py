@@ -21,7 +21,8 @@ block input of ``X`` bytes on a tensor group of ``t`` (Korthikanti et al. 2022, 
   runs -- are predicted within 10 % (``bench/published_heldout.py``, ``bench/published_runs.py``) with the forward
   exposed, where hiding it too put them 8-25 % fast.
 
-A collective hidden behind a GEMM costs ``max(0, collective - GEMM)``. Megatron fuses the projections of one input
+A collective hidden behind a GEMM costs what sticks out past it and the GEMM it slows while they share the GPU
+(``collectives.behind``). Megatron fuses the projections of one input
 into one GEMM, so an input is gathered once however many projections read it; the operator-level search prices a
 gather per consumer, which is why the layer's tensor-parallel communication is priced here, not by it. The
 collectives above are the layer's only ones: the search's prices for moving tensors between its other operators are
@@ -32,6 +33,8 @@ parallelism).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from autopar.planner.cluster.collectives import behind
 
 # Megatron's tensor-parallel layout: the projections into the attention and the MLP split by columns (their
 # outputs), those out of them by rows; the head's vocabulary projection by columns (vocabulary-parallel)
@@ -106,8 +109,8 @@ def block_parts(machine, t: int, nbytes_in: float, col: GemmTimes, row: GemmTime
     """:func:`block_seconds` split into the forward's (column side, row side) and the backward's: a recomputed
     forward runs its collectives again."""
     ag = machine.collective("all_gather", nbytes_in, t)
+    hide = lambda comm, gemm: behind(comm, gemm, machine.spec.overlap_slowdown)  # noqa: E731
     rs = machine.collective("reduce_scatter", nbytes_in, t)
-    hide = lambda comm, gemm: max(0.0, comm - gemm)  # noqa: E731
     if not sp:
         ar = machine.collective("all_reduce", nbytes_in, t)
         return (0.0, ar if row is not None else 0.0), (hide(ar, col.weight_grad), 0.0)
