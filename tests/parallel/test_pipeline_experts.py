@@ -3,10 +3,11 @@ picks its tokens with shapes a trace cannot follow -- each such module is one op
 (``autopar/parallel/pipeline/opaque_experts.py``), run eagerly on the stage's rank. On 4 gloo ranks (2 stages x 2
 ranks a stage), float64, 3 AdamW steps, against one process on the global batch: with ZeRO-1 and ZeRO-3 over a
 stage's replicas, with the experts spread over them (expert parallelism, ``ep=2``: each rank 2 of the 4, each token
-sent to its experts' rank; also with one rank's experts chosen by no token), beside a tensor split of the
+sent to its experts' rank; also with one rank's experts chosen by no token; also beside ZeRO-1 and ZeRO-3, which
+shard the rest of the stage over the same replicas), beside a tensor split of the
 projections around the experts, and beside a context split of the sequence; routing uneven; ZeRO-1's and expert
 parallelism's sliced checkpoints reloaded onto one process. One line each for a tensor plan naming the experts,
-expert parallelism beside ZeRO, over other than all a stage's replicas, or with ``grads="full"``; the layout modes'
+expert parallelism beside a tensor split, over other than all a stage's replicas, or with ``grads="full"``; the layout modes'
 expert parallelism marked on a pipelined network is said. (Hugging Face's
 ``MixtralForCausalLM`` pipelined: tests/models/test_hf_transformers.py.)"""
 import json
@@ -25,18 +26,20 @@ def test_a_mixture_of_experts_trains_exactly_inside_pipeline_stages(procs, tmp_p
         r = json.load(open(tmp_path / f"out.{rank}"))
         assert min(r["routed"]) < 0.6 * max(r["routed"]), r["routed"]  # the router's choices uneven
         assert max(r["routed_idle"][2:]) == 0, r["routed_idle"]  # ep_idle: the second rank's experts take none
-        for case in ("zero1", "zero3", "tp", "cp", "ep", "ep_idle"):
+        for case in ("zero1", "zero3", "tp", "cp", "ep", "ep_idle", "ep_zero1", "ep_zero3"):
             c = r[case]
             assert "error" not in c, (rank, case, c.get("error"), c.get("trace"))
             assert c["stage"] == rank // 2 and c["param_diff"] <= TOL, (rank, case, c)
             assert c["loss_diff"] is None or c["loss_diff"] <= 1e-6, (rank, case, c)  # (reported in float32)
+            if case not in ("tp", "cp"):  # (whose weights are DTensors over the inner group)
+                assert (c["shards"] > 0) == ("zero" in case), (rank, case, c)  # ZeRO shards the rest of the stage
             if case.startswith("ep"):  # each rank 2 of its stage's 4 experts
                 assert c["experts"] and all(shape[0] == 2 for shape in c["experts"].values()), (rank, case, c)
                 assert "experts spread over its 2 replicas" in c["sync"], c["sync"]
             else:
                 assert not c["experts"], (rank, case, c)
-        assert r["zero1"]["sliced_diff"] <= TOL and r["ep"]["sliced_diff"] <= TOL, r
-        for case, text in (("split_experts", "a module of stacked experts"), ("ep_beside_zero", "beside zero is not run"),
+        assert all(r[case]["sliced_diff"] <= TOL for case in ("zero1", "ep", "ep_zero1")), r
+        for case, text in (("split_experts", "a module of stacked experts"), ("ep_beside_tp", "beside tp=2 is not run"),
                            ("ep_uneven", "give ep=2"), ("ep_full", "needs grads='stage'")):
             assert text in r[case] and "\n" not in r[case], (case, r[case])
         assert len(r["marked"]) == 1 and "PipelineParallel(..., grads='stage', ep=N)" in r["marked"][0], r["marked"]

@@ -94,7 +94,7 @@ def test_the_search_weighs_expert_parallelism_where_autopar_runs_it():
     assert len(degrees) > 2 and 16 in degrees  # every divisor of the experts and the ranks
     for c in plan.ranked:
         assert plan.not_run(c) == [], (c.mesh(), plan.not_run(c))
-        assert c.ep == 1 or (c.cp == 1 and c.t == 1 and (c.p == 1 or (c.ep == c.d and c.zero == 0))), c.mesh()
+        assert c.ep == 1 or (c.cp == 1 and c.t == 1 and (c.p == 1 or c.ep == c.d)), c.mesh()
     # pinned as Megatron runs it -- experts over a stage's ranks, sequence-parallel tensor groups -- it plans and says
     # what autopar does not run
     staged = plan_gpt(PRESETS["qwen3-235b-a22b"], H100, 256, 512,
@@ -104,10 +104,11 @@ def test_the_search_weighs_expert_parallelism_where_autopar_runs_it():
     assert any(line.startswith("expert parallelism inside pipeline stages over other than all")
                for line in staged.to_dict()["not_run_by_autopar"])
     # inside pipeline stages autopar runs a mixture's experts whole on each rank, or spread over all a stage's
-    # replicas beside no ZeRO (PipelineParallel(ep=...)): the search weighs both
+    # replicas, beside ZeRO over them or not (PipelineParallel(ep=..., zero=...)): the search weighs each
     free = plan_gpt(PRESETS["qwen3-235b-a22b"], H100, 256, 512).ranked
     assert any(c.p > 1 and c.ep == 1 for c in free) and any(c.p > 1 and c.ep > 1 for c in free)
-    assert all(c.ep in (1, c.d) and (c.ep == 1 or c.zero == 0) for c in free if c.p > 1)
+    assert any(c.p > 1 and c.ep > 1 and c.zero for c in free) and any(c.p > 1 and c.ep > 1 and not c.zero for c in free)
+    assert all(c.ep in (1, c.d) for c in free if c.p > 1)
 
 
 @pytest.mark.parametrize("config, pins, message", [

@@ -3,12 +3,13 @@ on the global batch, in float64.
 
 argv: OUT_PREFIX CKPT_DIR. 4 ranks: 2 stages x 2 ranks a stage, their 2 ranks as 2 data-parallel replicas with
 ZeRO-1 or ZeRO-3 over them or the experts spread over them (expert parallelism: each rank 2 of the 4, each token
-sent to its experts' rank; also with the second rank's experts chosen by no token), as a tensor group splitting the
+sent to its experts' rank; also with the second rank's experts chosen by no token; also beside ZeRO-1 and ZeRO-3,
+which shard the rest of the stage over the same replicas), as a tensor group splitting the
 attention-like projections around the experts, or as a context group splitting the sequence. The network: two blocks, each a column/row-split pair of projections with
 a residual and a top-2 mixture of 4 experts in Hugging Face's stacked form (``autopar.models.MoEBlock``), routed
 unevenly by its router; the stages split between the blocks. Each case: per-step losses and every parameter after 3
 AdamW steps against one process; the ZeRO and expert-parallel cases' sliced checkpoints reloaded onto one process.
-A tensor plan that names the experts, and expert parallelism beside ZeRO, over other than all a stage's replicas or
+A tensor plan that names the experts, and expert parallelism beside a tensor split, over other than all a stage's replicas or
 with grads="full", are one line each; the layout modes' expert parallelism marked on a pipelined network is said (the
 experts run whole). Writes {case: result} to OUT_PREFIX.<rank>.
 """
@@ -61,7 +62,8 @@ PROJECTIONS = {f"b{i}.{m}": s for i in (0, 1) for m, s in (("up", "colwise"), ("
 # ep: the experts spread over a stage's 2 replicas (each rank 2 of the 4; tokens sent to their experts' rank);
 # ep_idle: and the second rank's experts chosen by no token
 CASES = {"zero1": {"zero": "level1"}, "zero3": {"zero": "level3"}, "tp": {"tp": 2, "tensor_parallel": PROJECTIONS},
-         "cp": {"cp": 2}, "ep": {"ep": 2}, "ep_idle": {"ep": 2}}
+         "cp": {"cp": 2}, "ep": {"ep": 2}, "ep_idle": {"ep": 2}, "ep_zero1": {"ep": 2, "zero": "level1"},
+         "ep_zero3": {"ep": 2, "zero": "level3"}}
 
 
 def loss_fn(out, y):
@@ -104,7 +106,10 @@ for key, kwargs in CASES.items():
         sliced = None
         experts = {n: list(p.to_local().shape) for n, p in runner.stage_module.named_parameters()
                    if getattr(p, "_autopar_spread", False)}  # each rank's share of its stage's experts
-        if key in ("zero1", "ep"):  # each rank's shards, reloaded whole onto one process's layout
+        # the rest of the stage: ZeRO's shards (FSDP2's DTensors over the replicas), or whole
+        shards = sum(isinstance(p, DTensor) for p in runner.stage_module.parameters()
+                     if not getattr(p, "_autopar_spread", False))
+        if key in ("zero1", "ep", "ep_zero1"):  # each rank's shards, reloaded whole onto one process's layout
             autopar.save_checkpoint(net, f"{ckpt_dir}/{key}_sliced_{rank}", integrated_save=False)
             torch.distributed.barrier()
             plain = Net()
@@ -114,7 +119,7 @@ for key, kwargs in CASES.items():
         results[key] = {"loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)) if runner.replicas == 1
                         else None,
                         "param_diff": max(float((whole(p) - want[k]).abs().max()) for k, p in net.named_parameters()),
-                        "stage": runner.stage_index, "sliced_diff": sliced, "experts": experts,
+                        "stage": runner.stage_index, "sliced_diff": sliced, "experts": experts, "shards": shards,
                         "sync": runner.gradient_sync}
     except Exception as exc:  # noqa: BLE001 - recorded: the test names the case
         import traceback
@@ -122,7 +127,7 @@ for key, kwargs in CASES.items():
         results[key] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}", "trace": traceback.format_exc()[-1500:]}
 
 for case, kwargs in (("split_experts", {"tp": 2, "tensor_parallel": {"b0.moe.experts": "colwise"}}),
-                     ("ep_beside_zero", {"ep": 2, "zero": "level1"}), ("ep_uneven", {"ep": 4}),
+                     ("ep_beside_tp", {"ep": 2, "tp": 2, "tensor_parallel": PROJECTIONS}), ("ep_uneven", {"ep": 4}),
                      ("ep_full", {"ep": 2, "grads": "full"})):  # one line each
     try:
         PipelineParallel(Net(), loss_fn, 2, ["b1"], **{"grads": "stage", **kwargs})

@@ -33,7 +33,9 @@ def shard_over_replicas(pieces: list, network: torch.nn.Module, sharded: dict, m
     remap_before_steps()
     own = dict(network.named_parameters(remove_duplicate=False))
     for piece in pieces:
-        fully_shard(piece, mesh=mesh, reshard_after_forward=LEVELS[level])
+        # (experts spread over the replicas by expert parallelism: each rank's own already, none to shard)
+        spread = {p for p in piece.parameters() if getattr(p, "_autopar_spread", False)}
+        fully_shard(piece, mesh=mesh, reshard_after_forward=LEVELS[level], ignored_params=spread or None)
         if not gradients_mean:  # MindSpore's default sums the replicas' gradients; FSDP averages
             piece.set_gradient_divide_factor(1.0)
             piece.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
@@ -176,8 +178,9 @@ def check_sequence_divides(example: tuple, cp: int) -> None:
 
 def expert_plan(ep, grads: str, replicas: int, zero: str | None, tp: int, cp: int) -> int:
     """``PipelineParallel(ep=...)``, checked in one line: expert parallelism over the stage's replicas -- all of
-    them (each holding experts / ep), beside data parallel only (not with ZeRO, a tensor or a context split of the
-    stage yet)."""
+    them (each holding experts / ep), beside data parallel and ZeRO (which shards the rest of the stage over the
+    same replicas: the experts are each rank's own already), not with a tensor or a context split of the stage
+    yet."""
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise ConfigError(f"PipelineParallel ep must be a positive number of ranks, got {ep!r}")
     if ep == 1:
@@ -185,14 +188,14 @@ def expert_plan(ep, grads: str, replicas: int, zero: str | None, tp: int, cp: in
     if grads != "stage":
         raise ConfigError(f"PipelineParallel ep={ep} spreads a stage's experts over its replicas, which needs "
                           "grads='stage' (with 'full' every rank steps every parameter)")
+    beside = [what for what, on in ((f"tp={tp}", tp > 1), (f"cp={cp}", cp > 1)) if on]
+    if beside:
+        raise ConfigError(f"PipelineParallel ep={ep} beside {' and '.join(beside)} is not run yet: expert "
+                          "parallelism inside the stages runs beside data parallel and ZeRO only")
     if ep != replicas:
         raise ConfigError(f"PipelineParallel ep={ep}: a stage's experts spread over all its {replicas} "
                           f"data-parallel replica(s) -- give ep={replicas}" + (
                               "" if ep > replicas else f" (over groups of {ep} of them is not run yet)"))
-    beside = [what for what, on in (("zero", zero is not None), (f"tp={tp}", tp > 1), (f"cp={cp}", cp > 1)) if on]
-    if beside:
-        raise ConfigError(f"PipelineParallel ep={ep} beside {' and '.join(beside)} is not run yet: expert "
-                          "parallelism inside the stages runs beside data parallel only")
     return ep
 
 

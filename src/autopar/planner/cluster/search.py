@@ -99,11 +99,11 @@ class Candidate:
         if self.cp > 1 and self.sp:
             out.append("sequence parallelism with context parallelism")
         if self.ep > 1:  # autopar runs expert parallelism beside data parallel, ZeRO and tensor parallelism, and
-            # inside pipeline stages over all a stage's data-parallel replicas, beside nothing else
-            staged = self.p > 1 and not (self.ep == self.d and self.t == 1 and self.cp == 1 and self.zero == 0)
+            # inside pipeline stages over all a stage's data-parallel replicas, beside ZeRO over them and nothing else
+            staged = self.p > 1 and not (self.ep == self.d and self.t == 1 and self.cp == 1)
             out += [what for what, where in (
                 ("expert parallelism inside pipeline stages over other than all a stage's data-parallel replicas, or "
-                 "beside ZeRO or a tensor or context split there", staged),
+                 "beside a tensor or context split there", staged),
                 ("expert parallelism with context parallelism", self.cp > 1 and self.p == 1),
                 ("sequence parallelism beside expert parallelism", self.sp)) if where]
         if self.p > 1 and self.zero >= 1 and self.cp > 1 and self.shard_group == self.d * self.cp:
@@ -617,9 +617,7 @@ def _enumerate_context(planner: LayerPlanner, devices: int, global_batch: int, f
                 levels = ((fixed["zero"] if fixed.get("zero") is not None else 0,) if d * cp == 1
                           else (0, 1) if p > 1 and fixed.get("zero") is None else (0, 1, 2, 3))
                 for zero, ep in [(z, e) for z in levels if keep("zero", z) and (z or fixed.get("zero_shard") is None)
-                                 for e in expert_options(config, fixed, t, cp, d, p, seq_split)
-                                 # (searched: experts spread inside stages beside no ZeRO, as autopar runs them)
-                                 if not (e > 1 and p > 1 and z and fixed.get("ep") is None)]:
+                                 for e in expert_options(config, fixed, t, cp, d, p, seq_split)]:
                     for shard in _shard_groups(spec, fixed, zero, t, d, cp, p):
                         for recompute in recomputes:
                             slots = config.layers + (2 if split and p > 1 else 0)
@@ -644,8 +642,8 @@ def expert_options(config: GPTConfig, fixed: dict, t: int, cp: int, d: int, p: i
     """The expert-parallel degrees to weigh for a mixture of experts on a stage's ``t x cp x d`` ranks (1 for a
     dense model): the pinned one where it divides them and the experts; searched, every divisor of both -- where
     autopar's runtime runs expert parallelism: beside data parallel and ZeRO with the sequence whole and no tensor
-    group, and inside pipeline stages over all a stage's data-parallel replicas beside no ZeRO
-    (``PipelineParallel(ep=...)``) -- elsewhere the experts whole (``Candidate.not_run_by_autopar``)."""
+    group, and inside pipeline stages over all a stage's data-parallel replicas, beside ZeRO over them or not
+    (``PipelineParallel(ep=..., zero=...)``) -- elsewhere the experts whole (``Candidate.not_run_by_autopar``)."""
     if not config.moe:
         return [1]
     ranks, pinned = t * cp * d, fixed.get("ep")
