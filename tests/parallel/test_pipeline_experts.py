@@ -43,3 +43,26 @@ def test_a_mixture_of_experts_trains_exactly_inside_pipeline_stages(procs, tmp_p
                            ("ep_uneven", "give ep=2"), ("ep_full", "needs grads='stage'")):
             assert text in r[case] and "\n" not in r[case], (case, r[case])
         assert len(r["marked"]) == 1 and "PipelineParallel(..., grads='stage', ep=N)" in r["marked"][0], r["marked"]
+
+
+def test_mindspores_mixture_of_experts_trains_exactly_in_pipeline_stages_through_its_door(procs, tmp_path):
+    """MindSpore's door: ``nn.transformer.MoE`` with ``MoEParallelConfig(expert_parallel=E)`` in cells marked
+    ``pipeline_stage``, ``Model(nn.PipelineCell(...))`` with ``pipeline_stages=2`` on 4 ranks: E = 1 runs the experts
+    whole, E = 2 (the stage's replicas) spreads them -- alone and beside ``enable_parallel_optimizer`` -- and E = 4
+    is said and runs whole; each against one process in float64 (``tests/scripts/pipeline_moe_mindspore.py``)."""
+    res = procs.run(autopar_cmd("launch", "-n", "4", "--log-dir", str(tmp_path / "logs"),
+                                str(SCRIPTS / "pipeline_moe_mindspore.py"), str(tmp_path / "out")), timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr + (tmp_path / "logs" / "worker_0.log").read_text()
+    for rank in range(4):
+        r = json.load(open(tmp_path / f"out.{rank}"))
+        for case, ep, zero in (("whole", 1, None), ("spread", 2, None), ("spread_zero", 2, "level1"),
+                               ("other", 1, None)):
+            c = r[case]
+            assert "error" not in c, (rank, case, c.get("error"), c.get("trace"))
+            assert c["param_diff"] <= TOL and c["loss_diff"] <= 1e-6, (rank, case, c)  # (losses reported in float32)
+            assert (c["ep"], c["zero"]) == (ep, zero), (rank, case, c)
+            assert bool(c["experts"]) == (ep == 2) and all(s[0] == 2 for s in c["experts"].values()), (rank, case, c)
+        assert any("MoE.dropped is not counted inside pipeline stages" in w for w in r["whole"]["warnings"]), r
+        assert any("expert_parallel=4 is not applied inside pipeline_stages=2" in w and "give expert_parallel=2" in w
+                   for w in r["other"]["warnings"]), r["other"]["warnings"]
+        assert not any("expert" in w for w in r["spread"]["warnings"] + r["spread_zero"]["warnings"]), r

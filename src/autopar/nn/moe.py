@@ -9,7 +9,8 @@ it computes is the Switch Transformer / GShard router (Fedus et al. 2021; Lepikh
   renormalised to sum to one;
 - each expert takes at most ``capacity = ceil(capacity_factor * tokens * num_experts_chosen / expert_num)``
   assignments, first choices before second ones and, within a choice, in token order; the rest are dropped (the
-  token gets nothing from that expert; the residual around the layer carries it) and counted in ``moe.dropped``;
+  token gets nothing from that expert; the residual around the layer carries it) and counted in ``moe.dropped``
+  (not inside pipeline stages, which run the traced network: said when the pipeline is built);
 - ``aux_loss = aux_loss_factor * expert_num * sum_e(fraction of first choices to e * mean router probability of e)``.
 
 The experts are one module of stacked weights (:class:`StackedExperts`, Hugging Face's form), so
@@ -128,8 +129,9 @@ class MoE(Cell):
             keep.append(place.sum(dim=-1) <= capacity)
             earlier = earlier + chosen[:, j].sum(dim=0)
         kept = torch.stack(keep, dim=-1)
-        dropped = (~kept).sum()  # under layouts a DTensor: read whole (item() of a pending sum reads this rank's part)
-        self.dropped = int(dropped.full_tensor() if isinstance(dropped, DTensor) else dropped)
+        if not torch.compiler.is_exporting():  # (a pipeline's trace: a stage runs the graph, which counts nothing)
+            dropped = (~kept).sum()  # under layouts a DTensor: read whole (item() of a pending sum: this rank's part)
+            self.dropped = int(dropped.full_tensor() if isinstance(dropped, DTensor) else dropped)
         index = torch.where(kept, index, torch.full_like(index, experts))
         out = self.dropout(self.experts(tokens, index, weights)).reshape(shape)
         fraction, mean_prob = chosen[:, 0].mean(dim=0), probs.mean(dim=0)

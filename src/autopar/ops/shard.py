@@ -408,8 +408,9 @@ def _shard_by_names(model: Any, plan: dict) -> Any:
     return model
 
 
-def has_strategies(*modules: torch.nn.Module | None, splits: bool = True) -> bool:
-    """Does any operator or module carry a shard strategy (a sequence split counted unless ``splits=False``)?"""
+def has_strategies(*modules: torch.nn.Module | None, splits: bool = True, experts: bool = True) -> bool:
+    """Does any operator or module carry a shard strategy (a sequence split counted unless ``splits=False``, experts
+    spread over ranks unless ``experts=False``)?"""
     for root in modules:
         if not isinstance(root, torch.nn.Module):  # None, or a loss given as a function
             continue
@@ -420,6 +421,6 @@ def has_strategies(*modules: torch.nn.Module | None, splits: bool = True) -> boo
                 return True
             if splits and getattr(m, "_autopar_split", None) is not None:
                 return True
-            if getattr(m, "_autopar_experts", False):
+            if experts and getattr(m, "_autopar_experts", False):
                 return True
     return False

@@ -40,6 +40,28 @@ def zero_level_in_pipeline(ctx, replicas: int) -> str | None:
     return level
 
 
+def expert_parallel_in_pipeline(network: torch.nn.Module, stages: int, replicas: int) -> int:
+    """MindSpore's ``MoEParallelConfig(expert_parallel=N)`` under ``pipeline_stages``: each stage's experts spread
+    over its data-parallel replicas (``PipelineParallel(ep=N)``) where N is their number; another N is said, and the
+    experts run whole on each rank. An ``nn.transformer.MoE``'s ``dropped`` is not counted inside stages (each runs
+    the traced network): said too."""
+    from autopar.nn.moe import MoE
+
+    if any(isinstance(m, MoE) for m in network.modules()):
+        _warn_once("pipeline+moe.dropped", "autopar: MoE.dropped is not counted inside pipeline stages (each stage runs "
+                   "the traced network); the capacity still drops the same assignments")
+    degrees = {m._autopar_experts for m in network.modules() if getattr(m, "_autopar_experts", False)}
+    if not degrees:
+        return 1
+    if degrees == {replicas} and replicas > 1:
+        return replicas
+    given = ", ".join(sorted(str(d) if d is not True else "every rank" for d in degrees))
+    _warn_once("pipeline+expert_parallel", f"autopar: expert_parallel={given} is not applied inside pipeline_stages="
+               f"{stages}: a stage's experts spread over all its {replicas} data-parallel replica(s) (give "
+               f"expert_parallel={replicas}); here each stage's experts run whole on each of its ranks")
+    return 1
+
+
 def attach_pipeline_cell(network: torch.nn.Module, loss_fn, ctx, world: int) -> PipelineParallel:
     """``pipeline_stages`` > 1: the runner of ``nn.PipelineCell(nn.WithLossCell(net, loss), micro_size)`` -- in
     ``Model`` or called inside ``value_and_grad`` -- split before the first cell of each stage
@@ -61,7 +83,7 @@ def attach_pipeline_cell(network: torch.nn.Module, loss_fn, ctx, world: int) -> 
         raise ConfigError(f"dataset_strategy={ctx.dataset_strategy} splits the sequence (context parallelism), which "
                           f"pipeline_stages={stages} does not run through this door yet: the PyTorch door does "
                           "(PipelineParallel(..., grads='stage', cp=N), each rank given its replica's whole batch)")
-    if has_strategies(network):
+    if has_strategies(network, experts=False):  # (experts spread: expert_parallel_in_pipeline's)
         _warn_once("pipeline+strategies", "autopar: shard strategies inside pipeline stages are not applied yet: "
                    "each stage runs whole, replicated over its data-parallel ranks (the PyTorch door splits a "
                    "stage's modules: PipelineParallel(..., grads='stage', tp=N, tensor_parallel={name: 'colwise' | "
@@ -79,10 +101,14 @@ def attach_pipeline_cell(network: torch.nn.Module, loss_fn, ctx, world: int) -> 
     if config.get("pipeline_interleave") and segments == 1:
         _warn_once("pipeline_interleave", "autopar: pipeline_interleave=True but no cell has pipeline_segment: "
                    "one piece per stage (set cell.pipeline_segment = v, as MindSpore)")
-    return PipelineParallel(backbone, loss, network.micro_size, split_points_from_stages(backbone, stages, segments),
-                            schedule=str(config.get("pipeline_scheduler", "1f1b")).lower(),
-                            gradients_mean=ctx.gradients_mean, virtual_stages=segments, grads="stage",
-                            reduction="sum", zero=zero_level_in_pipeline(ctx, world // stages))
+    ep = expert_parallel_in_pipeline(backbone, stages, world // stages)
+    with warnings.catch_warnings():  # (experts marked and not spread: said above, in this door's words)
+        warnings.filterwarnings("ignore", message="autopar: expert parallelism marked")
+        return PipelineParallel(backbone, loss, network.micro_size,
+                                split_points_from_stages(backbone, stages, segments),
+                                schedule=str(config.get("pipeline_scheduler", "1f1b")).lower(),
+                                gradients_mean=ctx.gradients_mean, virtual_stages=segments, grads="stage",
+                                reduction="sum", zero=zero_level_in_pipeline(ctx, world // stages), ep=ep)
 
 
 def attach_planned_pipeline(network: torch.nn.Module, loss_fn, option, ctx) -> PipelineParallel:
