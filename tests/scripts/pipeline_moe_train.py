@@ -28,6 +28,7 @@ from autopar.models.moe import MoEBlock
 from autopar.parallel.pipeline.runner import PipelineParallel
 
 out_prefix, ckpt_dir = sys.argv[1], sys.argv[2]
+only = sys.argv[3].split(",") if len(sys.argv) > 3 else None  # these cases alone (8 ranks: 4 replicas a stage)
 torch.set_default_dtype(torch.float64)
 init()
 rank = get_rank()
@@ -63,7 +64,10 @@ PROJECTIONS = {f"b{i}.{m}": s for i in (0, 1) for m, s in (("up", "colwise"), ("
 # ep_idle: and the second rank's experts chosen by no token
 CASES = {"zero1": {"zero": "level1"}, "zero3": {"zero": "level3"}, "tp": {"tp": 2, "tensor_parallel": PROJECTIONS},
          "cp": {"cp": 2}, "ep": {"ep": 2}, "ep_idle": {"ep": 2}, "ep_zero1": {"ep": 2, "zero": "level1"},
-         "ep_zero3": {"ep": 2, "zero": "level3"}}
+         "ep_zero3": {"ep": 2, "zero": "level3"},
+         # on 8 ranks (4 replicas a stage): the experts spread over each group of 2 replicas, a copy on each group
+         "ep_groups": {"ep": 2}, "ep_groups_zero3": {"ep": 2, "zero": "level3"}}
+CASES = {k: v for k, v in CASES.items() if (only is None and not k.startswith("ep_groups")) or (only and k in only)}
 
 
 def loss_fn(out, y):
@@ -109,7 +113,7 @@ for key, kwargs in CASES.items():
         # the rest of the stage: ZeRO's shards (FSDP2's DTensors over the replicas), or whole
         shards = sum(isinstance(p, DTensor) for p in runner.stage_module.parameters()
                      if not getattr(p, "_autopar_spread", False))
-        if key in ("zero1", "ep", "ep_zero1"):  # each rank's shards, reloaded whole onto one process's layout
+        if key in ("zero1", "ep", "ep_zero1", "ep_groups"):  # each rank's shards, reloaded onto one process's layout
             autopar.save_checkpoint(net, f"{ckpt_dir}/{key}_sliced_{rank}", integrated_save=False)
             torch.distributed.barrier()
             plain = Net()
@@ -126,19 +130,20 @@ for key, kwargs in CASES.items():
 
         results[key] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}", "trace": traceback.format_exc()[-1500:]}
 
-for case, kwargs in (("split_experts", {"tp": 2, "tensor_parallel": {"b0.moe.experts": "colwise"}}),
-                     ("ep_beside_tp", {"ep": 2, "tp": 2, "tensor_parallel": PROJECTIONS}), ("ep_uneven", {"ep": 4}),
+for case, kwargs in () if only else (("split_experts", {"tp": 2, "tensor_parallel": {"b0.moe.experts": "colwise"}}),
+                     ("ep_beside_tp", {"ep": 2, "tp": 2, "tensor_parallel": PROJECTIONS}), ("ep_uneven", {"ep": 3}),
                      ("ep_full", {"ep": 2, "grads": "full"})):  # one line each
     try:
         PipelineParallel(Net(), loss_fn, 2, ["b1"], **{"grads": "stage", **kwargs})
         results[case] = "no error"
     except ConfigError as exc:
         results[case] = str(exc)
-marked = Net()  # the layout modes' expert parallelism marked, then pipelined: said, the experts whole
-autopar.shard(marked, {"*.experts": "expert"})
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    PipelineParallel(marked, loss_fn, 2, ["b1"], grads="stage")
-results["marked"] = [str(w.message) for w in caught]
+if not only:
+    marked = Net()  # the layout modes' expert parallelism marked, then pipelined: said, the experts whole
+    autopar.shard(marked, {"*.experts": "expert"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        PipelineParallel(marked, loss_fn, 2, ["b1"], grads="stage")
+    results["marked"] = [str(w.message) for w in caught]
 json.dump(results, open(f"{out_prefix}.{rank}", "w"), indent=1)
 print(f"RANK {rank} DONE", flush=True)

@@ -42,8 +42,8 @@ def zero_level_in_pipeline(ctx, replicas: int) -> str | None:
 
 def expert_parallel_in_pipeline(network: torch.nn.Module, stages: int, replicas: int) -> int:
     """MindSpore's ``MoEParallelConfig(expert_parallel=N)`` under ``pipeline_stages``: each stage's experts spread
-    over its data-parallel replicas (``PipelineParallel(ep=N)``) where N is their number; another N is said, and the
-    experts run whole on each rank. An ``nn.transformer.MoE``'s ``dropped`` is not counted inside stages (each runs
+    over each group of N of its data-parallel replicas (``PipelineParallel(ep=N)``) where N divides them; another N
+    is said, and the experts run whole on each rank. An ``nn.transformer.MoE``'s ``dropped`` is not counted inside stages (each runs
     the traced network): said too."""
     from autopar.nn.moe import MoE
 
@@ -53,12 +53,15 @@ def expert_parallel_in_pipeline(network: torch.nn.Module, stages: int, replicas:
     degrees = {m._autopar_experts for m in network.modules() if getattr(m, "_autopar_experts", False)}
     if not degrees:
         return 1
-    if degrees == {replicas} and replicas > 1:
-        return replicas
+    if len(degrees) == 1 and True not in degrees:
+        degree = next(iter(degrees))
+        if degree > 1 and replicas % degree == 0:
+            return degree
     given = ", ".join(sorted(str(d) if d is not True else "every rank" for d in degrees))
     _warn_once("pipeline+expert_parallel", f"autopar: expert_parallel={given} is not applied inside pipeline_stages="
-               f"{stages}: a stage's experts spread over all its {replicas} data-parallel replica(s) (give "
-               f"expert_parallel={replicas}); here each stage's experts run whole on each of its ranks")
+               f"{stages}: a stage's experts spread over its {replicas} data-parallel replica(s) or groups of them "
+               f"(give an expert_parallel dividing {replicas}); here each stage's experts run whole on each of its "
+               "ranks")
     return 1
 
 

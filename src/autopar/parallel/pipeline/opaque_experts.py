@@ -97,19 +97,20 @@ def _spread_over(params):
 
 
 def _expert_parallel(key: int, hidden, index, weights, local: list, mesh) -> torch.Tensor:
-    """The experts spread over ``mesh``'s ranks (a stage's replicas, each holding ``experts / ep`` of them,
-    ``local`` their weights): each token sent with its routing only to the ranks of the experts it chose, run
-    there, its results brought back and summed -- the layout modes' all-to-all dispatcher
-    (:func:`autopar.parallel.tensor.experts.exchanged`) on the stage's own tokens. Differentiable."""
+    """The experts spread over ``mesh``'s last axis (a stage's replicas, or a group of ep of them: each rank holding
+    ``experts / ep``, ``local`` their weights): each token sent with its routing only to the ranks of its group
+    holding the experts it chose, run there, its results brought back and summed -- the layout modes' all-to-all
+    dispatcher (:func:`autopar.parallel.tensor.experts.exchanged`) on the stage's own tokens. Differentiable."""
     from autopar.parallel.tensor.experts import exchanged, experts_holding
 
     ref, names = _MODULES[key]
     module = ref()
-    ep = mesh.size()
+    axis = mesh.ndim - 1
+    ep = mesh.size(axis)
     per = module.num_experts // ep
-    start = mesh.get_local_rank() * per
+    start = mesh.get_local_rank(axis) * per
     forward = type(module).forward
-    return exchanged(hidden, index, weights, mesh.get_group(), ep, per, lambda h, i, w: experts_holding(
+    return exchanged(hidden, index, weights, mesh.get_group(axis), ep, per, lambda h, i, w: experts_holding(
         module, forward, dict(zip(names, local)), per, h, i, w, start))
 
 

@@ -134,6 +134,7 @@ class PipelineParallel:
         self.replicas = world // self.num_stages // inner
         self.ep = layout.expert_plan(ep, grads, self.replicas, self.zero, self.tp, self.cp)
         self._schedule = None
+        self._edp_group = None  # experts spread over groups of ep replicas: the groups' copies of an expert
         self.stage_module: torch.nn.Module | None = None
         self._pieces: dict = {}
         self.owner: dict[str, set[int]] = {}  # parameter / buffer name -> the stages that hold it
@@ -199,8 +200,12 @@ class PipelineParallel:
             inner = tuple(name for name, n in (("cp", self.cp), ("tp", self.tp)) if n > 1)
             layout.split_over_tensor_group(modules, self.network, self._sharded, mesh[inner], self.tensor_plan,
                                            self.cp_algo if self.cp > 1 else None)
-        if self.ep > 1:  # the experts spread over the stage's replicas
-            layout.spread_experts(modules, self.network, self._sharded, mesh["dp"])
+        if self.ep > 1:  # the experts spread over the stage's replicas, or over groups of ep of them
+            experts_mesh = mesh["dp"] if self.ep == self.replicas else mesh._unflatten(
+                "dp", (self.replicas // self.ep, self.ep), ("edp", "ep"))["edp", "ep"]
+            if experts_mesh.ndim == 2:  # the groups' copies of an expert, summed over after each step
+                self._edp_group = experts_mesh.get_group("edp")
+            layout.spread_experts(modules, self.network, self._sharded, experts_mesh)
         if self.zero is not None:  # (after the tensor split: FSDP2 shards the split weights over the replicas)
             layout.shard_over_replicas(modules, self.network, self._sharded, mesh["dp"], self.zero,
                                        self.gradients_mean)
@@ -247,8 +252,10 @@ class PipelineParallel:
         if self.replicas == 1:
             return "each stage's its own (one replica a stage: nothing to sum)"
         how = "reduce-scattered into ZeRO's shards (FSDP2)" if self.zero else "all-reduced"
-        spread = (f"; its experts spread over its {self.replicas} replicas (each rank's experts' gradients its "
-                  "own)") if self.ep > 1 else ""
+        spread = "" if self.ep == 1 else (
+            f"; its experts spread over its {self.replicas} replicas (each rank's experts' gradients its own)"
+            if self.ep == self.replicas else f"; its experts spread over groups of {self.ep} of its {self.replicas} "
+            f"replicas (an expert's gradients summed over the {self.replicas // self.ep} groups' copies)")
         return f"each stage's {how} over its {self.replicas} replicas after the last micro-batch" + spread
 
     def _training(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
@@ -337,8 +344,14 @@ class PipelineParallel:
             mine = [p for p in mine if not getattr(p, "_autopar_spread", False)]
             if self.replicas > 1 and self.zero is None:  # (ZeRO's shards: FSDP2 reduce-scattered them)
                 reduce_now([layout.local(p.grad) for p in mine], self.dp_group, replicas, into=True)
-            for p in spread:  # the replicas' mean, as the others' (their losses' gradients were summed there)
-                layout.local(p.grad).mul_(replicas)
+            if spread:  # the replicas' mean, as the others' (their losses' gradients were summed there); spread over
+                # groups of ep replicas, each group's copies summed first
+                local = [layout.local(p.grad) for p in spread]
+                if self._edp_group is not None:
+                    reduce_now(local, self._edp_group, replicas, into=True)
+                else:
+                    for g in local:
+                        g.mul_(replicas)
             tied = [self._training(p) for p in self._tied_parameters()]
             if tied:  # (sharded alike on every stage that holds one: the local slices line up)
                 grads = [layout.local(p.grad) if p.grad is not None else torch.zeros_like(layout.local(p))

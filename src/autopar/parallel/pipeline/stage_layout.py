@@ -57,10 +57,11 @@ def shard_over_replicas(pieces: list, network: torch.nn.Module, sharded: dict, m
 def spread_experts(pieces: list, network: torch.nn.Module, sharded: dict, mesh) -> None:
     """Expert parallelism inside the stage (Megatron-LM's EP under PP, folded over the data-parallel ranks): each
     module of stacked experts in this rank's pieces keeps ``experts / ep`` of its experts -- its weights split on
-    the expert dimension over the stage's replicas (``mesh``, their ``dp`` axis), marked ``_autopar_spread`` -- and
-    its operator (:mod:`.opaque_experts`) sends each token to the replicas holding its experts. Each rank's experts'
-    gradients are whole over the group's tokens, so the runner does not sum them over the replicas."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+    the expert dimension over the stage's replicas (``mesh``, their ``dp`` axis), or over groups of ``ep`` of them
+    (a 2-D ``(edp, ep)`` mesh: split on ``ep``, a copy on each group), marked ``_autopar_spread`` -- and its operator
+    (:mod:`.opaque_experts`) sends each token to the replicas of its group holding its experts. Each rank's experts'
+    gradients are whole over its group's tokens: the runner sums them over the groups' copies only."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from autopar.layout.leaves import stacked_experts
 
@@ -73,10 +74,12 @@ def spread_experts(pieces: list, network: torch.nn.Module, sharded: dict, mesh) 
             owner, _, attr = name.rpartition(".")
             if owner not in experts:
                 continue
-            if whole.shape[0] % mesh.size():
-                raise ConfigError(f"ep={mesh.size()}: module '{owner}' has {whole.shape[0]} experts, which the "
-                                  f"{mesh.size()} replicas of its stage do not divide")
-            split = torch.nn.Parameter(distribute_tensor(whole.detach().clone(), mesh, [Shard(0)]),
+            ep = mesh.size(mesh.ndim - 1)
+            if whole.shape[0] % ep:
+                raise ConfigError(f"ep={ep}: module '{owner}' has {whole.shape[0]} experts, which {ep} ranks do "
+                                  "not divide")
+            placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+            split = torch.nn.Parameter(distribute_tensor(whole.detach().clone(), mesh, placements),
                                        requires_grad=whole.requires_grad)
             split._autopar_spread = True
             piece.graph_module.get_submodule(owner)._parameters[attr] = split
@@ -178,9 +181,9 @@ def check_sequence_divides(example: tuple, cp: int) -> None:
 
 def expert_plan(ep, grads: str, replicas: int, zero: str | None, tp: int, cp: int) -> int:
     """``PipelineParallel(ep=...)``, checked in one line: expert parallelism over the stage's replicas -- all of
-    them (each holding experts / ep), beside data parallel and ZeRO (which shards the rest of the stage over the
-    same replicas: the experts are each rank's own already), not with a tensor or a context split of the stage
-    yet."""
+    them or each group of ``ep`` consecutive ones (each rank holding experts / ep) -- beside data parallel and ZeRO
+    (which shards the rest of the stage over the replicas, the experts left out of its shards), not with a tensor or
+    a context split of the stage yet."""
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise ConfigError(f"PipelineParallel ep must be a positive number of ranks, got {ep!r}")
     if ep == 1:
@@ -192,10 +195,9 @@ def expert_plan(ep, grads: str, replicas: int, zero: str | None, tp: int, cp: in
     if beside:
         raise ConfigError(f"PipelineParallel ep={ep} beside {' and '.join(beside)} is not run yet: expert "
                           "parallelism inside the stages runs beside data parallel and ZeRO only")
-    if ep != replicas:
-        raise ConfigError(f"PipelineParallel ep={ep}: a stage's experts spread over all its {replicas} "
-                          f"data-parallel replica(s) -- give ep={replicas}" + (
-                              "" if ep > replicas else f" (over groups of {ep} of them is not run yet)"))
+    if replicas % ep:
+        raise ConfigError(f"PipelineParallel ep={ep}: a stage's experts spread over its {replicas} data-parallel "
+                          f"replica(s) or over groups of them -- give an ep that divides {replicas}")
     return ep
 
 
