@@ -109,8 +109,9 @@ RUNS = [
      {"tp": 1, "pp": 1, "cp": 2, "zero": 3, "micro_batch": 1, "recompute": True}, "fp8",
      ("tokens_per_s_per_gpu", 2540), "500 W H100"),
     ("torchtitan Llama 3.1 70B FSDP 32 x TP 8, fp8", TT + ", Table 4 (local batch 16, full AC): '| 2D | 829 | 71.9 |'",
-     LLAMA31_70B, 256, H96, 512, {"tp": 8, "sp": True, "pp": 1, "zero": 3, "micro_batch": 16, "recompute": True}, "fp8",
-     ("tokens_per_s_per_gpu", 829), "500 W H100"),
+     LLAMA31_70B, 256, H96, 512, {"tp": 8, "sp": True, "pp": 1, "zero": 3, "micro_batch": 16, "recompute": True,
+                                  "tp_overlap": "none"}, "fp8",
+     ("tokens_per_s_per_gpu", 829), "500 W H100; vanilla (DTensor) TP: its collectives exposed"),
     ("torchtitan Llama 3.1 405B FSDP 8 x TP 8 x PP 8, 1F1B, fp8", TT + ", Table 5 (full AC): '| 1F1B | 100 | 82.5 |'",
      LLAMA31_405B, 512, H96, 256, {"tp": 8, "sp": True, "pp": 8, "zero": 3, "micro_batch": 4, "recompute": True, "vpp": 1}, "fp8",
      ("tokens_per_s_per_gpu", 100), "500 W H100; async TP"),
@@ -119,10 +120,12 @@ RUNS = [
      ("tokens_per_s_per_gpu", 128), "500 W H100; async TP; virtual stages unstated (searched)"),
     ("torchtitan Llama 3 70B FSDP 32 x TP 8, bf16", TT_ASYNC + ", '70b on 256 H100s ... full AC, local batch size 16': "
      "'| None (bfloat16) | 597.3 |'", LLAMA31_70B, 256, H96, 512,
-     {"tp": 8, "sp": True, "pp": 1, "zero": 3, "micro_batch": 16, "recompute": True}, "bf16", ("tokens_per_s_per_gpu", 597.3), "500 W H100"),
+     {"tp": 8, "sp": True, "pp": 1, "zero": 3, "micro_batch": 16, "recompute": True, "tp_overlap": "none"}, "bf16",
+     ("tokens_per_s_per_gpu", 597.3), "500 W H100; vanilla (DTensor) TP: its collectives exposed"),
     ("torchtitan Llama 3 8B FSDP 8 x TP 8, bf16", TT_ASYNC + ", '8b on 64 H100s ... per op SAC, local batch size 12': "
-     "'| None (bfloat16) | 4378 |'", LLAMA31_8B, 64, H96, 96, {"tp": 8, "sp": True, "pp": 1, "zero": 3, "micro_batch": 12}, "bf16",
-     ("tokens_per_s_per_gpu", 4378), "500 W H100"),
+     "'| None (bfloat16) | 4378 |'", LLAMA31_8B, 64, H96, 96,
+     {"tp": 8, "sp": True, "pp": 1, "zero": 3, "micro_batch": 12, "tp_overlap": "none"}, "bf16",
+     ("tokens_per_s_per_gpu", 4378), "500 W H100; vanilla (DTensor) TP: its collectives exposed"),
     ("dgxc Llama 3.1 8B CP 2, 8 GPUs", DGXC24 + " llama3.1/README_8b.md '(TP=1, PP=1, CP=2, MBS=1, GA=32) ... (GBS=128)': "
      "step 12.91 s", LLAMA31_8B, 8, "h100-ib", 128,
      {"tp": 1, "pp": 1, "cp": 2, "micro_batch": 1, "zero": 1, "recompute": False}, "bf16", ("step_s", 12.91), ""),

@@ -11,7 +11,8 @@ was planned:
   MT-NLG, OPT, GLM, BloombergGPT, torchtitan, KempnerForge (H200), NeMo 24.07, the Nemotron-4 15B report.
 
 Each row is pinned as its source states it (tensor, pipeline, virtual stages, context, micro-batch, ZeRO level,
-recomputation, sequence parallelism); what a source leaves unstated is searched, and sequence parallelism, where
+recomputation, sequence parallelism), its tensor-parallel collectives hidden as its stack hides them
+(``tp_overlap``); what a source leaves unstated is searched, and sequence parallelism, where
 unstated under a tensor group, is the faster of with and without (as ``published_gpt.plan_row``). The machine is the
 preset of the GPU (``h100-ib``, ``h200-ib``, ``a100-ib``; A100 40 GB with its memory and bandwidth), with the node's
 network where the source states one unlike the preset's. Every row carries its source, the quoted figures and what
@@ -66,6 +67,19 @@ def config(row: dict) -> GPTConfig:
                      kv_heads=m["kv_heads"], family=m["family"], attention=row["attention"])
 
 
+def tp_overlap(row: dict) -> str:
+    """How the row's stack hides its tensor-parallel collectives (``--tp-overlap``): PyTorch's DTensor tensor
+    parallelism (torchtitan, KempnerForge), each collective waited on where autograd issues it, ``none`` -- but
+    where the run says it ran async TP (torchtitan's ``enable_async_tensor_parallel``), which the planner reads as
+    Megatron-Core's overlap (``cluster/tensor.py``), as it does for the Megatron family."""
+    note = row.get("metric_note", "").lower()  # "Vanilla TP tokens/sec column.", "... AsyncTP on."
+    name = row["name"].lower().replace("torchtitan-asynctp-", "")  # (the async-TP table's own name aside)
+    if "DTensor" not in row.get("framework", "") or (
+            "vanilla tp" not in note and ("async tp" in note or "asynctp on" in note or "asynctp" in name)):
+        return "megatron"
+    return "none"
+
+
 def speed(metric: str, value: float, row: dict) -> float:
     """A per-device figure that is higher when faster (a step time becomes tokens/s a device), to order runs by."""
     if metric != "step_s":
@@ -77,7 +91,8 @@ def plan_one(row: dict) -> dict:
     out = {k: row[k] for k in ("name", "set", "gpus", "gpu", "global_batch", "pins", "dtype", "metric", "value")}
     start = time.perf_counter()
     try:
-        plan = plan_row(config(row), machine(row), row["gpus"], row["global_batch"], dict(row["pins"]), row["dtype"])
+        pins = {**row["pins"], "tp_overlap": tp_overlap(row)}
+        plan = plan_row(config(row), machine(row), row["gpus"], row["global_batch"], pins, row["dtype"])
     except ConfigError as e:
         out.update(planned=False, error=str(e))
         return out

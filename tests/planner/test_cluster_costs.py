@@ -107,6 +107,36 @@ def test_megatron_tensor_parallel_hides_the_backward_collectives_behind_their_ge
     assert block_seconds(machine, 8, x, slow, slow, sp=False) == pytest.approx((shared * ar, ar))
 
 
+def test_pytorchs_tensor_parallelism_exposes_the_backwards_collectives_too():
+    """--tp-overlap none (PyTorch's DTensor tensor parallelism, torchtitan without async TP): every collective
+    waited on where autograd issues it -- the backward's as exposed as the forward's, whatever GEMMs run beside."""
+    machine = H100.group_machine(8, 1, "bf16")
+    from autopar.planner.cluster.tensor import GemmTimes
+    x = 8192 * 8192 * 2.0
+    ag, rs = machine.collective("all_gather", x, 8), machine.collective("reduce_scatter", x, 8)
+    ar = machine.collective("all_reduce", x, 8)
+    slow = GemmTimes(1.0, 1.0, 1.0)
+    assert block_seconds(machine, 8, x, slow, slow, sp=True, overlap="none") == pytest.approx((ag + rs + ag, rs + ag))
+    assert block_seconds(machine, 8, x, slow, slow, sp=False, overlap="none") == pytest.approx((ar, ar))
+    cfg = PRESETS["llama3-8b"]
+    pins = {"tp": 8, "pp": 1, "zero": 3, "micro_batch": 4, "sp": True}
+    megatron = plan_gpt(cfg, H100, 64, 512, fixed=pins)
+    exposed = plan_gpt(cfg, H100, 64, 512, fixed={**pins, "tp_overlap": "none"})
+    assert exposed.best.step > megatron.best.step
+    assert exposed.to_dict()["configuration"]["tp_overlap"] == "none"
+    assert "tensor-parallel collectives: every one exposed" in exposed.explain()
+    assert "the backward's behind the GEMMs" in megatron.explain()
+    with pytest.raises(ConfigError, match="--tp-overlap must be megatron, none") as e:
+        plan_gpt(cfg, H100, 64, 512, fixed={**pins, "tp_overlap": "async"})
+    assert "\n" not in str(e.value)
+
+
+def test_autopar_plan_takes_the_tensor_parallel_overlap_from_the_command_line(capsys):
+    assert cli(["plan", "llama", "--size", "llama3-8b", "-n", "64", "--machine", "h100-ib", "--global-batch", "512",
+                "--tp", "8", "--pp", "1", "--tp-overlap", "none", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["configuration"]["tp_overlap"] == "none"
+
+
 def test_a_fused_input_is_gathered_once_and_the_loss_is_vocabulary_parallel():
     """Megatron fuses q, k, v (and gate, up) into one GEMM: one gather a block however many projections the model
     names; the head's logits stay split on the vocabulary (the loss all-reduces a row's maximum, sum and target)."""

@@ -71,14 +71,15 @@ class LayerPlan:
 
 
 def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: tuple, t: int, spec: ClusterSpec,
-                dtype: str, graph: Graph | None = None, sp: bool = False, attention: str = "fused") -> LayerPlan:
+                dtype: str, graph: Graph | None = None, sp: bool = False, attention: str = "fused",
+                tp_overlap: str = "megatron") -> LayerPlan:
     """``graph``: the module's capture at these inputs, if made already (it does not depend on ``t``).
 
     ``sp``: Megatron's sequence parallelism (Korthikanti et al. 2022, arXiv 2205.05198 sec. 4.2.2) -- the norms,
     dropout and residuals run on ``1/t`` of the sequence, and the inputs the tensor group otherwise keeps whole (a
     column-split projection's) are kept split on the sequence and gathered again in the backward, overlapped with
     the input-gradient matmul as Megatron-LM does. In Megatron's layout the tensor group's collectives are those
-    Megatron-Core runs and hides (``tensor.py``)."""
+    Megatron-Core runs and hides (``tensor.py``), or as ``tp_overlap`` says another stack hides them."""
     graph = graph or capture(module, loss, inputs)
     if t > 1:  # the tensor group runs Megatron's layout, as every stack the planner predicts does
         graph = _megatron_layout(graph, t)
@@ -94,7 +95,7 @@ def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: t
     # Megatron's layout (tensor.py): its collectives as Megatron-Core runs and hides them, the norms and residuals
     # whole on every rank of the group without sequence parallelism, split on the sequence with it
     megatron = t > 1 and is_megatron(graph, chosen, t)
-    tp_comm, tp_forward = layer_seconds(graph, chosen, machine, t, sp) if megatron else (None, 0.0)
+    tp_comm, tp_forward = layer_seconds(graph, chosen, machine, t, sp, tp_overlap) if megatron else (None, 0.0)
     if megatron:
         total = sum(c.compute for c in chosen) - optimizer + sum(tp_comm.values())
     else:
@@ -152,13 +153,15 @@ class LayerPlanner:
     sequence parallelism) -- each made once and reused by every candidate that needs it."""
 
     def __init__(self, config: GPTConfig, spec: ClusterSpec, dtype: str, fused_loss: bool = False,
-                 dispatcher: str = "alltoall", ep_overlap: bool = False):
+                 dispatcher: str = "alltoall", ep_overlap: bool = False, tp_overlap: str = "megatron"):
         """``fused_loss``: the cross entropy one fused kernel that writes its gradient over the logits (no fp32
         copies kept: ``memory.loss_peak_bytes``), as a run that only fits with one ran it. ``dispatcher`` and
         ``ep_overlap``: how a mixture of experts' tokens travel (``experts.py``), and whether its all-to-alls hide
         behind another micro-batch's compute (Megatron-Core's ``--overlap-moe-expert-parallel-comm``: the forward of
-        one micro-batch beside the backward of another, each one's all-to-alls under the other's GEMMs)."""
+        one micro-batch beside the backward of another, each one's all-to-alls under the other's GEMMs).
+        ``tp_overlap``: which tensor-parallel collectives hide behind GEMMs (``tensor.py``: megatron or none)."""
         self.config, self.spec, self.dtype, self.fused_loss = config, spec, dtype, fused_loss
+        self.tp_overlap = tp_overlap
         self.dispatcher, self.ep_overlap = dispatcher, ep_overlap
         self.torch_dtype = DTYPES[dtype]
         self.itemsize = torch.tensor([], dtype=self.torch_dtype).element_size()
@@ -178,7 +181,7 @@ class LayerPlanner:
         """The same planner with a fused cross entropy: its layers' plans and captures shared (the loss is the
         head's alone), its heads planned again."""
         fused = LayerPlanner(self.config, self.spec, self.dtype, fused_loss=True, dispatcher=self.dispatcher,
-                             ep_overlap=self.ep_overlap)
+                             ep_overlap=self.ep_overlap, tp_overlap=self.tp_overlap)
         fused._layers, fused._graphs, fused._head_modules = self._layers, self._graphs, self._head_modules
         fused.layer_module, fused.dense_module, fused.window_module = (self.layer_module, self.dense_module,
                                                                        self.window_module)
@@ -227,7 +230,7 @@ class LayerPlanner:
             c = self.config
             x = torch.empty(b, c.seq // cp, c.hidden, dtype=self.torch_dtype, device="meta")
             graph = self._graph(which, b, cp, module, None, (x,))
-            plan = plan_module(module, None, (x,), t, self.spec, self.dtype, graph, sp, c.attention)
+            plan = plan_module(module, None, (x,), t, self.spec, self.dtype, graph, sp, c.attention, self.tp_overlap)
             self._layers[(which, t, b, cp, sp)] = with_context_parallel(plan, cp, self.spec)
         return self._layers[(which, t, b, cp, sp)]
 
@@ -256,7 +259,8 @@ class LayerPlanner:
             y = torch.empty(b, c.seq // cp, dtype=torch.long, device="meta")
             module = self.head_module(t)
             graph = self._graph(f"head{self.padded_vocab(t)}", b, cp, module, TokenLoss(), (x, y))
-            plan = plan_module(module, TokenLoss(), (x, y), t, self.spec, self.dtype, graph, sp)
+            plan = plan_module(module, TokenLoss(), (x, y), t, self.spec, self.dtype, graph, sp,
+                               tp_overlap=self.tp_overlap)
             # the logits (the projection's output, as the plan keeps them) give way to the fp32 loss's peak
             logits = sum(plan.costs[n].choices[plan.choice[n]].out_bytes
                          for n, node in enumerate(plan.graph.nodes) if node.name.split(".")[-1] == "out")

@@ -38,6 +38,7 @@ from autopar.planner.cluster.layers import DTYPES, LayerPlanner
 from autopar.planner.cluster.memory import MEMORY_HEADROOM, weight_state_bytes
 from autopar.planner.cluster.pipeline import in_flight, schedule_seconds, stage_sizes, virtual_stages
 from autopar.planner.cluster.spec import ClusterSpec
+from autopar.planner.cluster.tensor import OVERLAPS
 from autopar.planner.gpt import GPTConfig
 
 ADAM_TRAFFIC = 28  # bytes read + written per parameter by a fused mixed-precision Adam step
@@ -229,6 +230,7 @@ class MeshPlan:
                               "attention": self.config.attention, "cp": c.cp, "sp": c.sp,
                               "zero_shard": c.shard_group if c.zero else None,
                               "split_embedding": c.split_embedding, "ep": c.ep,
+                              "tp_overlap": self.planner.tp_overlap,
                               **({"moe_dispatcher": self.planner.dispatcher, "ep_overlap": self.planner.ep_overlap}
                                  if self.config.moe else {})},
             "not_run_by_autopar": self.not_run(c),
@@ -264,6 +266,7 @@ class MeshPlan:
                                                 f"layers recompute their forward whole)" if c.recompute == "block"
                                                 else c.recompute_name),
             f"predicted step: {c.step:.3f} s = " + " + ".join(f"{k} {v:.3f}" for k, v in c.parts.items()),
+            *([f"tensor-parallel collectives: {_TP_OVERLAP_TEXT[self.planner.tp_overlap]}"] if c.t > 1 else []),
             f"throughput: {self.global_batch * cfg.seq / c.step:,.0f} tokens/s; {self.tflops_per_device():.0f} "
             f"TFLOP/s per device of model FLOPs, MFU {self.mfu():.1%}"
             + (f" ({self.tflops_per_device(with_recompute=True):.0f} TFLOP/s counting recomputation)"
@@ -327,6 +330,11 @@ def _layer_kinds(cfg: GPTConfig) -> str:
     return (" (the stages costed at the model's average layer: " + ", ".join(
         f"{counts[what]} of {cfg.layers} {what}" for what in differ) + "; the rows a "
         + ("mixture's" if cfg.moe else "full attention's") + "):")
+
+
+_TP_OVERLAP_TEXT = {
+    "megatron": "the forward's exposed, the backward's behind the GEMMs launched after them (Megatron-Core)",
+    "none": "every one exposed, each waited on where autograd issues it (PyTorch's DTensor tensor parallelism)"}
 
 
 def _table(rows: list[tuple]) -> list[str]:
@@ -424,7 +432,8 @@ def evaluate(planner: LayerPlanner, k: Candidate) -> None:
 
 
 _FLAGS = {"tp": "--tp", "pp": "--pp", "micro_batch": "--micro-batch", "zero": "--zero", "recompute": "--recompute",
-          "vpp": "--vpp", "zero_shard": "--zero-shard", "split_embedding": "--split-embedding-and-loss"}
+          "vpp": "--vpp", "zero_shard": "--zero-shard", "split_embedding": "--split-embedding-and-loss",
+          "tp_overlap": "--tp-overlap"}
 
 
 def _pin_text(key: str, value, fixed: dict) -> str:
@@ -695,10 +704,13 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
     configuration); the rest is searched. ``_remedy``: where nothing fits, say what would (the remedies' own plans do not look further)."""
     fixed = dict(fixed or {})
     unknown = set(fixed) - {"tp", "pp", "micro_batch", "zero", "recompute", "vpp", "cp", "sp", "recompute_layers",
-                            "zero_shard", "split_embedding", "ep", "dispatcher", "ep_overlap"}
+                            "zero_shard", "split_embedding", "ep", "dispatcher", "ep_overlap", "tp_overlap"}
     if unknown:
         raise ConfigError(f"unknown plan constraint(s): {', '.join(sorted(unknown))}")
     dispatcher, ep_overlap = _experts(config, fixed)
+    tp_overlap = fixed.get("tp_overlap") or "megatron"
+    if tp_overlap not in OVERLAPS:
+        raise ConfigError(f"--tp-overlap must be {', '.join(OVERLAPS)}, got {tp_overlap!r}")
     vpp = fixed.get("vpp")
     if vpp is not None and (isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1):
         raise ConfigError(f"--vpp must be a positive number of virtual stages per device, got {vpp!r}")
@@ -741,7 +753,7 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
     spec.peak(dtype)
     limit = memory_limit or spec.memory * MEMORY_HEADROOM
     args = (devices, global_batch, fixed, cps, sp, limit, memory_limit, max_micro_batch, progress)
-    planner = LayerPlanner(config, spec, dtype, dispatcher=dispatcher, ep_overlap=ep_overlap)
+    planner = LayerPlanner(config, spec, dtype, dispatcher=dispatcher, ep_overlap=ep_overlap, tp_overlap=tp_overlap)
     fitting, on_device, smallest, considered = _enumerate(planner, *args)
     if smallest is not None and not fitting:
         # nothing fits the headroom with the cross entropy's fp32 copies (memory.LOSS_BYTES_PER_LOGIT): a run that
