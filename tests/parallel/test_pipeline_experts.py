@@ -39,8 +39,7 @@ def test_a_mixture_of_experts_trains_exactly_inside_pipeline_stages(procs, tmp_p
             else:
                 assert not c["experts"], (rank, case, c)
         assert all(r[case]["sliced_diff"] <= TOL for case in ("zero1", "ep", "ep_zero1")), r
-        for case, text in (("split_experts", "a module of stacked experts"), ("ep_beside_tp", "beside tp=2 is not run"),
-                           ("ep_uneven", "give an ep that divides 2"), ("ep_full", "needs grads='stage'")):
+        for case, text in (("split_experts", "a module of stacked experts"), ("ep_uneven", "give an ep that divides 2"), ("ep_full", "needs grads='stage'")):
             assert text in r[case] and "\n" not in r[case], (case, r[case])
         assert len(r["marked"]) == 1 and "PipelineParallel(..., grads='stage', ep=N)" in r["marked"][0], r["marked"]
 
@@ -68,21 +67,27 @@ def test_mindspores_mixture_of_experts_trains_exactly_in_pipeline_stages_through
         assert not any("expert" in w for w in r["spread"]["warnings"] + r["spread_zero"]["warnings"]), r
 
 
-def test_experts_spread_over_groups_of_a_stages_replicas_train_exactly(procs, tmp_path):
-    """8 ranks, 2 stages of 4 replicas, ``ep=2``: each group of 2 replicas holds every expert once (each rank 2 of
-    the 4), a copy on each group, an expert's gradients summed over the copies -- alone and beside ZeRO-3; exact
-    against one process, the sliced checkpoint reloaded onto one process."""
+def test_experts_spread_over_groups_of_replicas_or_beside_a_tensor_or_context_split_train_exactly(procs, tmp_path):
+    """8 ranks, 2 stages. ``ep=2`` over 4 replicas a stage: each group of 2 replicas holds every expert once (each
+    rank 2 of the 4), a copy on each group, an expert's gradients summed over the copies -- alone and beside ZeRO-3.
+    ``ep=2`` over 2 replicas of 2 ranks a stage: beside a tensor split of the projections around the experts (each
+    rank of a tensor group exchanging its tokens with its peer of the other replica), and beside a context split of
+    the sequence (each rank its own slice of the tokens; the experts' gradients summed over the slices). Each exact
+    against one process; the sliced checkpoints of the first and of the tensor split reloaded onto one process."""
     res = procs.run(autopar_cmd("launch", "-n", "8", "--log-dir", str(tmp_path / "logs"),
                                 str(SCRIPTS / "pipeline_moe_train.py"), str(tmp_path / "out"), str(tmp_path),
-                                "ep_groups,ep_groups_zero3"), timeout=300)
+                                "ep_groups,ep_groups_zero3,ep_tp,ep_cp"), timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr + (tmp_path / "logs" / "worker_0.log").read_text()
     for rank in range(8):
         r = json.load(open(tmp_path / f"out.{rank}"))
-        for case in ("ep_groups", "ep_groups_zero3"):
+        for case in ("ep_groups", "ep_groups_zero3", "ep_tp", "ep_cp"):
             c = r[case]
             assert "error" not in c, (rank, case, c.get("error"), c.get("trace"))
             assert c["stage"] == rank // 4 and c["param_diff"] <= TOL, (rank, case, c)
             assert c["experts"] and all(shape[0] == 2 for shape in c["experts"].values()), (rank, case, c)
-            assert (c["shards"] > 0) == case.endswith("zero3"), (rank, case, c)
-            assert "spread over groups of 2 of its 4 replicas" in c["sync"], c["sync"]
-        assert r["ep_groups"]["sliced_diff"] <= TOL, r["ep_groups"]
+            if case.startswith("ep_groups"):
+                assert (c["shards"] > 0) == case.endswith("zero3"), (rank, case, c)
+                assert "spread over groups of 2 of its 4 replicas" in c["sync"], c["sync"]
+            else:
+                assert "experts spread over its 2 replicas" in c["sync"], c["sync"]
+        assert r["ep_groups"]["sliced_diff"] <= TOL and r["ep_tp"]["sliced_diff"] <= TOL, r

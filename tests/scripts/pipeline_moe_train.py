@@ -66,7 +66,10 @@ CASES = {"zero1": {"zero": "level1"}, "zero3": {"zero": "level3"}, "tp": {"tp": 
          "cp": {"cp": 2}, "ep": {"ep": 2}, "ep_idle": {"ep": 2}, "ep_zero1": {"ep": 2, "zero": "level1"},
          "ep_zero3": {"ep": 2, "zero": "level3"},
          # on 8 ranks (4 replicas a stage): the experts spread over each group of 2 replicas, a copy on each group
-         "ep_groups": {"ep": 2}, "ep_groups_zero3": {"ep": 2, "zero": "level3"}}
+         "ep_groups": {"ep": 2}, "ep_groups_zero3": {"ep": 2, "zero": "level3"},
+         # on 8 ranks (2 replicas of 2 ranks a stage): the experts spread over the replicas beside a tensor split of
+         # the projections around them, or beside a context split of the sequence (each rank its own tokens)
+         "ep_tp": {"ep": 2, "tp": 2, "tensor_parallel": PROJECTIONS}, "ep_cp": {"ep": 2, "cp": 2}}
 CASES = {k: v for k, v in CASES.items() if (only is None and not k.startswith("ep_groups")) or (only and k in only)}
 
 
@@ -113,7 +116,7 @@ for key, kwargs in CASES.items():
         # the rest of the stage: ZeRO's shards (FSDP2's DTensors over the replicas), or whole
         shards = sum(isinstance(p, DTensor) for p in runner.stage_module.parameters()
                      if not getattr(p, "_autopar_spread", False))
-        if key in ("zero1", "ep", "ep_zero1", "ep_groups"):  # each rank's shards, reloaded onto one process's layout
+        if key in ("zero1", "ep", "ep_zero1", "ep_groups", "ep_tp"):  # each rank's shards, reloaded onto one process
             autopar.save_checkpoint(net, f"{ckpt_dir}/{key}_sliced_{rank}", integrated_save=False)
             torch.distributed.barrier()
             plain = Net()
@@ -131,7 +134,7 @@ for key, kwargs in CASES.items():
         results[key] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}", "trace": traceback.format_exc()[-1500:]}
 
 for case, kwargs in () if only else (("split_experts", {"tp": 2, "tensor_parallel": {"b0.moe.experts": "colwise"}}),
-                     ("ep_beside_tp", {"ep": 2, "tp": 2, "tensor_parallel": PROJECTIONS}), ("ep_uneven", {"ep": 3}),
+                     ("ep_uneven", {"ep": 3}),
                      ("ep_full", {"ep": 2, "grads": "full"})):  # one line each
     try:
         PipelineParallel(Net(), loss_fn, 2, ["b1"], **{"grads": "stage", **kwargs})

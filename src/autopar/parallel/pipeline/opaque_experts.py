@@ -132,7 +132,9 @@ def _expert_parallel_backward(ctx, grad, saved, mesh):
     every rank of the group alike (the schedules run the same micro-batches' backward at once on every replica)
     -- and its gradients; the experts' weights' placed as the weights (each rank's experts' own, whole over the
     group's tokens)."""
-    hidden, index, weights = saved[:3]
+    tokens = _inner_tokens(*saved[:3])  # (a tensor or context split of the stage: each rank's own tokens)
+    hidden, index, weights = (_local(t, tokens[1]) if tokens else t for t in saved[:3])
+    grad = _local(grad, tokens[1]) if tokens else grad
     local = [p.to_local() for p in saved[3:]]
     if is_fake(hidden):  # a dry run's (the forward's reason): gradients of the inputs' sizes
         grads = [torch.zeros_like(t) if ctx.needs_input_grad[i] else None
@@ -140,9 +142,25 @@ def _expert_parallel_backward(ctx, grad, saved, mesh):
     else:
         grads = _again(ctx, lambda h, w, own: _expert_parallel(ctx.key, h, index, w, own, mesh), hidden, weights,
                        local, grad)
+    if tokens:  # the tokens' gradients placed as the tokens; the experts' summed over the ranks whose tokens they
+        # saw where the tokens are split (replicated tokens gave every rank the same)
+        inner, placements = tokens
+        grads[:2] = [g if g is None else DTensor.from_local(g, inner, placements, run_check=False) for g in grads[:2]]
+        for dim, p in enumerate(placements):
+            if p.is_shard():
+                for g in grads[2:]:
+                    if g is not None:
+                        torch.distributed.all_reduce(g, group=inner.get_group(dim))
     placed = [None if g is None else DTensor.from_local(g, mesh, p.placements, run_check=False)
               for g, p in zip(grads[2:], saved[3:])]
     return None, grads[0], None, grads[1], placed
+
+
+def _inner_tokens(hidden, index, weights):
+    """(mesh, placements) of the tokens where a tensor or context split of the stage holds them as DTensors --
+    replicated over the tensor group, split over a context group or sequence-parallel ranks -- else None."""
+    mesh = next((t.device_mesh for t in (hidden, index, weights) if isinstance(t, DTensor)), None)
+    return None if mesh is None else (mesh, _token_placements(hidden, index, weights))
 
 
 def _on_local_tensors(op_call, args: tuple, kwargs: dict):
@@ -154,14 +172,14 @@ def _on_local_tensors(op_call, args: tuple, kwargs: dict):
     key, hidden, index, weights, params = args
     spread = _spread_over(params)
     if spread is not None:
-        if any(isinstance(t, DTensor) for t in (hidden, index, weights)):
-            raise ConfigError("expert parallelism inside pipeline stages runs beside data parallel only: not with "
-                              "a tensor or context split of the stage (tp=1, cp=1)")
         if is_fake(hidden):  # a dry run's: from inside DTensor's handler the dry run cannot give the routing values
             _unsized_warning()  # to send tokens by (its value-keeping mode is not on there)
             return torch.empty_like(hidden)
+        tokens = _inner_tokens(hidden, index, weights)  # (a tensor or context split of the stage: each rank's own)
+        h, i, w = (_local(t, tokens[1]) if tokens else t for t in (hidden, index, weights))
         with torch.no_grad():
-            return _expert_parallel(key, hidden, index, weights, [p.to_local() for p in params], spread)
+            out = _expert_parallel(key, h, i, w, [p.to_local() for p in params], spread)
+        return DTensor.from_local(out, tokens[0], tokens[1], run_check=False) if tokens else out
     mesh = next(t.device_mesh for t in (hidden, index, weights, *params) if isinstance(t, DTensor))
     tokens = _token_placements(hidden, index, weights)
     out = op_call(key, _local(hidden, tokens), _local(index, tokens), _local(weights, tokens),

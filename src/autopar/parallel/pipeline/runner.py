@@ -196,6 +196,8 @@ class PipelineParallel:
         # (the whole split network run once for its shapes: before the stage's pieces hold ZeRO's shards)
         shapes = _static_shapes(pipe, example) if _fake_group(self.pp_group) else {}
         mesh = pipeline_mesh(self.num_stages, self.tp, self.cp)
+        # (found before a tensor split gives their weights up: a module half given up no longer looks stacked)
+        experts = {name for name, m in self.network.named_modules() if stacked_experts(m)} if self.ep > 1 else set()
         if self.laid_out:
             inner = tuple(name for name, n in (("cp", self.cp), ("tp", self.tp)) if n > 1)
             layout.split_over_tensor_group(modules, self.network, self._sharded, mesh[inner], self.tensor_plan,
@@ -205,7 +207,7 @@ class PipelineParallel:
                 "dp", (self.replicas // self.ep, self.ep), ("edp", "ep"))["edp", "ep"]
             if experts_mesh.ndim == 2:  # the groups' copies of an expert, summed over after each step
                 self._edp_group = experts_mesh.get_group("edp")
-            layout.spread_experts(modules, self.network, self._sharded, experts_mesh)
+            layout.spread_experts(modules, self.network, self._sharded, experts_mesh, experts)
         if self.zero is not None:  # (after the tensor split: FSDP2 shards the split weights over the replicas)
             layout.shard_over_replicas(modules, self.network, self._sharded, mesh["dp"], self.zero,
                                        self.gradients_mean)

@@ -54,21 +54,20 @@ def shard_over_replicas(pieces: list, network: torch.nn.Module, sharded: dict, m
             old.data = torch.empty(0, dtype=old.dtype, device=old.device)  # its memory: the shard's now
 
 
-def spread_experts(pieces: list, network: torch.nn.Module, sharded: dict, mesh) -> None:
+def spread_experts(pieces: list, network: torch.nn.Module, sharded: dict, mesh, experts: set[str]) -> None:
     """Expert parallelism inside the stage (Megatron-LM's EP under PP, folded over the data-parallel ranks): each
     module of stacked experts in this rank's pieces keeps ``experts / ep`` of its experts -- its weights split on
     the expert dimension over the stage's replicas (``mesh``, their ``dp`` axis), or over groups of ``ep`` of them
     (a 2-D ``(edp, ep)`` mesh: split on ``ep``, a copy on each group), marked ``_autopar_spread`` -- and its operator
     (:mod:`.opaque_experts`) sends each token to the replicas of its group holding its experts. Each rank's experts'
-    gradients are whole over its group's tokens: the runner sums them over the groups' copies only."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    gradients are whole over its group's tokens: the runner sums them over the groups' copies only. ``experts``:
+    the names of the network's modules of stacked experts, found before any of its weights gave its memory up (a
+    module half given up, by a tensor split of the stage, no longer looks stacked)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    from autopar.layout.leaves import stacked_experts
 
     remap_before_steps()
     own = dict(network.named_parameters(remove_duplicate=False))
-    # (found before any weight gives its memory up: a module half given up no longer looks stacked)
-    experts = {name for name, module in network.named_modules() if stacked_experts(module)}
     for piece in pieces:
         for name, whole in list(piece.graph_module.named_parameters(remove_duplicate=False)):
             owner, _, attr = name.rpartition(".")
@@ -79,12 +78,17 @@ def spread_experts(pieces: list, network: torch.nn.Module, sharded: dict, mesh) 
                 raise ConfigError(f"ep={ep}: module '{owner}' has {whole.shape[0]} experts, which {ep} ranks do "
                                   "not divide")
             placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
-            split = torch.nn.Parameter(distribute_tensor(whole.detach().clone(), mesh, placements),
+            value = whole.to_local() if isinstance(whole, DTensor) else whole  # (replicated over a tensor group)
+            split = torch.nn.Parameter(distribute_tensor(value.detach().clone(), mesh, placements),
                                        requires_grad=whole.requires_grad)
             split._autopar_spread = True
             piece.graph_module.get_submodule(owner)._parameters[attr] = split
             old = own.get(name)
-            if old is not None and id(old) not in sharded:
+            if old is not None and id(old) in sharded:  # replicated over a tensor group first: that copy trains
+                # no more (an optimizer made before steps the spread one in its place)
+                sharded[id(old)], before = (old, split), sharded[id(old)][1]
+                replaced.record(before, split)
+            elif old is not None:
                 sharded[id(old)] = (old, split)
                 replaced.record(old, split)
                 old.data = torch.empty(0, dtype=old.dtype, device=old.device)
@@ -181,9 +185,10 @@ def check_sequence_divides(example: tuple, cp: int) -> None:
 
 def expert_plan(ep, grads: str, replicas: int, zero: str | None, tp: int, cp: int) -> int:
     """``PipelineParallel(ep=...)``, checked in one line: expert parallelism over the stage's replicas -- all of
-    them or each group of ``ep`` consecutive ones (each rank holding experts / ep) -- beside data parallel and ZeRO
-    (which shards the rest of the stage over the replicas, the experts left out of its shards), not with a tensor or
-    a context split of the stage yet."""
+    them or each group of ``ep`` consecutive ones (each rank holding experts / ep) -- beside data parallel, ZeRO
+    (which shards the rest of the stage over the replicas, the experts left out of its shards) and a tensor or
+    context split of the stage (each rank of the inner group exchanging its own tokens with its peers of the other
+    replicas)."""
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise ConfigError(f"PipelineParallel ep must be a positive number of ranks, got {ep!r}")
     if ep == 1:
@@ -191,10 +196,6 @@ def expert_plan(ep, grads: str, replicas: int, zero: str | None, tp: int, cp: in
     if grads != "stage":
         raise ConfigError(f"PipelineParallel ep={ep} spreads a stage's experts over its replicas, which needs "
                           "grads='stage' (with 'full' every rank steps every parameter)")
-    beside = [what for what, on in ((f"tp={tp}", tp > 1), (f"cp={cp}", cp > 1)) if on]
-    if beside:
-        raise ConfigError(f"PipelineParallel ep={ep} beside {' and '.join(beside)} is not run yet: expert "
-                          "parallelism inside the stages runs beside data parallel and ZeRO only")
     if replicas % ep:
         raise ConfigError(f"PipelineParallel ep={ep}: a stage's experts spread over its {replicas} data-parallel "
                           f"replica(s) or over groups of them -- give an ep that divides {replicas}")
