@@ -183,7 +183,7 @@ def check_sequence_divides(example: tuple, cp: int) -> None:
                               f"the sequence to a multiple of {cp})")
 
 
-def expert_plan(ep, grads: str, replicas: int, zero: str | None, tp: int, cp: int) -> int:
+def expert_plan(ep, grads: str, replicas: int) -> int:
     """``PipelineParallel(ep=...)``, checked in one line: expert parallelism over the stage's replicas -- all of
     them or each group of ``ep`` consecutive ones (each rank holding experts / ep) -- beside data parallel, ZeRO
     (which shards the rest of the stage over the replicas, the experts left out of its shards) and a tensor or
