@@ -1,15 +1,15 @@
 """A mixture of experts inside pipeline stages: torch's pipelines trace each stage, and a module of stacked experts
 picks its tokens with shapes a trace cannot follow -- each such module is one opaque operator of the trace
-(``autopar/parallel/pipeline/opaque_experts.py``), run eagerly on the stage's rank. On 4 gloo ranks (2 stages x 2
-ranks a stage), float64, 3 AdamW steps, against one process on the global batch: with ZeRO-1 and ZeRO-3 over a
-stage's replicas, with the experts spread over them (expert parallelism, ``ep=2``: each rank 2 of the 4, each token
-sent to its experts' rank; also with one rank's experts chosen by no token; also beside ZeRO-1 and ZeRO-3, which
-shard the rest of the stage over the same replicas), beside a tensor split of the
-projections around the experts, and beside a context split of the sequence; routing uneven; ZeRO-1's and expert
-parallelism's sliced checkpoints reloaded onto one process. One line each for a tensor plan naming the experts,
-expert parallelism beside a tensor split, over other than all a stage's replicas, or with ``grads="full"``; the layout modes'
-expert parallelism marked on a pipelined network is said. (Hugging Face's
-``MixtralForCausalLM`` pipelined: tests/models/test_hf_transformers.py.)"""
+(``autopar/parallel/pipeline/opaque_experts.py``), run eagerly on the stage's rank. Float64, 3 AdamW steps, against
+one process on the global batch. On 4 gloo ranks (2 stages x 2 ranks a stage): ZeRO-1 and ZeRO-3 over a stage's
+replicas; the experts spread over them (expert parallelism, ``ep=2``: each rank 2 of the 4, each token sent to its
+experts' rank), also with one rank's experts chosen by no token and beside ZeRO-1 and ZeRO-3; a tensor split of the
+projections around the experts; a context split of the sequence; routing uneven; sliced checkpoints reloaded onto
+one process; MindSpore's ``nn.transformer.MoE`` with ``expert_parallel`` through ``pipeline_stages``. On 8 ranks:
+the experts spread over groups of a stage's replicas, and beside a tensor or a context split of the stage. One line
+each for a tensor plan naming the experts, an ``ep`` that does not divide a stage's replicas, or ``grads="full"``;
+the layout modes' expert parallelism marked on a pipelined network is said. (Hugging Face's ``MixtralForCausalLM``
+pipelined: tests/models/test_hf_transformers.py.)"""
 import json
 
 from procutil import SCRIPTS, autopar_cmd

@@ -1,17 +1,18 @@
 """Worker: a mixture of experts inside pipeline stages (``PipelineParallel(..., grads="stage")``) equals one process
 on the global batch, in float64.
 
-argv: OUT_PREFIX CKPT_DIR. 4 ranks: 2 stages x 2 ranks a stage, their 2 ranks as 2 data-parallel replicas with
-ZeRO-1 or ZeRO-3 over them or the experts spread over them (expert parallelism: each rank 2 of the 4, each token
-sent to its experts' rank; also with the second rank's experts chosen by no token; also beside ZeRO-1 and ZeRO-3,
-which shard the rest of the stage over the same replicas), as a tensor group splitting the
-attention-like projections around the experts, or as a context group splitting the sequence. The network: two blocks, each a column/row-split pair of projections with
-a residual and a top-2 mixture of 4 experts in Hugging Face's stacked form (``autopar.models.MoEBlock``), routed
-unevenly by its router; the stages split between the blocks. Each case: per-step losses and every parameter after 3
-AdamW steps against one process; the ZeRO and expert-parallel cases' sliced checkpoints reloaded onto one process.
-A tensor plan that names the experts, and expert parallelism beside a tensor split, over other than all a stage's replicas or
-with grads="full", are one line each; the layout modes' expert parallelism marked on a pipelined network is said (the
-experts run whole). Writes {case: result} to OUT_PREFIX.<rank>.
+argv: OUT_PREFIX CKPT_DIR [CASES]. Without CASES, 4 ranks: 2 stages x 2 ranks a stage, their 2 ranks as 2
+data-parallel replicas with ZeRO-1 or ZeRO-3 over them, or the experts spread over them (expert parallelism: each
+rank 2 of the 4, each token sent to its experts' rank; also with the second rank's experts chosen by no token; also
+beside ZeRO-1 and ZeRO-3), as a tensor group splitting the projections around the experts, or as a context group
+splitting the sequence. With CASES (comma-separated), those of the 8-rank ones: ep over groups of 2 of a stage's 4
+replicas (alone, beside ZeRO-3), or over 2 replicas of 2 ranks beside a tensor or a context split. The network: two
+blocks, each a column/row-split pair of projections with a residual and a top-2 mixture of 4 experts in Hugging
+Face's stacked form (``autopar.models.MoEBlock``), routed unevenly by its router; the stages split between the
+blocks. Each case: per-step losses and every parameter after 3 AdamW steps against one process; sliced checkpoints
+reloaded onto one process. A tensor plan that names the experts, an ep that does not divide a stage's replicas and
+ep with grads="full" are one line each; the layout modes' expert parallelism marked on a pipelined network is said
+(the experts run whole). Writes {case: result} to OUT_PREFIX.<rank>.
 """
 import json
 import sys
