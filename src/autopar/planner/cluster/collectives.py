@@ -99,7 +99,7 @@ def all_to_all_seconds(spec, off_node: float, on_node: float, size: int, stride:
 
 def data_parallel_sync(spec, zero: int, m: int, grads: float, unit: float, layers: int, micro: float, replicas: int,
                        stride: int, staged: bool = False, itemsize: int = 2, forward_share: float = 1 / 3,
-                       groups: int = 1, groups_stride: int | None = None) -> float:
+                       groups: int = 1, groups_stride: int | None = None, slowdown: float | None = None) -> float:
     """Seconds a step spends on the data-parallel group's collectives that the backward does not hide: ``grads``
     bytes of a stage's gradients over ``replicas`` ranks ``stride`` apart, ``m`` micro-batches of ``micro`` seconds.
 
@@ -121,9 +121,12 @@ def data_parallel_sync(spec, zero: int, m: int, grads: float, unit: float, layer
     apart, whose gradient shards are all-reduced after each reduce-scatter (FSDP2 all-reduces a unit's shard as soon
     as it is scattered) -- the shard groups' collectives stay on fewer ranks, often one node's NVLink.
     ``groups_stride``: how far apart the groups lie where they are not consecutive (the data-parallel replicas of
-    a context group shard a pipeline stage's optimizer in autopar's runtime: ``t x cp`` apart, the groups ``t``)."""
+    a context group shard a pipeline stage's optimizer in autopar's runtime: ``t x cp`` apart, the groups ``t``).
+    ``slowdown``: the compute's beside a hidden collective (``behind``; the cluster's own where None, 0 for what
+    sticks out alone)."""
     ar = lambda kind, nbytes: spec.collective(kind, nbytes, replicas, stride)[0]  # noqa: E731
-    hide = lambda comm, window: behind(comm, window, spec.overlap_slowdown)  # noqa: E731
+    slowdown = spec.overlap_slowdown if slowdown is None else slowdown
+    hide = lambda comm, window: behind(comm, window, slowdown)  # noqa: E731
     across = lambda nbytes: spec.collective("all_reduce", nbytes / replicas, groups,
                                             groups_stride or stride * replicas)[0] \
         if groups > 1 else 0.0  # noqa: E731 -- a shard's gradients over the replica groups

@@ -382,11 +382,13 @@ def evaluate(planner: LayerPlanner, k: Candidate) -> None:
     # ZeRO over the data-parallel replicas of a context group (autopar's runtime inside stages): those ranks lie
     # t x cp apart, the context group's copies t apart; otherwise the shard groups are consecutive, t apart
     by_replica = bool(k.zero) and k.cp > 1 and shard == k.d < replicas
-    def dense_sync(hiding: float) -> float:  # the rest's, behind a micro-batch of ``hiding`` seconds
+    def dense_sync(hiding: float, slowdown: float | None = None) -> float:  # the rest's, behind a micro-batch of
+        # ``hiding`` seconds
         return data_parallel_sync(spec, k.zero, k.m, stage_params * itemsize, layer.param_count * itemsize,
                                   per_stage, hiding, shard if k.zero else replicas, k.t * k.cp if by_replica else k.t,
                                   staged=k.p > 1, itemsize=itemsize, forward_share=layer.forward / layer_time,
-                                  groups=replicas // shard if k.zero else 1, groups_stride=k.t if by_replica else None)
+                                  groups=replicas // shard if k.zero else 1, groups_stride=k.t if by_replica else None,
+                                  slowdown=slowdown)
 
     dp = dense_sync(micro)
     # a mixture's experts: synchronised and ZeRO-sharded over the expert-data-parallel ranks (``ep`` apart, the
@@ -394,7 +396,8 @@ def evaluate(planner: LayerPlanner, k: Candidate) -> None:
     # collectives left of the time that hides them (a micro-batch's, every micro-batch's under ZeRO-2/3)
     experts = per_stage * layer.expert_param_count
     if experts and k.expert_replicas > 1:
-        hidden = max(0.0, dense_sync(0.0) - dp) / (k.m if k.zero >= 2 else 1)
+        # what the rest's collectives take of the window: their time less what sticks out of it
+        hidden = max(0.0, dense_sync(0.0) - dense_sync(micro, slowdown=0.0)) / (k.m if k.zero >= 2 else 1)
         dp += data_parallel_sync(spec, k.zero, k.m, experts * itemsize, layer.expert_param_count * itemsize,
                                  per_stage, max(0.0, micro - hidden), k.expert_replicas, k.ep, staged=k.p > 1,
                                  itemsize=itemsize, forward_share=layer.forward / layer_time)
