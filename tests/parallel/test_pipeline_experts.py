@@ -39,7 +39,8 @@ def test_a_mixture_of_experts_trains_exactly_inside_pipeline_stages(procs, tmp_p
             else:
                 assert not c["experts"], (rank, case, c)
         assert all(r[case]["sliced_diff"] <= TOL for case in ("zero1", "ep", "ep_zero1")), r
-        for case, text in (("split_experts", "a module of stacked experts"), ("ep_uneven", "give an ep that divides 2"), ("ep_full", "needs grads='stage'")):
+        for case, text in (("split_experts", "a module of stacked experts"), ("ep_uneven", "give an ep that divides 2"),
+                           ("ep_sequence", "beside tensor_parallel 'sequence' modules"), ("ep_full", "needs grads='stage'")):
             assert text in r[case] and "\n" not in r[case], (case, r[case])
         assert len(r["marked"]) == 1 and "PipelineParallel(..., grads='stage', ep=N)" in r["marked"][0], r["marked"]
 

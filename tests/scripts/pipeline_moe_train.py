@@ -135,7 +135,8 @@ for key, kwargs in CASES.items():
         results[key] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}", "trace": traceback.format_exc()[-1500:]}
 
 for case, kwargs in () if only else (("split_experts", {"tp": 2, "tensor_parallel": {"b0.moe.experts": "colwise"}}),
-                     ("ep_uneven", {"ep": 3}),
+                     ("ep_uneven", {"ep": 3}), ("ep_sequence", {"ep": 2, "tp": 2, "tensor_parallel": {
+                         **PROJECTIONS, "b0.moe.norm": "sequence"}}),
                      ("ep_full", {"ep": 2, "grads": "full"})):  # one line each
     try:
         PipelineParallel(Net(), loss_fn, 2, ["b1"], **{"grads": "stage", **kwargs})
