@@ -65,19 +65,18 @@ def spread_experts(pieces: list, network: torch.nn.Module, sharded: dict, mesh, 
     module half given up, by a tensor split of the stage, no longer looks stacked)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-
     remap_before_steps()
     own = dict(network.named_parameters(remove_duplicate=False))
+    ep = mesh.size(mesh.ndim - 1)  # the experts' axis: the mesh's last (a copy on each of the others)
+    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
     for piece in pieces:
         for name, whole in list(piece.graph_module.named_parameters(remove_duplicate=False)):
             owner, _, attr = name.rpartition(".")
             if owner not in experts:
                 continue
-            ep = mesh.size(mesh.ndim - 1)
             if whole.shape[0] % ep:
                 raise ConfigError(f"ep={ep}: module '{owner}' has {whole.shape[0]} experts, which {ep} ranks do "
                                   "not divide")
-            placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
             value = whole.to_local() if isinstance(whole, DTensor) else whole  # (replicated over a tensor group)
             split = torch.nn.Parameter(distribute_tensor(value.detach().clone(), mesh, placements),
                                        requires_grad=whole.requires_grad)
