@@ -278,6 +278,8 @@ def main() -> None:
         start = time.perf_counter()
         out = {"run": name, "source": source, "gpus": gpus, "machine": mach, "global_batch": batch, "dtype": dtype,
                "pinned": pins, "note": note, "metric": metric, "published": value}
+        if dtype == "fp8":  # torchtitan's float8 is torchao's, its default recipe tensorwise; the rest run TE's
+            pins = {**pins, "fp8_recipe": "tensorwise" if name.startswith("torchtitan") else "delayed"}
         try:
             plan = plan_row(config(shape, source), machine(mach, gpus), gpus, batch, pins, dtype)
         except ConfigError as e:

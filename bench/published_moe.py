@@ -156,6 +156,8 @@ def plan_one(row: dict) -> dict:
     dtype = "fp8" if str(c.get("dtype") or "").upper().startswith("FP8") else "bf16"
     cfg = dataclasses.replace(PRESETS[ARCHITECTURES[row["model"]["name"]]], seq=c["seq_len"])
     fixed = pins(row)
+    if dtype == "fp8":  # Transformer Engine's delayed scaling, its current (per-tensor) scaling where the row says CS
+        fixed["fp8_recipe"] = "tensorwise" if str(c.get("dtype")).upper().endswith("CS") else "delayed"
     out.update(metric=metric[0], value=metric[1], pins=fixed, dtype=dtype, global_batch=c["gbs"],
                group=f"{row['model']['name']} x {gpus} gbs {c['gbs']} seq {c['seq_len']} {dtype}")
     start = time.perf_counter()

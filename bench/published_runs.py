@@ -80,6 +80,18 @@ def tp_overlap(row: dict) -> str:
     return "none"
 
 
+def fp8_recipe(row: dict) -> str | None:
+    """How the row's fp8 projections are scaled (``--fp8-recipe``): torchao's float8 where the stack is torchtitan's
+    (``rowwise`` where the row says so, else its default ``tensorwise``), Transformer Engine's default ``delayed``
+    for every other stack (Megatron-Core, NeMo, llm-foundry's ``amp_fp8``; the JAX stacks' fp8 also keeps an amax
+    history); None for a row not in fp8."""
+    if row["dtype"] != "fp8":
+        return None
+    if "torchtitan" not in row.get("framework", ""):
+        return "delayed"
+    return "rowwise" if "rowwise" in row["name"].lower() else "tensorwise"
+
+
 def speed(metric: str, value: float, row: dict) -> float:
     """A per-device figure that is higher when faster (a step time becomes tokens/s a device), to order runs by."""
     if metric != "step_s":
@@ -91,7 +103,7 @@ def plan_one(row: dict) -> dict:
     out = {k: row[k] for k in ("name", "set", "gpus", "gpu", "global_batch", "pins", "dtype", "metric", "value")}
     start = time.perf_counter()
     try:
-        pins = {**row["pins"], "tp_overlap": tp_overlap(row)}
+        pins = {**row["pins"], "tp_overlap": tp_overlap(row), "fp8_recipe": fp8_recipe(row)}
         plan = plan_row(config(row), machine(row), row["gpus"], row["global_batch"], pins, row["dtype"])
     except ConfigError as e:
         out.update(planned=False, error=str(e))

@@ -11,7 +11,7 @@ from autopar.cli.main import main as cli
 from autopar.errors import ConfigError
 from autopar.planner.cluster import load_cluster, parse_cluster, plan_gpt
 from autopar.planner.cluster.collectives import OVERLAP_SLOWDOWN, behind
-from autopar.planner.cluster.kernels import LOSS_TRAFFIC_BYTES_PER_LOGIT
+from autopar.planner.cluster.kernels import FP8_RECIPES, LOSS_TRAFFIC_BYTES_PER_LOGIT
 from autopar.planner.cluster.layers import LayerPlanner
 from autopar.planner.cluster.memory import REDUCE_BYTES
 from autopar.planner.cluster.tensor import block_seconds
@@ -135,6 +135,49 @@ def test_autopar_plan_takes_the_tensor_parallel_overlap_from_the_command_line(ca
     assert cli(["plan", "llama", "--size", "llama3-8b", "-n", "64", "--machine", "h100-ib", "--global-batch", "512",
                 "--tp", "8", "--pp", "1", "--tp-overlap", "none", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["configuration"]["tp_overlap"] == "none"
+
+
+def test_fp8_projections_wait_for_their_operands_casts_by_recipe():
+    """Under fp8 each projection's input and output gradient are cast first, memory-bound: Transformer Engine's
+    delayed scaling reads bf16 once and writes fp8 twice (4 bytes an element); torchao's tensorwise adds an amax pass
+    and its weight casts; rowwise a bf16 transpose, and it gathers a sequence-parallel input in bf16, casting the
+    whole of it on every rank."""
+    cfg = PRESETS["llama3-8b"]  # q, kv, o, gate, up, down: inputs' widths sum to 34,816, outputs' to 43,008
+
+    def layer(recipe, t=1, sp=False):
+        return LayerPlanner(cfg, H100, "fp8", fp8_recipe=recipe).layer(t, 1, sp=sp)
+
+    bare, delayed = layer(None), layer("delayed")
+    assert delayed.time - bare.time == pytest.approx(4 * cfg.seq * (34816 + 43008) / H100.memory_bandwidth)
+    assert delayed.forward - bare.forward == pytest.approx(4 * cfg.seq * 34816 / H100.memory_bandwidth)
+    assert bare.time < delayed.time < layer("tensorwise").time < layer("rowwise").time
+
+    def casts(recipe, sp):
+        return layer(recipe, 8, sp).time - layer(None, 8, sp).time
+    assert casts("tensorwise", True) < casts("tensorwise", False)  # cast on the slice, gathered in fp8
+    assert casts("rowwise", True) == pytest.approx(casts("rowwise", False))  # gathered in bf16, cast whole
+    # the output projection stays in bf16 (Megatron-Core's output layer, torchtitan's float8 filter)
+    fp8, bf16 = LayerPlanner(cfg, H100, "fp8"), LayerPlanner(cfg, H100, "bf16")
+    assert fp8.head(1, 1).time == pytest.approx(bf16.head(1, 1).time)
+
+
+def test_the_fp8_recipe_is_pinned_reported_and_refused_in_one_line(capsys):
+    cfg = PRESETS["llama3-8b"]
+    pins = {"tp": 1, "pp": 1, "zero": 3, "micro_batch": 2}
+    steps = {r: plan_gpt(cfg, H100, 8, 16, "fp8", fixed={**pins, "fp8_recipe": r}) for r in FP8_RECIPES}
+    assert steps["delayed"].best.step < steps["tensorwise"].best.step < steps["rowwise"].best.step
+    assert steps["rowwise"].to_dict()["configuration"]["fp8_recipe"] == "rowwise"
+    assert "rowwise scaling" in steps["rowwise"].explain()
+    assert "fp8_recipe" not in plan_gpt(cfg, H100, 8, 16, "bf16", fixed=pins).to_dict()["configuration"]
+    for bad, match in (({"fp8_recipe": "blockwise"}, "--fp8-recipe must be delayed, tensorwise, rowwise"),):
+        with pytest.raises(ConfigError, match=match) as e:
+            plan_gpt(cfg, H100, 8, 16, "fp8", fixed={**pins, **bad})
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="needs --dtype fp8, not bf16"):
+        plan_gpt(cfg, H100, 8, 16, "bf16", fixed={**pins, "fp8_recipe": "rowwise"})
+    assert cli(["plan", "llama", "--size", "llama3-8b", "-n", "8", "--machine", "h100-ib", "--global-batch", "16",
+                "--tp", "1", "--pp", "1", "--dtype", "fp8", "--fp8-recipe", "tensorwise", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["configuration"]["fp8_recipe"] == "tensorwise"
 
 
 def test_a_fused_input_is_gathered_once_and_the_loss_is_vocabulary_parallel():

@@ -12,7 +12,7 @@ from autopar.cli.main import main as cli
 from autopar.errors import ConfigError
 from autopar.planner.cluster import load_cluster, plan_gpt
 from autopar.planner.cluster.collectives import all_to_all_seconds
-from autopar.planner.cluster.experts import destination_odds, dispatch_bytes
+from autopar.planner.cluster.experts import destination_odds, dispatch_bytes, expert_block
 from autopar.planner.gpt import PRESETS, GPTConfig
 
 H100 = load_cluster("h100-ib")
@@ -161,6 +161,20 @@ def test_a_mixture_plans_its_layer_as_the_attention_half_and_the_experts():
     rows = [r[0] for r in layer.rows()]
     assert rows[-4:] == ["router", "experts.fc1", "experts.fc2", "experts.dispatch"]
     assert dataclasses.replace(QWEN, experts=0, top_k=0, expert_ffn=0).moe is False
+
+
+def test_fp8_experts_wait_for_their_casts_as_the_projections_do():
+    """Under fp8 each grouped linear's token copies, weights and output gradients are cast first (delayed scaling:
+    4 bytes an element of the copies and gradients, a weight cast once a step)."""
+    machine = H100.group_machine(1, 1, "fp8")
+    tokens, ep = 4096.0, 8
+    bare = expert_block(QWEN, H100, machine, tokens, ep, "alltoall", 2)
+    cast = expert_block(QWEN, H100, machine, tokens, ep, "alltoall", 2, "delayed")
+    copies, h, f = tokens * QWEN.experts_chosen, QWEN.hidden, QWEN.expert_ffn_size
+    extra = 4 * copies * ((h + 2 * f) + (f + h)) / H100.memory_bandwidth
+    assert cast.time - bare.time == pytest.approx(extra)
+    assert cast.forward - bare.forward == pytest.approx(4 * copies * (h + f) / H100.memory_bandwidth)
+    assert cast.rows[-1][0] == "experts.fp8 casts" and bare.rows[-1][0] != "experts.fp8 casts"
 
 
 def test_latent_attention_shared_experts_and_windows_have_their_published_sizes():

@@ -63,6 +63,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "GEMMs launched after them: Megatron-Core's, and read so for async TP; the default) or none "
                         "(every one exposed: PyTorch's DTensor tensor parallelism as torchtitan, KempnerForge and "
                         "autopar's layouts run it)")
+    g.add_argument("--fp8-recipe", default=None, choices=("delayed", "tensorwise", "rowwise"),
+                   help="with --dtype fp8, how the projections' operands are scaled and cast: delayed (Transformer "
+                        "Engine's default, as Megatron-Core and NeMo run it; the default), tensorwise (per-tensor "
+                        "current scaling: torchao's default, as torchtitan runs it, or Transformer Engine's current "
+                        "scaling) or rowwise (torchao's)")
     g.add_argument("--global-batch", type=int, default=512, help="sequences per step")
     g.add_argument("--machine", default=None, help="preset name or cluster JSON file (default: this host)")
     g.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 | fp8 (default bf16, fp32 on this host; fp8: the "
@@ -198,7 +203,8 @@ def run(args: argparse.Namespace) -> int:
                                              ("--experts", args.experts), ("--top-k", args.top_k),
                                              ("--expert-ffn", args.expert_ffn), ("--ep", args.ep),
                                              ("--moe-dispatcher", args.moe_dispatcher),
-                                             ("--ep-overlap", args.ep_overlap), ("--tp-overlap", args.tp_overlap))
+                                             ("--ep-overlap", args.ep_overlap), ("--tp-overlap", args.tp_overlap),
+                                             ("--fp8-recipe", args.fp8_recipe))
                     if value not in (None, False)]
     if cluster_only:
         raise ConfigError(f"{', '.join(cluster_only)} pin{'s' if len(cluster_only) == 1 else ''} the cluster plan "
@@ -264,7 +270,7 @@ def run_gpt(args: argparse.Namespace) -> int:
                            "selective": "selective", "block": "block"}[args.recompute],
              "recompute_layers": args.recompute_layers, "split_embedding": args.split_embedding_and_loss or None,
              "ep": args.ep, "dispatcher": args.moe_dispatcher, "ep_overlap": args.ep_overlap or None,
-             "tp_overlap": args.tp_overlap}
+             "tp_overlap": args.tp_overlap, "fp8_recipe": args.fp8_recipe}
     print(f"[autopar] planning {config.describe()} on {args.nproc} x {spec.device_name} ({spec.name})...",
           file=sys.stderr, flush=True)
     plan = plan_gpt(config, spec, args.nproc, args.global_batch, dtype, limit, fixed=fixed)

@@ -194,7 +194,7 @@ def nbytes(shape, itemsize: int) -> float:
     return float(math.prod(shape) if shape else 1) * itemsize
 
 
-def _gemm_dims(node: OpNode, plan: OpPlan) -> tuple[int, int, int, int] | None:
+def gemm_dims(node: OpNode, plan: OpPlan) -> tuple[int, int, int, int] | None:
     """(batch, M, N, K) of this device's forward GEMM of a Linear or a (batched) matmul, from its labels: K the
     contracted ones, the batch those of both operands and the output, M the first operand's other output labels,
     N the second's; None for anything else."""
@@ -293,7 +293,7 @@ class NodeCosts:
         measured = timer.node(node, [plan.inputs[i].slice_shape for i in range(len(node.shapes))]) if timer else None
         if measured is not None:  # this operator at this rank's shapes, timed on this job's device
             compute, backward = measured[1], measured[1] - measured[0]
-        elif getattr(machine, "gemm_seconds", None) and (dims := _gemm_dims(node, plan)):
+        elif getattr(machine, "gemm_seconds", None) and (dims := gemm_dims(node, plan)):
             # a cluster device: the forward GEMM and the backward's two (input and weight gradients), each at the
             # rate its own output shape reaches on the device's SMs
             b, m, n, k = dims

@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 
 from autopar.planner.cluster.collectives import all_to_all_seconds, placement
+from autopar.planner.cluster.kernels import fp8_cast_bytes
 
 DISPATCHERS = ("alltoall", "deepep")
 
@@ -71,10 +72,12 @@ def dispatch_bytes(config, spec, tokens: float, ep: int, dispatcher: str, itemsi
     return tokens * (nodes - 1) * node * row, tokens * nodes * (per_node - 1) * rank * row
 
 
-def expert_block(config, spec, machine, tokens: float, ep: int, dispatcher: str, itemsize: int) -> ExpertBlock:
+def expert_block(config, spec, machine, tokens: float, ep: int, dispatcher: str, itemsize: int,
+                 fp8_recipe: str | None = None) -> ExpertBlock:
     """The block for a rank holding ``tokens`` of a micro-batch (its share of the sequence, 1/t of it under
     sequence parallelism), ``machine`` its :class:`~autopar.planner.cluster.kernels.GroupMachine` (the dtype's
-    rates: fp8's for the experts' GEMMs under fp8, as Transformer Engine's grouped linears run them)."""
+    rates: fp8's for the experts' GEMMs under fp8, as Transformer Engine's grouped linears run them, their
+    operands cast as ``fp8_recipe`` says: ``kernels.FP8_CAST_BYTES``)."""
     e, k, h, f = config.experts, config.experts_chosen, config.hidden, config.expert_ffn_size
     local = e // ep
     received = tokens * k  # copies a rank's experts compute, in balance: as many as it sends
@@ -88,10 +91,16 @@ def expert_block(config, spec, machine, tokens: float, ep: int, dispatcher: str,
     # un-permutation (a row read per copy, the token written)
     traffic = (3 * tokens * e + 2 * received * h + 3 * received * f + received * h + tokens * h) * itemsize
     other = 3 * traffic / spec.memory_bandwidth
+    casts = cast_forward = 0.0
+    if fp8_recipe:  # each grouped linear's copies, weights and output gradients cast to fp8 first
+        for both, fwd in (fp8_cast_bytes(fp8_recipe, received * h, local * h * 2 * f, received * 2 * f),
+                          fp8_cast_bytes(fp8_recipe, received * f, local * f * h, received * h)):
+            casts += both / spec.memory_bandwidth
+            cast_forward += fwd / spec.memory_bandwidth
     off, on = dispatch_bytes(config, spec, tokens, ep, dispatcher, itemsize)
     one = all_to_all_seconds(spec, off, on, ep, 1)
     dispatch = 4 * one
-    compute = gemms + other
+    compute = gemms + other + casts
     # kept for the backward: the router's input and its logits and probabilities, each copy's row (the first
     # GEMM's input), gate and up (SwiGLU's input), SwiGLU's output (the second GEMM's input), each expert output
     # (the probability-weighted combine's), and the routing's indices (int64)
@@ -107,6 +116,7 @@ def expert_block(config, spec, machine, tokens: float, ep: int, dispatcher: str,
          "dispatch + combine, x2 backward", other * 1e3, dispatch * 1e3) if ep > 1 else
         ("experts.permute", "memory-bound", f"{received:,.0f} token copies", "local", "permute + combine",
          other * 1e3, 0.0),
-    )
-    return ExpertBlock(compute + dispatch, (fc1 + fc2 + router) + other / 3 + 2 * one, compute, dispatch, kept,
-                       local * 3 * h * f, h * e, table)
+    ) + ((("experts.fp8 casts", "memory-bound", f"{received:,.0f} token copies", fp8_recipe, "before each grouped "
+           "linear", casts * 1e3, 0.0),) if fp8_recipe else ())
+    return ExpertBlock(compute + dispatch, (fc1 + fc2 + router) + other / 3 + cast_forward + 2 * one, compute,
+                       dispatch, kept, local * 3 * h * f, h * e, table)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from autopar.planner.costs import gemm_dims
 from autopar.planner.machine import MachineModel
 
 # threadblock tiles (rows x columns of the output) of cuBLAS's / CUTLASS's bf16 tensor-core GEMMs on A100 and H100
@@ -65,3 +66,57 @@ class GroupMachine(MachineModel):
 
     def collective(self, kind: str, nbytes: float, n: int) -> float:
         return self.spec.collective(kind, nbytes, n, self.stride)[0]
+
+
+# fp8 projections first cast their bf16 operands to fp8 -- memory-bound kernels the GEMMs wait for. Bytes moved per
+# element of each operand of a Linear (its input M x K, its weight K x N, the gradient of its output M x N), (forward,
+# backward), by scaling recipe:
+# - "tensorwise" / "rowwise": torchao's float8 training (torchtitan's; tensorwise is also Transformer Engine's
+#   per-tensor current scaling, an amax pass then a cast-transpose), counted kernel by kernel in torchao's own
+#   roofline (torchao/testing/training/roofline_utils.py, ``get_tensor_memory_traffic_ovhd_s``, unfused): tensorwise
+#   reads an operand once for its absolute maximum and again to write it in fp8 row- and column-major (2 + 2 + 2x1);
+#   rowwise writes a bf16 transpose first (scales per row of each layout), its weight casts spread over both passes;
+# - "delayed": Transformer Engine's default (``DelayedScaling``, as Megatron-Core and NeMo run fp8): the scale comes
+#   from the amax history, so one fused cast-transpose kernel reads bf16 once and writes fp8 twice (2 + 2x1); a
+#   weight is cast once a step (``is_first_microbatch``), a micro-batch's share of it taken as nothing.
+FP8_CAST_BYTES = {
+    "delayed": {"input": (4.0, 0.0), "weight": (0.0, 0.0), "grad_output": (0.0, 4.0)},
+    "tensorwise": {"input": (6.0, 0.0), "weight": (5.0, 3.0), "grad_output": (0.0, 6.0)},
+    "rowwise": {"input": (5.0, 3.0), "weight": (3.0, 7.0), "grad_output": (0.0, 8.0)},
+}
+FP8_RECIPES = tuple(FP8_CAST_BYTES)
+# Under sequence parallelism a column-split projection's input arrives split on the sequence and is gathered: the
+# per-tensor recipes cast the slice and gather fp8 (TE's LayerNormLinear, torchao's Float8ColwiseParallel); rowwise
+# gathers bf16 and casts the whole gathered input on every rank (torchao's README: "rowwise with bfloat16
+# all-gather").
+FP8_CASTS_BEFORE_GATHER = {"delayed": True, "tensorwise": True, "rowwise": False}
+
+
+def fp8_cast_bytes(recipe: str, inputs: float, weights: float, grads: float) -> tuple[float, float]:
+    """(forward + backward, forward) bytes the casts of one fp8 Linear move under ``recipe``, given the elements of
+    its input, its weight and its output's gradient."""
+    total = forward = 0.0
+    for role, elements in (("input", inputs), ("weight", weights), ("grad_output", grads)):
+        fwd, bwd = FP8_CAST_BYTES[recipe][role]
+        forward += fwd * elements
+        total += (fwd + bwd) * elements
+    return total, forward
+
+
+def fp8_cast_seconds(nodes, chosen, memory_bandwidth: float, t: int, sp: bool, recipe: str) -> tuple[float, float]:
+    """(forward + backward, forward) seconds of the fp8 casts of ``nodes``' Linears (their chosen strategies in
+    ``chosen``) on one device of a tensor group of ``t`` under ``recipe`` (:data:`FP8_CAST_BYTES`)."""
+    total = forward = 0.0
+    for node, c in zip(nodes, chosen):
+        dims = gemm_dims(node, c.plan) if node.kind == "linear" else None
+        if dims is None:
+            continue
+        b, m, n, k = dims
+        inputs = b * m * k
+        whole_k = k == node.shapes[1][-1]  # a column-split (or whole) projection: its input whole on the rank
+        if sp and t > 1 and whole_k and FP8_CASTS_BEFORE_GATHER[recipe]:
+            inputs /= t
+        both, fwd = fp8_cast_bytes(recipe, inputs, k * n, b * m * n)
+        total += both / memory_bandwidth
+        forward += fwd / memory_bandwidth
+    return total, forward

@@ -15,7 +15,11 @@ from autopar.errors import StrategyError
 from autopar.planner.cluster.attention import attention_core, kept_by_core, with_context_parallel
 from autopar.planner.cluster.collectives import behind
 from autopar.planner.cluster.experts import expert_block
-from autopar.planner.cluster.kernels import FUSED_LOSS_TRAFFIC_BYTES_PER_LOGIT, LOSS_TRAFFIC_BYTES_PER_LOGIT
+from autopar.planner.cluster.kernels import (
+    FUSED_LOSS_TRAFFIC_BYTES_PER_LOGIT,
+    LOSS_TRAFFIC_BYTES_PER_LOGIT,
+    fp8_cast_seconds,
+)
 from autopar.planner.cluster.memory import kept_twice, loss_peak_bytes, whole_on_every_device
 from autopar.planner.cluster.spec import ClusterSpec
 from autopar.planner.cluster.tensor import is_megatron, layer_seconds, megatron_strategy
@@ -72,14 +76,17 @@ class LayerPlan:
 
 def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: tuple, t: int, spec: ClusterSpec,
                 dtype: str, graph: Graph | None = None, sp: bool = False, attention: str = "fused",
-                tp_overlap: str = "megatron") -> LayerPlan:
+                tp_overlap: str = "megatron", fp8_recipe: str | None = None) -> LayerPlan:
     """``graph``: the module's capture at these inputs, if made already (it does not depend on ``t``).
 
     ``sp``: Megatron's sequence parallelism (Korthikanti et al. 2022, arXiv 2205.05198 sec. 4.2.2) -- the norms,
     dropout and residuals run on ``1/t`` of the sequence, and the inputs the tensor group otherwise keeps whole (a
     column-split projection's) are kept split on the sequence and gathered again in the backward, overlapped with
     the input-gradient matmul as Megatron-LM does. In Megatron's layout the tensor group's collectives are those
-    Megatron-Core runs and hides (``tensor.py``), or as ``tp_overlap`` says another stack hides them."""
+    Megatron-Core runs and hides (``tensor.py``), or as ``tp_overlap`` says another stack hides them.
+
+    ``fp8_recipe`` (under fp8): how the projections' operands are scaled and cast to fp8 (``kernels.FP8_CAST_BYTES``),
+    memory-bound work before the fp8 GEMMs."""
     graph = graph or capture(module, loss, inputs)
     if t > 1:  # the tensor group runs Megatron's layout, as every stack the planner predicts does
         graph = _megatron_layout(graph, t)
@@ -107,6 +114,8 @@ def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: t
     # over the group): memory-bound, forward + backward ~ 3x the traffic
     other = machine.compute("other", 3.0 * graph.other_flops / split, 3.0 * (
         2 * graph.other_activation_bytes / split + graph.elementwise_bytes / t))
+    casts, casts_forward = fp8_cast_seconds(graph.nodes, chosen, spec.memory_bandwidth, t, sp, fp8_recipe) \
+        if dtype == "fp8" and fp8_recipe else (0.0, 0.0)
     itemsize = inputs[0].element_size()
     params = (sum(c.param_bytes for c in chosen) + other_param_bytes(module, graph)) / itemsize
     activations = sum(c.activation_bytes for c in chosen) + graph.other_activation_bytes / split \
@@ -117,7 +126,8 @@ def plan_module(module: torch.nn.Module, loss: torch.nn.Module | None, inputs: t
     # the forward (what a recomputation runs again): a third of each operator's compute (a fused attention's 1 of
     # its 3.5 passes) and, in Megatron's layout, its collectives
     forward = sum((c.compute - c.optimizer) / forward_backward_passes(node) for node, c in zip(graph.nodes, chosen)) + other / 3.0
-    return LayerPlan(t, b, graph, costs, problem, choice, total + other, forward + tp_forward, params, activations,
+    return LayerPlan(t, b, graph, costs, problem, choice, total + other + casts, forward + tp_forward + casts_forward,
+                     params, activations,
                      inputs[0].numel() * itemsize / split,
                      sum(kept_by_core(node, c) for node, c in core),
                      sum((c.compute - c.optimizer) / forward_backward_passes(node) for node, c in core), tp_comm=tp_comm)
@@ -153,15 +163,17 @@ class LayerPlanner:
     sequence parallelism) -- each made once and reused by every candidate that needs it."""
 
     def __init__(self, config: GPTConfig, spec: ClusterSpec, dtype: str, fused_loss: bool = False,
-                 dispatcher: str = "alltoall", ep_overlap: bool = False, tp_overlap: str = "megatron"):
+                 dispatcher: str = "alltoall", ep_overlap: bool = False, tp_overlap: str = "megatron",
+                 fp8_recipe: str = "delayed"):
         """``fused_loss``: the cross entropy one fused kernel that writes its gradient over the logits (no fp32
         copies kept: ``memory.loss_peak_bytes``), as a run that only fits with one ran it. ``dispatcher`` and
         ``ep_overlap``: how a mixture of experts' tokens travel (``experts.py``), and whether its all-to-alls hide
         behind another micro-batch's compute (Megatron-Core's ``--overlap-moe-expert-parallel-comm``: the forward of
         one micro-batch beside the backward of another, each one's all-to-alls under the other's GEMMs).
-        ``tp_overlap``: which tensor-parallel collectives hide behind GEMMs (``tensor.py``: megatron or none)."""
+        ``tp_overlap``: which tensor-parallel collectives hide behind GEMMs (``tensor.py``: megatron or none).
+        ``fp8_recipe``: under fp8, how the projections' operands are scaled (``kernels.FP8_CAST_BYTES``)."""
         self.config, self.spec, self.dtype, self.fused_loss = config, spec, dtype, fused_loss
-        self.tp_overlap = tp_overlap
+        self.tp_overlap, self.fp8_recipe = tp_overlap, fp8_recipe
         self.dispatcher, self.ep_overlap = dispatcher, ep_overlap
         self.torch_dtype = DTYPES[dtype]
         self.itemsize = torch.tensor([], dtype=self.torch_dtype).element_size()
@@ -181,7 +193,7 @@ class LayerPlanner:
         """The same planner with a fused cross entropy: its layers' plans and captures shared (the loss is the
         head's alone), its heads planned again."""
         fused = LayerPlanner(self.config, self.spec, self.dtype, fused_loss=True, dispatcher=self.dispatcher,
-                             ep_overlap=self.ep_overlap, tp_overlap=self.tp_overlap)
+                             ep_overlap=self.ep_overlap, tp_overlap=self.tp_overlap, fp8_recipe=self.fp8_recipe)
         fused._layers, fused._graphs, fused._head_modules = self._layers, self._graphs, self._head_modules
         fused.layer_module, fused.dense_module, fused.window_module = (self.layer_module, self.dense_module,
                                                                        self.window_module)
@@ -230,7 +242,8 @@ class LayerPlanner:
             c = self.config
             x = torch.empty(b, c.seq // cp, c.hidden, dtype=self.torch_dtype, device="meta")
             graph = self._graph(which, b, cp, module, None, (x,))
-            plan = plan_module(module, None, (x,), t, self.spec, self.dtype, graph, sp, c.attention, self.tp_overlap)
+            plan = plan_module(module, None, (x,), t, self.spec, self.dtype, graph, sp, c.attention, self.tp_overlap,
+                               self.fp8_recipe)
             self._layers[(which, t, b, cp, sp)] = with_context_parallel(plan, cp, self.spec)
         return self._layers[(which, t, b, cp, sp)]
 
@@ -242,7 +255,7 @@ class LayerPlanner:
         c = self.config
         tokens = b * c.seq / cp / (plan.t if sp else 1)
         block = expert_block(c, self.spec, self.spec.group_machine(1, 1, self.dtype), tokens, ep, self.dispatcher,
-                             self.itemsize)
+                             self.itemsize, self.fp8_recipe if self.dtype == "fp8" else None)
         dispatch = block.dispatch
         if self.ep_overlap:  # the all-to-alls under the other micro-batch's attention and experts
             dispatch = behind(block.dispatch, block.compute + plan.time, self.spec.overlap_slowdown)
@@ -259,8 +272,10 @@ class LayerPlanner:
             y = torch.empty(b, c.seq // cp, dtype=torch.long, device="meta")
             module = self.head_module(t)
             graph = self._graph(f"head{self.padded_vocab(t)}", b, cp, module, TokenLoss(), (x, y))
-            plan = plan_module(module, TokenLoss(), (x, y), t, self.spec, self.dtype, graph, sp,
-                               tp_overlap=self.tp_overlap)
+            # the output projection stays in bf16 under fp8: Megatron-Core's output layer is not a Transformer Engine
+            # module, and torchtitan's float8 converter leaves ``output`` out (its ``filter_fqns``)
+            plan = plan_module(module, TokenLoss(), (x, y), t, self.spec, "bf16" if self.dtype == "fp8" else self.dtype,
+                               graph, sp, tp_overlap=self.tp_overlap)
             # the logits (the projection's output, as the plan keeps them) give way to the fp32 loss's peak
             logits = sum(plan.costs[n].choices[plan.choice[n]].out_bytes
                          for n, node in enumerate(plan.graph.nodes) if node.name.split(".")[-1] == "out")

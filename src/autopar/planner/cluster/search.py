@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from autopar.errors import ConfigError
 from autopar.planner.cluster.collectives import data_parallel_sync
 from autopar.planner.cluster.experts import DISPATCHERS
+from autopar.planner.cluster.kernels import FP8_RECIPES
 from autopar.planner.cluster.layers import DTYPES, LayerPlanner
 from autopar.planner.cluster.memory import MEMORY_HEADROOM, weight_state_bytes
 from autopar.planner.cluster.pipeline import in_flight, schedule_seconds, stage_sizes, virtual_stages
@@ -231,6 +232,7 @@ class MeshPlan:
                               "zero_shard": c.shard_group if c.zero else None,
                               "split_embedding": c.split_embedding, "ep": c.ep,
                               "tp_overlap": self.planner.tp_overlap,
+                              **({"fp8_recipe": self.planner.fp8_recipe} if self.dtype == "fp8" else {}),
                               **({"moe_dispatcher": self.planner.dispatcher, "ep_overlap": self.planner.ep_overlap}
                                  if self.config.moe else {})},
             "not_run_by_autopar": self.not_run(c),
@@ -267,6 +269,8 @@ class MeshPlan:
                                                 else c.recompute_name),
             f"predicted step: {c.step:.3f} s = " + " + ".join(f"{k} {v:.3f}" for k, v in c.parts.items()),
             *([f"tensor-parallel collectives: {_TP_OVERLAP_TEXT[self.planner.tp_overlap]}"] if c.t > 1 else []),
+            *([f"fp8: the projections' GEMMs, their operands cast by {_FP8_RECIPE_TEXT[self.planner.fp8_recipe]}; "
+               "attention and the output projection in bf16"] if self.dtype == "fp8" else []),
             f"throughput: {self.global_batch * cfg.seq / c.step:,.0f} tokens/s; {self.tflops_per_device():.0f} "
             f"TFLOP/s per device of model FLOPs, MFU {self.mfu():.1%}"
             + (f" ({self.tflops_per_device(with_recompute=True):.0f} TFLOP/s counting recomputation)"
@@ -332,6 +336,10 @@ def _layer_kinds(cfg: GPTConfig) -> str:
         + ("mixture's" if cfg.moe else "full attention's") + "):")
 
 
+_FP8_RECIPE_TEXT = {"delayed": "delayed scaling (Transformer Engine's default: one cast-transpose kernel each)",
+                    "tensorwise": "per-tensor current scaling (torchao's tensorwise, Transformer Engine's current "
+                                  "scaling: an amax pass, then a cast to both layouts)",
+                    "rowwise": "rowwise scaling (torchao: a bf16 transpose, then a cast per layout; gathered in bf16)"}
 _TP_OVERLAP_TEXT = {
     "megatron": "the forward's exposed, the backward's behind the GEMMs launched after them (Megatron-Core)",
     "none": "every one exposed, each waited on where autograd issues it (PyTorch's DTensor tensor parallelism)"}
@@ -436,7 +444,7 @@ def evaluate(planner: LayerPlanner, k: Candidate) -> None:
 
 _FLAGS = {"tp": "--tp", "pp": "--pp", "micro_batch": "--micro-batch", "zero": "--zero", "recompute": "--recompute",
           "vpp": "--vpp", "zero_shard": "--zero-shard", "split_embedding": "--split-embedding-and-loss",
-          "tp_overlap": "--tp-overlap"}
+          "tp_overlap": "--tp-overlap", "fp8_recipe": "--fp8-recipe"}
 
 
 def _pin_text(key: str, value, fixed: dict) -> str:
@@ -711,13 +719,19 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
     configuration); the rest is searched. ``_remedy``: where nothing fits, say what would (the remedies' own plans do not look further)."""
     fixed = dict(fixed or {})
     unknown = set(fixed) - {"tp", "pp", "micro_batch", "zero", "recompute", "vpp", "cp", "sp", "recompute_layers",
-                            "zero_shard", "split_embedding", "ep", "dispatcher", "ep_overlap", "tp_overlap"}
+                            "zero_shard", "split_embedding", "ep", "dispatcher", "ep_overlap", "tp_overlap",
+                            "fp8_recipe"}
     if unknown:
         raise ConfigError(f"unknown plan constraint(s): {', '.join(sorted(unknown))}")
     dispatcher, ep_overlap = _experts(config, fixed)
     tp_overlap = fixed.get("tp_overlap") or "megatron"
     if tp_overlap not in OVERLAPS:
         raise ConfigError(f"--tp-overlap must be {', '.join(OVERLAPS)}, got {tp_overlap!r}")
+    fp8_recipe = fixed.get("fp8_recipe")
+    if fp8_recipe is not None and fp8_recipe not in FP8_RECIPES:
+        raise ConfigError(f"--fp8-recipe must be {', '.join(FP8_RECIPES)}, got {fp8_recipe!r}")
+    if fp8_recipe is not None and dtype != "fp8":
+        raise ConfigError(f"--fp8-recipe {fp8_recipe} scales fp8 projections: it needs --dtype fp8, not {dtype}")
     vpp = fixed.get("vpp")
     if vpp is not None and (isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1):
         raise ConfigError(f"--vpp must be a positive number of virtual stages per device, got {vpp!r}")
@@ -760,7 +774,8 @@ def plan_gpt(config: GPTConfig, spec: ClusterSpec, devices: int, global_batch: i
     spec.peak(dtype)
     limit = memory_limit or spec.memory * MEMORY_HEADROOM
     args = (devices, global_batch, fixed, cps, sp, limit, memory_limit, max_micro_batch, progress)
-    planner = LayerPlanner(config, spec, dtype, dispatcher=dispatcher, ep_overlap=ep_overlap, tp_overlap=tp_overlap)
+    planner = LayerPlanner(config, spec, dtype, dispatcher=dispatcher, ep_overlap=ep_overlap, tp_overlap=tp_overlap,
+                           fp8_recipe=fp8_recipe or "delayed")
     fitting, on_device, smallest, considered = _enumerate(planner, *args)
     if smallest is not None and not fitting:
         # nothing fits the headroom with the cross entropy's fp32 copies (memory.LOSS_BYTES_PER_LOGIT): a run that
