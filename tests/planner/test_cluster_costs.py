@@ -168,6 +168,7 @@ def test_the_fp8_recipe_is_pinned_reported_and_refused_in_one_line(capsys):
     assert steps["delayed"].best.step < steps["tensorwise"].best.step < steps["rowwise"].best.step
     assert steps["rowwise"].to_dict()["configuration"]["fp8_recipe"] == "rowwise"
     assert "rowwise scaling" in steps["rowwise"].explain()
+    assert "fp8 projections (autopar trains in bf16" in steps["rowwise"].explain()  # said: autopar does not run it
     assert "fp8_recipe" not in plan_gpt(cfg, H100, 8, 16, "bf16", fixed=pins).to_dict()["configuration"]
     for bad, match in (({"fp8_recipe": "blockwise"}, "--fp8-recipe must be delayed, tensorwise, rowwise"),):
         with pytest.raises(ConfigError, match=match) as e:

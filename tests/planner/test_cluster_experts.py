@@ -93,7 +93,7 @@ def test_the_search_weighs_expert_parallelism_where_autopar_runs_it():
     degrees = {c.ep for c in plan.ranked}
     assert len(degrees) > 2 and 16 in degrees  # every divisor of the experts and the ranks
     for c in plan.ranked:
-        assert plan.not_run(c) == [], (c.mesh(), plan.not_run(c))
+        assert c.not_run_by_autopar() == [], (c.mesh(), plan.not_run(c))  # (Megatron's tensor overlap aside)
         assert c.ep == 1 or (not c.sp and (c.p > 1 and c.d % c.ep == 0 or c.cp == 1 and c.t == 1)), c.mesh()
     # pinned as Megatron runs it -- experts over a stage's ranks, sequence-parallel tensor groups -- it plans and says
     # what autopar does not run

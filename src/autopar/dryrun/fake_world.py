@@ -9,6 +9,7 @@ a health check (``isnan``, ``isinf``, ``isfinite``) says the value is finite; a 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -198,6 +199,26 @@ def route_alike(module: torch.nn.Module, args):
         local._dryrun_value = uniform_routing(rows, experts, k, local.dtype, seed=dist.get_rank())
     _seeded = True
     return None
+
+
+def routed(answers: "PlainAnswers", index: torch.Tensor, experts: int):
+    """A context in which a fake ``index`` (a mixture's ``[rows, k]`` routing that no pre-hook reached: the opaque
+    operator of a pipeline stage's experts) has values as :func:`route_alike` gives them, and ``answers`` follows
+    values through the ops -- re-entered, as the operator runs inside DTensor's dispatch, where the mode that
+    dispatched to it is off."""
+    global _seeded
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from autopar.layout.leaves import uniform_routing
+
+    if not hasattr(index, "_dryrun_value"):
+        rows, k = index.shape
+        with unset_fake_temporarily():
+            index._dryrun_value = uniform_routing(rows, experts, k, index.dtype, seed=dist.get_rank())
+    _seeded = True
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return contextlib.nullcontext() if answers in _get_current_dispatch_mode_stack() else answers
 
 
 def _joined(*args, **kwargs) -> None:

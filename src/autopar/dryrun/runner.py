@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import runpy
@@ -116,6 +117,10 @@ def run(world: int | None, rank: int, steps: int, script: str, script_args: list
     handle = None
     answers = fake_world.PlainAnswers(os.path.abspath(script))
     modes = (fake_world.fake_tensors(), answers) if world is not None else ()
+    if world is not None:  # a pipeline stage's spread experts: their exchange followed on known routing
+        from autopar.parallel.pipeline import opaque_experts
+
+        opaque_experts.routing_values = functools.partial(fake_world.routed, answers)
     with contextlib.ExitStack() as stack, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for mode in modes:

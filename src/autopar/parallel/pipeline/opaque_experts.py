@@ -114,17 +114,25 @@ def _expert_parallel(key: int, hidden, index, weights, local: list, mesh) -> tor
         module, forward, dict(zip(names, local)), per, h, i, w, start))
 
 
+# A dry run's (``autopar.dryrun``) way to follow the experts' exchange on fake tensors: a function of (a fake
+# routing, the number of experts) giving a context in which the routing has the values a balanced router gives and
+# ops on known values compute theirs (the sizes of what each rank sends and each expert takes); None elsewhere.
+routing_values = None
+
 _warned = False
 
 
 def _unsized_warning() -> None:
-    """Said once by a dry run: expert parallelism's exchange inside pipeline stages is not simulated."""
+    """Said once where fake tensors meet spread experts outside a dry run that follows their routing."""
     global _warned
     if not _warned:
         _warned = True
-        warnings.warn("autopar: a dry run does not simulate expert parallelism's exchange inside pipeline stages "
-                      "(the tokens sent to their experts' ranks and the experts' work on them): the peak it predicts "
-                      "leaves them out (10 % under a real run's on a small GPT)", stacklevel=2)
+        warnings.warn("autopar: fake tensors meet expert parallelism inside a pipeline stage without routing values "
+                      "to send tokens by: the exchange and the experts' work on them are left out", stacklevel=2)
+
+
+def _num_experts(key: int) -> int:
+    return _MODULES[key][0]().num_experts
 
 
 def _expert_parallel_backward(ctx, grad, saved, mesh):
@@ -136,12 +144,17 @@ def _expert_parallel_backward(ctx, grad, saved, mesh):
     hidden, index, weights = (_local(t, tokens[1]) if tokens else t for t in saved[:3])
     grad = _local(grad, tokens[1]) if tokens else grad
     local = [p.to_local() for p in saved[3:]]
-    if is_fake(hidden):  # a dry run's (the forward's reason): gradients of the inputs' sizes
+    again = lambda: _again(ctx, lambda h, w, own: _expert_parallel(ctx.key, h, index, w, own, mesh),  # noqa: E731
+                           hidden, weights, local, grad)
+    if is_fake(hidden) and routing_values is not None:  # a dry run's: the exchange followed on known routing
+        with routing_values(index, _num_experts(ctx.key)):
+            grads = again()
+    elif is_fake(hidden):  # fake tensors without routing values: gradients of the inputs' sizes
+        _unsized_warning()
         grads = [torch.zeros_like(t) if ctx.needs_input_grad[i] else None
                  for t, i in ((hidden, 1), (weights, 3))] + [torch.zeros_like(p) for p in local]
     else:
-        grads = _again(ctx, lambda h, w, own: _expert_parallel(ctx.key, h, index, w, own, mesh), hidden, weights,
-                       local, grad)
+        grads = again()
     if tokens:  # the tokens' gradients placed as the tokens; the experts' summed over the ranks whose tokens they
         # saw where the tokens are split (replicated tokens gave every rank the same)
         inner, placements = tokens
@@ -172,12 +185,12 @@ def _on_local_tensors(op_call, args: tuple, kwargs: dict):
     key, hidden, index, weights, params = args
     spread = _spread_over(params)
     if spread is not None:
-        if is_fake(hidden):  # a dry run's: from inside DTensor's handler the dry run cannot give the routing values
-            _unsized_warning()  # to send tokens by (its value-keeping mode is not on there)
+        if is_fake(hidden) and routing_values is None:  # no routing values to send tokens by
+            _unsized_warning()
             return torch.empty_like(hidden)
         tokens = _inner_tokens(hidden, index, weights)  # (a tensor or context split of the stage: each rank's own)
         h, i, w = (_local(t, tokens[1]) if tokens else t for t in (hidden, index, weights))
-        with torch.no_grad():
+        with torch.no_grad(), (routing_values(i, _num_experts(key)) if is_fake(h) else contextlib.nullcontext()):
             out = _expert_parallel(key, h, i, w, [p.to_local() for p in params], spread)
         return DTensor.from_local(out, tokens[0], tokens[1], run_check=False) if tokens else out
     mesh = next(t.device_mesh for t in (hidden, index, weights, *params) if isinstance(t, DTensor))

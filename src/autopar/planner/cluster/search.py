@@ -184,9 +184,15 @@ class MeshPlan:
     tight: bool = False
 
     def not_run(self, c: Candidate) -> list[str]:
-        """What of ``c`` autopar's runtime does not run (:meth:`Candidate.not_run_by_autopar`), and of the
-        mixture's dispatch: autopar's all-to-all is torch's (NCCL's), run in turn with the compute."""
+        """What of ``c`` autopar's runtime does not run (:meth:`Candidate.not_run_by_autopar`); Megatron-Core's
+        overlap of the tensor group's backward collectives (autopar's layouts wait on each where autograd issues
+        it, as PyTorch's DTensor tensor parallelism does); fp8 projections; and of the mixture's dispatch:
+        autopar's all-to-all is torch's (NCCL's), run in turn with the compute."""
         out = c.not_run_by_autopar()
+        if c.t > 1 and self.planner.tp_overlap == "megatron":  # autopar's layouts are PyTorch's tensor parallelism
+            out.append(TP_OVERLAP_NOT_RUN)
+        if self.dtype == "fp8":
+            out.append(FP8_NOT_RUN)
         if c.ep > 1 and self.planner.dispatcher != "alltoall":
             out.append(f"the {self.planner.dispatcher} dispatcher (autopar's all-to-all is NCCL's)")
         if c.ep > 1 and self.planner.ep_overlap:
@@ -336,6 +342,9 @@ def _layer_kinds(cfg: GPTConfig) -> str:
         + ("mixture's" if cfg.moe else "full attention's") + "):")
 
 
+TP_OVERLAP_NOT_RUN = ("the backward's tensor-parallel collectives hidden behind GEMMs (Megatron-Core's overlap: "
+                      "autopar's layouts wait on each, as --tp-overlap none plans them)")
+FP8_NOT_RUN = "fp8 projections (autopar trains in bf16, fp16 or fp32)"
 _FP8_RECIPE_TEXT = {"delayed": "delayed scaling (Transformer Engine's default: one cast-transpose kernel each)",
                     "tensorwise": "per-tensor current scaling (torchao's tensorwise, Transformer Engine's current "
                                   "scaling: an amax pass, then a cast to both layouts)",
