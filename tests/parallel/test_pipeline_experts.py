@@ -4,10 +4,11 @@ picks its tokens with shapes a trace cannot follow -- each such module is one op
 one process on the global batch. On 4 gloo ranks (2 stages x 2 ranks a stage): ZeRO-1 and ZeRO-3 over a stage's
 replicas; the experts spread over them (expert parallelism, ``ep=2``: each rank 2 of the 4, each token sent to its
 experts' rank), also with one rank's experts chosen by no token and beside ZeRO-1 and ZeRO-3; a tensor split of the
-projections around the experts; a context split of the sequence; routing uneven; sliced checkpoints reloaded onto
+projections around the experts, with Megatron's sequence parallelism of the MoEs' norms or without; a context split of the sequence; routing uneven; sliced checkpoints reloaded onto
 one process; MindSpore's ``nn.transformer.MoE`` with ``expert_parallel`` through ``pipeline_stages``. On 8 ranks:
-the experts spread over groups of a stage's replicas, and beside a tensor or a context split of the stage. One line
-each for a tensor plan naming the experts, an ``ep`` that does not divide a stage's replicas, or ``grads="full"``;
+the experts spread over groups of a stage's replicas, and beside a tensor split (sequence-parallel too) or a context
+split of the stage. One line each for a tensor plan naming the experts, an ``ep`` that does not divide a stage's
+replicas, or ``grads="full"``;
 the layout modes' expert parallelism marked on a pipelined network is said. (Hugging Face's ``MixtralForCausalLM``
 pipelined: tests/models/test_hf_transformers.py.)"""
 import json
@@ -26,12 +27,12 @@ def test_a_mixture_of_experts_trains_exactly_inside_pipeline_stages(procs, tmp_p
         r = json.load(open(tmp_path / f"out.{rank}"))
         assert min(r["routed"]) < 0.6 * max(r["routed"]), r["routed"]  # the router's choices uneven
         assert max(r["routed_idle"][2:]) == 0, r["routed_idle"]  # ep_idle: the second rank's experts take none
-        for case in ("zero1", "zero3", "tp", "cp", "ep", "ep_idle", "ep_zero1", "ep_zero3"):
+        for case in ("zero1", "zero3", "tp", "tp_seq", "cp", "ep", "ep_idle", "ep_zero1", "ep_zero3"):
             c = r[case]
             assert "error" not in c, (rank, case, c.get("error"), c.get("trace"))
             assert c["stage"] == rank // 2 and c["param_diff"] <= TOL, (rank, case, c)
             assert c["loss_diff"] is None or c["loss_diff"] <= 1e-6, (rank, case, c)  # (reported in float32)
-            if case not in ("tp", "cp"):  # (whose weights are DTensors over the inner group)
+            if case not in ("tp", "tp_seq", "cp"):  # (whose weights are DTensors over the inner group)
                 assert (c["shards"] > 0) == ("zero" in case), (rank, case, c)  # ZeRO shards the rest of the stage
             if case.startswith("ep"):  # each rank 2 of its stage's 4 experts
                 assert c["experts"] and all(shape[0] == 2 for shape in c["experts"].values()), (rank, case, c)
@@ -40,7 +41,7 @@ def test_a_mixture_of_experts_trains_exactly_inside_pipeline_stages(procs, tmp_p
                 assert not c["experts"], (rank, case, c)
         assert all(r[case]["sliced_diff"] <= TOL for case in ("zero1", "ep", "ep_zero1")), r
         for case, text in (("split_experts", "a module of stacked experts"), ("ep_uneven", "give an ep that divides 2"),
-                           ("ep_sequence", "beside tensor_parallel 'sequence' modules"), ("ep_full", "needs grads='stage'")):
+                           ("ep_full", "needs grads='stage'")):
             assert text in r[case] and "\n" not in r[case], (case, r[case])
         assert len(r["marked"]) == 1 and "PipelineParallel(..., grads='stage', ep=N)" in r["marked"][0], r["marked"]
 
@@ -72,16 +73,17 @@ def test_experts_spread_over_groups_of_replicas_or_beside_a_tensor_or_context_sp
     """8 ranks, 2 stages. ``ep=2`` over 4 replicas a stage: each group of 2 replicas holds every expert once (each
     rank 2 of the 4), a copy on each group, an expert's gradients summed over the copies -- alone and beside ZeRO-3.
     ``ep=2`` over 2 replicas of 2 ranks a stage: beside a tensor split of the projections around the experts (each
-    rank of a tensor group exchanging its tokens with its peer of the other replica), and beside a context split of
-    the sequence (each rank its own slice of the tokens; the experts' gradients summed over the slices). Each exact
+    rank of a tensor group exchanging its tokens with its peer of the other replica), the same with the MoEs' norms
+    sequence-parallel (each rank of the tensor group its half of the sequence: its own tokens), and beside a context
+    split of the sequence (each rank its own slice of the tokens; the experts' gradients summed over the slices). Each exact
     against one process; the sliced checkpoints of the first and of the tensor split reloaded onto one process."""
     res = procs.run(autopar_cmd("launch", "-n", "8", "--log-dir", str(tmp_path / "logs"),
                                 str(SCRIPTS / "pipeline_moe_train.py"), str(tmp_path / "out"), str(tmp_path),
-                                "ep_groups,ep_groups_zero3,ep_tp,ep_cp"), timeout=300)
+                                "ep_groups,ep_groups_zero3,ep_tp,ep_cp,ep_seq"), timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr + (tmp_path / "logs" / "worker_0.log").read_text()
     for rank in range(8):
         r = json.load(open(tmp_path / f"out.{rank}"))
-        for case in ("ep_groups", "ep_groups_zero3", "ep_tp", "ep_cp"):
+        for case in ("ep_groups", "ep_groups_zero3", "ep_tp", "ep_cp", "ep_seq"):
             c = r[case]
             assert "error" not in c, (rank, case, c.get("error"), c.get("trace"))
             assert c["stage"] == rank // 4 and c["param_diff"] <= TOL, (rank, case, c)

@@ -94,15 +94,19 @@ def test_the_search_weighs_expert_parallelism_where_autopar_runs_it():
     assert len(degrees) > 2 and 16 in degrees  # every divisor of the experts and the ranks
     for c in plan.ranked:
         assert c.not_run_by_autopar() == [], (c.mesh(), plan.not_run(c))  # (Megatron's tensor overlap aside)
-        assert c.ep == 1 or (not c.sp and (c.p > 1 and c.d % c.ep == 0 or c.cp == 1 and c.t == 1)), c.mesh()
+        assert c.ep == 1 or (c.p > 1 and c.d % c.ep == 0) or (not c.sp and c.cp == 1 and c.t == 1), c.mesh()
     # pinned as Megatron runs it -- experts over a stage's ranks, sequence-parallel tensor groups -- it plans and says
-    # what autopar does not run
+    # what autopar does not run: experts over more than a stage's replicas (sequence parallelism beside them inside
+    # pipeline stages it runs: PipelineParallel(ep=..., tensor_parallel={...: "sequence"}))
     staged = plan_gpt(PRESETS["qwen3-235b-a22b"], H100, 256, 512,
                       fixed={"tp": 2, "pp": 8, "vpp": 4, "ep": 32, "cp": 1, "micro_batch": 1})
     assert staged.best.sp and staged.best.ep == 32 and staged.best.expert_replicas == 1
-    assert "sequence parallelism beside expert parallelism" in staged.to_dict()["not_run_by_autopar"]
+    assert not any("sequence parallelism beside" in line for line in staged.to_dict()["not_run_by_autopar"])
     assert any(line.startswith("expert parallelism inside pipeline stages over other than a stage's")
                for line in staged.to_dict()["not_run_by_autopar"])
+    flat = plan_gpt(QWEN, H100, 16, 64, fixed={**PINS, "tp": 2, "ep": 2, "sp": True, "zero": 3})  # (outside pipelines)
+    assert "sequence parallelism beside expert parallelism outside pipeline stages" in \
+        flat.to_dict()["not_run_by_autopar"]
     # inside pipeline stages autopar runs a mixture's experts whole on each rank, or spread over a stage's replicas
     # or groups of them, beside ZeRO over them or not (PipelineParallel(ep=..., zero=...)): the search weighs each
     free = plan_gpt(PRESETS["qwen3-235b-a22b"], H100, 256, 512).ranked
@@ -110,6 +114,7 @@ def test_the_search_weighs_expert_parallelism_where_autopar_runs_it():
     assert any(c.p > 1 and c.ep > 1 and c.zero for c in free) and any(c.p > 1 and c.ep > 1 and not c.zero for c in free)
     assert all(c.d % c.ep == 0 for c in free if c.p > 1)
     assert any(c.p > 1 and 1 < c.ep < c.d for c in free)
+    assert any(c.p > 1 and c.ep > 1 and c.sp for c in free)  # beside sequence-parallel tensor groups too
 
 
 @pytest.mark.parametrize("config, pins, message", [

@@ -6,7 +6,8 @@ data-parallel replicas with ZeRO-1 or ZeRO-3 over them, or the experts spread ov
 rank 2 of the 4, each token sent to its experts' rank; also with the second rank's experts chosen by no token; also
 beside ZeRO-1 and ZeRO-3), as a tensor group splitting the projections around the experts, or as a context group
 splitting the sequence. With CASES (comma-separated), those of the 8-rank ones: ep over groups of 2 of a stage's 4
-replicas (alone, beside ZeRO-3), or over 2 replicas of 2 ranks beside a tensor or a context split. The network: two
+replicas (alone, beside ZeRO-3), or over 2 replicas of 2 ranks beside a tensor split (with sequence parallelism or
+without) or a context split. Without CASES also a tensor split with sequence parallelism around the experts. The network: two
 blocks, each a column/row-split pair of projections with a residual and a top-2 mixture of 4 experts in Hugging
 Face's stacked form (``autopar.models.MoEBlock``), routed unevenly by its router; the stages split between the
 blocks. Each case: per-step losses and every parameter after 3 AdamW steps against one process; sliced checkpoints
@@ -61,6 +62,7 @@ class Net(torch.nn.Module):
 g = torch.Generator().manual_seed(1)
 X, Y = torch.randn(3, 8, 6, 8, generator=g), torch.randint(0, 5, (3, 8, 6), generator=g)
 PROJECTIONS = {f"b{i}.{m}": s for i in (0, 1) for m, s in (("up", "colwise"), ("down", "rowwise"))}
+SEQUENCE = {**PROJECTIONS, "b0.moe.norm": "sequence", "b1.moe.norm": "sequence"}
 # ep: the experts spread over a stage's 2 replicas (each rank 2 of the 4; tokens sent to their experts' rank);
 # ep_idle: and the second rank's experts chosen by no token
 CASES = {"zero1": {"zero": "level1"}, "zero3": {"zero": "level3"}, "tp": {"tp": 2, "tensor_parallel": PROJECTIONS},
@@ -70,8 +72,14 @@ CASES = {"zero1": {"zero": "level1"}, "zero3": {"zero": "level3"}, "tp": {"tp": 
          "ep_groups": {"ep": 2}, "ep_groups_zero3": {"ep": 2, "zero": "level3"},
          # on 8 ranks (2 replicas of 2 ranks a stage): the experts spread over the replicas beside a tensor split of
          # the projections around them, or beside a context split of the sequence (each rank its own tokens)
-         "ep_tp": {"ep": 2, "tp": 2, "tensor_parallel": PROJECTIONS}, "ep_cp": {"ep": 2, "cp": 2}}
-CASES = {k: v for k, v in CASES.items() if (only is None and not k.startswith("ep_groups")) or (only and k in only)}
+         "ep_tp": {"ep": 2, "tp": 2, "tensor_parallel": PROJECTIONS}, "ep_cp": {"ep": 2, "cp": 2},
+         # Megatron's sequence parallelism around the experts: the MoEs' norms (and what follows them up to the next
+         # column split) on each rank's half of the sequence, the tokens the experts take a strided split of the
+         # flattened batch -- their weights' gradients partial sums over the tensor group (4 ranks: tp_seq; 8 ranks:
+         # beside the experts spread over the replicas, ep_seq)
+         "tp_seq": {"tp": 2, "tensor_parallel": SEQUENCE}, "ep_seq": {"ep": 2, "tp": 2, "tensor_parallel": SEQUENCE}}
+EIGHT_RANKS = {"ep_groups", "ep_groups_zero3", "ep_tp", "ep_cp", "ep_seq"}  # (with 4 replicas or 2 of 2 ranks)
+CASES = {k: v for k, v in CASES.items() if (only is None and k not in EIGHT_RANKS) or (only and k in only)}
 
 
 def loss_fn(out, y):
@@ -135,9 +143,7 @@ for key, kwargs in CASES.items():
         results[key] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}", "trace": traceback.format_exc()[-1500:]}
 
 for case, kwargs in () if only else (("split_experts", {"tp": 2, "tensor_parallel": {"b0.moe.experts": "colwise"}}),
-                     ("ep_uneven", {"ep": 3}), ("ep_sequence", {"ep": 2, "tp": 2, "tensor_parallel": {
-                         **PROJECTIONS, "b0.moe.norm": "sequence"}}),
-                     ("ep_full", {"ep": 2, "grads": "full"})):  # one line each
+                     ("ep_uneven", {"ep": 3}), ("ep_full", {"ep": 2, "grads": "full"})):  # one line each
     try:
         PipelineParallel(Net(), loss_fn, 2, ["b1"], **{"grads": "stage", **kwargs})
         results[case] = "no error"

@@ -24,6 +24,7 @@ from torch.func import functional_call
 from autopar.errors import ConfigError
 from autopar.layout.leaves import stacked_experts
 from autopar.parallel.tensor.handlers import install
+from autopar.parallel.tensor.placements import splits
 
 # key -> (the module, weakly: a network let go is not kept alive here; the names of its parameters in the order the
 # operator receives them)
@@ -80,7 +81,7 @@ def _backward(ctx, grad):
     grads = _again(ctx, lambda h, w, own: _run(ctx.key, h, index, w, own), hidden, weights, params, grad)
     if mesh is not None:  # a laid-out stage's: the tokens' gradients placed as the tokens, the weights' summed over
         # the ranks whose tokens they saw (partial where the tokens are split, replicated where they are not)
-        weight = [Partial() if p.is_shard() else Replicate() for p in tokens]
+        weight = [Partial() if splits(p) else Replicate() for p in tokens]
         grads = [g if g is None or not isinstance(s, DTensor) else DTensor.from_local(
             g, mesh, tokens if i < 2 else weight, run_check=False)
             for i, (g, s) in enumerate(zip(grads, (saved[0], saved[2], *saved[3:])))]
@@ -160,7 +161,7 @@ def _expert_parallel_backward(ctx, grad, saved, mesh):
         inner, placements = tokens
         grads[:2] = [g if g is None else DTensor.from_local(g, inner, placements, run_check=False) for g in grads[:2]]
         for dim, p in enumerate(placements):
-            if p.is_shard():
+            if splits(p):
                 for g in grads[2:]:
                     if g is not None:
                         torch.distributed.all_reduce(g, group=inner.get_group(dim))
@@ -216,8 +217,8 @@ def _local(t, placements):
     if not isinstance(t, DTensor):
         return t
     want = list(placements) if placements is not None else [Replicate()] * t.device_mesh.ndim
-    if any(p.is_shard() and p.dim != 0 for p in want) or (placements is None and any(
-            p.is_shard() for p in t.placements)):
+    if any(splits(p) and p.dim != 0 for p in want) or (placements is None and any(
+            splits(p) for p in t.placements)):
         raise ConfigError(f"stacked experts inside a pipeline stage run whole on each rank, on its tokens, but "
                           f"receive a tensor placed {tuple(t.placements)}: keep the experts and the modules that "
                           "feed them out of tensor_parallel (split the attention's projections)")

@@ -132,7 +132,7 @@ class PipelineParallel:
                               f"rank(s) of a pipeline stage ({world} ranks over {self.num_stages} stages)")
         self.pp_group, self.dp_group, self.stage_index, self.replica = _groups(self.num_stages, self.tp, self.cp)
         self.replicas = world // self.num_stages // inner
-        self.ep = layout.expert_plan(ep, grads, self.replicas, "sequence" in self.tensor_plan.values())
+        self.ep = layout.expert_plan(ep, grads, self.replicas)
         self._schedule = None
         self._edp_group = None  # experts spread over groups of ep replicas: the groups' copies of an expert
         self.stage_module: torch.nn.Module | None = None

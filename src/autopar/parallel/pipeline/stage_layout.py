@@ -182,13 +182,12 @@ def check_sequence_divides(example: tuple, cp: int) -> None:
                               f"the sequence to a multiple of {cp})")
 
 
-def expert_plan(ep, grads: str, replicas: int, sequence: bool = False) -> int:
+def expert_plan(ep, grads: str, replicas: int) -> int:
     """``PipelineParallel(ep=...)``, checked in one line: expert parallelism over the stage's replicas -- all of
     them or each group of ``ep`` consecutive ones (each rank holding experts / ep) -- beside data parallel, ZeRO
-    (which shards the rest of the stage over the replicas, the experts left out of its shards) and a tensor or
-    context split of the stage (each rank of the inner group exchanging its own tokens with its peers of the other
-    replicas) -- not yet beside sequence parallelism (``sequence``: a tensor plan with ``"sequence"`` modules), whose
-    first try was not exact."""
+    (which shards the rest of the stage over the replicas, the experts left out of its shards) and a tensor split
+    (sequence-parallel or not) or a context split of the stage (each rank of the inner group exchanging its own
+    tokens with its peers of the other replicas)."""
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise ConfigError(f"PipelineParallel ep must be a positive number of ranks, got {ep!r}")
     if ep == 1:
@@ -196,9 +195,6 @@ def expert_plan(ep, grads: str, replicas: int, sequence: bool = False) -> int:
     if grads != "stage":
         raise ConfigError(f"PipelineParallel ep={ep} spreads a stage's experts over its replicas, which needs "
                           "grads='stage' (with 'full' every rank steps every parameter)")
-    if sequence:
-        raise ConfigError(f"PipelineParallel ep={ep} beside tensor_parallel 'sequence' modules (sequence "
-                          "parallelism) is not run yet: drop 'sequence' (the tensor split runs with ep), or ep")
     if replicas % ep:
         raise ConfigError(f"PipelineParallel ep={ep}: a stage's experts spread over its {replicas} data-parallel "
                           f"replica(s) or over groups of them -- give an ep that divides {replicas}")

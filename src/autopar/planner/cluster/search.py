@@ -102,13 +102,14 @@ class Candidate:
             out.append("sequence parallelism with context parallelism")
         if self.ep > 1:  # autopar runs expert parallelism beside data parallel, ZeRO and tensor parallelism, and
             # inside pipeline stages over a stage's data-parallel replicas or groups of them, beside ZeRO and a
-            # tensor or context split of the stage
+            # tensor split (sequence-parallel or not) or a context split of the stage
             staged = self.p > 1 and self.d % self.ep != 0
             out += [what for what, where in (
                 ("expert parallelism inside pipeline stages over other than a stage's data-parallel replicas or "
                  "groups of them", staged),
                 ("expert parallelism with context parallelism", self.cp > 1 and self.p == 1),
-                ("sequence parallelism beside expert parallelism", self.sp)) if where]
+                ("sequence parallelism beside expert parallelism outside pipeline stages", self.sp and self.p == 1))
+                if where]
         if self.p > 1 and self.zero >= 1 and self.cp > 1 and self.shard_group == self.d * self.cp:
             out.append(f"ZeRO-{self.zero} over the context group inside pipeline stages (autopar shards over the "
                        f"{self.d} data-parallel replicas)")
@@ -673,19 +674,19 @@ def expert_options(config: GPTConfig, fixed: dict, t: int, cp: int, d: int, p: i
     dense model): the pinned one where it divides them and the experts; searched, every divisor of both -- where
     autopar's runtime runs expert parallelism: beside data parallel and ZeRO with the sequence whole and no tensor
     group, and inside pipeline stages over a stage's data-parallel replicas or each group of ``ep`` of them, beside
-    ZeRO over them and a tensor or context split of the stage or not (``PipelineParallel(ep=..., zero=..., tp=...,
-    cp=...)``) -- elsewhere the experts whole (``Candidate.not_run_by_autopar``)."""
+    ZeRO over them and a tensor split (sequence-parallel or not) or a context split of the stage or neither
+    (``PipelineParallel(ep=..., zero=..., tp=..., cp=...)``) -- elsewhere the experts whole
+    (``Candidate.not_run_by_autopar``)."""
     if not config.moe:
         return [1]
     ranks, pinned = t * cp * d, fixed.get("ep")
     if pinned is not None:
         return [pinned] if ranks % pinned == 0 and config.experts % pinned == 0 else []
-    if sp:
-        return [1]
-    if p > 1:  # inside pipeline stages: over a stage's replicas or groups of them, beside a tensor or context split
-        # of the stage or not (PipelineParallel(ep=..., tp=..., cp=...))
+    if p > 1:  # inside pipeline stages: over a stage's replicas or groups of them, beside a tensor split (with
+        # sequence parallelism or without) or a context split of the stage or neither (PipelineParallel(ep=...,
+        # tp=..., tensor_parallel={...: "sequence"}, cp=...))
         return [e for e in range(1, d + 1) if d % e == 0 and config.experts % e == 0]
-    if cp > 1 or t > 1:
+    if sp or cp > 1 or t > 1:
         return [1]
     return [e for e in range(1, min(ranks, config.experts) + 1) if ranks % e == 0 and config.experts % e == 0]
 
