@@ -208,6 +208,7 @@ def routed(answers: "PlainAnswers", index: torch.Tensor, experts: int):
     dispatched to it is off."""
     global _seeded
     from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     from autopar.layout.leaves import uniform_routing
 
@@ -216,8 +217,6 @@ def routed(answers: "PlainAnswers", index: torch.Tensor, experts: int):
         with unset_fake_temporarily():
             index._dryrun_value = uniform_routing(rows, experts, k, index.dtype, seed=dist.get_rank())
     _seeded = True
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
     return contextlib.nullcontext() if answers in _get_current_dispatch_mode_stack() else answers
 
 

@@ -171,9 +171,10 @@ class LayerPlanner:
         behind another micro-batch's compute (Megatron-Core's ``--overlap-moe-expert-parallel-comm``: the forward of
         one micro-batch beside the backward of another, each one's all-to-alls under the other's GEMMs).
         ``tp_overlap``: which tensor-parallel collectives hide behind GEMMs (``tensor.py``: megatron or none).
-        ``fp8_recipe``: under fp8, how the projections' operands are scaled (``kernels.FP8_CAST_BYTES``)."""
+        ``fp8_recipe``: under fp8, how the projections' operands are scaled (``kernels.FP8_CAST_BYTES``); None in
+        another dtype."""
         self.config, self.spec, self.dtype, self.fused_loss = config, spec, dtype, fused_loss
-        self.tp_overlap, self.fp8_recipe = tp_overlap, fp8_recipe
+        self.tp_overlap, self.fp8_recipe = tp_overlap, fp8_recipe if dtype == "fp8" else None
         self.dispatcher, self.ep_overlap = dispatcher, ep_overlap
         self.torch_dtype = DTYPES[dtype]
         self.itemsize = torch.tensor([], dtype=self.torch_dtype).element_size()
@@ -255,7 +256,7 @@ class LayerPlanner:
         c = self.config
         tokens = b * c.seq / cp / (plan.t if sp else 1)
         block = expert_block(c, self.spec, self.spec.group_machine(1, 1, self.dtype), tokens, ep, self.dispatcher,
-                             self.itemsize, self.fp8_recipe if self.dtype == "fp8" else None)
+                             self.itemsize, self.fp8_recipe)
         dispatch = block.dispatch
         if self.ep_overlap:  # the all-to-alls under the other micro-batch's attention and experts
             dispatch = behind(block.dispatch, block.compute + plan.time, self.spec.overlap_slowdown)
