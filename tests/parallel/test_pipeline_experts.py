@@ -71,7 +71,9 @@ def test_mindspores_mixture_of_experts_trains_exactly_in_pipeline_stages_through
 
 def test_experts_spread_over_groups_of_replicas_or_beside_a_tensor_or_context_split_train_exactly(procs, tmp_path):
     """8 ranks, 2 stages. ``ep=2`` over 4 replicas a stage: each group of 2 replicas holds every expert once (each
-    rank 2 of the 4), a copy on each group, an expert's gradients summed over the copies -- alone and beside ZeRO-3.
+    rank 2 of the 4), a copy on each group, an expert's gradients summed over the copies -- alone, and beside ZeRO-1
+and ZeRO-3, where the copies are ZeRO's shards too (each rank half of its group's copy, AdamW's state the same half,
+as Megatron's distributed optimizer shards experts over their expert-data-parallel ranks).
     ``ep=2`` over 2 replicas of 2 ranks a stage: beside a tensor split of the projections around the experts (each
     rank of a tensor group exchanging its tokens with its peer of the other replica), the same with the MoEs' norms
     sequence-parallel (each rank of the tensor group its half of the sequence: its own tokens), and beside a context
@@ -79,18 +81,24 @@ def test_experts_spread_over_groups_of_replicas_or_beside_a_tensor_or_context_sp
     against one process; the sliced checkpoints of the first and of the tensor split reloaded onto one process."""
     res = procs.run(autopar_cmd("launch", "-n", "8", "--log-dir", str(tmp_path / "logs"),
                                 str(SCRIPTS / "pipeline_moe_train.py"), str(tmp_path / "out"), str(tmp_path),
-                                "ep_groups,ep_groups_zero3,ep_tp,ep_cp,ep_seq"), timeout=300)
+                                "ep_groups,ep_groups_zero1,ep_groups_zero3,ep_tp,ep_cp,ep_seq"), timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr + (tmp_path / "logs" / "worker_0.log").read_text()
     for rank in range(8):
         r = json.load(open(tmp_path / f"out.{rank}"))
-        for case in ("ep_groups", "ep_groups_zero3", "ep_tp", "ep_cp", "ep_seq"):
+        for case in ("ep_groups", "ep_groups_zero1", "ep_groups_zero3", "ep_tp", "ep_cp", "ep_seq"):
             c = r[case]
             assert "error" not in c, (rank, case, c.get("error"), c.get("trace"))
             assert c["stage"] == rank // 4 and c["param_diff"] <= TOL, (rank, case, c)
             assert c["experts"] and all(shape[0] == 2 for shape in c["experts"].values()), (rank, case, c)
+            # each rank's 2 experts: gate_up (2, 48, 16) and down (2, 16, 24) -- under ZeRO, half of its group's copy
+            halved = "zero" in case
+            assert sorted(c["experts"].values()) == sorted(
+                [[2, 24 if halved else 48, 16], [2, 8 if halved else 16, 24]]), (rank, case, c)
+            assert c["expert_states"] == c["experts"], (rank, case, c)  # AdamW's state the same share
             if case.startswith("ep_groups"):
-                assert (c["shards"] > 0) == case.endswith("zero3"), (rank, case, c)
+                assert (c["shards"] > 0) == halved, (rank, case, c)
                 assert "spread over groups of 2 of its 4 replicas" in c["sync"], c["sync"]
+                assert ("reduce-scattered into ZeRO's shards of them" in c["sync"]) == halved, c["sync"]
             else:
                 assert "experts spread over its 2 replicas" in c["sync"], c["sync"]
-        assert r["ep_groups"]["sliced_diff"] <= TOL and r["ep_tp"]["sliced_diff"] <= TOL, r
+        assert all(r[case]["sliced_diff"] <= TOL for case in ("ep_groups", "ep_groups_zero1", "ep_tp")), r

@@ -6,7 +6,7 @@ data-parallel replicas with ZeRO-1 or ZeRO-3 over them, or the experts spread ov
 rank 2 of the 4, each token sent to its experts' rank; also with the second rank's experts chosen by no token; also
 beside ZeRO-1 and ZeRO-3), as a tensor group splitting the projections around the experts, or as a context group
 splitting the sequence. With CASES (comma-separated), those of the 8-rank ones: ep over groups of 2 of a stage's 4
-replicas (alone, beside ZeRO-3), or over 2 replicas of 2 ranks beside a tensor split (with sequence parallelism or
+replicas (alone, beside ZeRO-1 and ZeRO-3: each expert's two copies split between them too), or over 2 replicas of 2 ranks beside a tensor split (with sequence parallelism or
 without) or a context split. Without CASES also a tensor split with sequence parallelism around the experts. The network: two
 blocks, each a column/row-split pair of projections with a residual and a top-2 mixture of 4 experts in Hugging
 Face's stacked form (``autopar.models.MoEBlock``), routed unevenly by its router; the stages split between the
@@ -69,7 +69,9 @@ CASES = {"zero1": {"zero": "level1"}, "zero3": {"zero": "level3"}, "tp": {"tp": 
          "cp": {"cp": 2}, "ep": {"ep": 2}, "ep_idle": {"ep": 2}, "ep_zero1": {"ep": 2, "zero": "level1"},
          "ep_zero3": {"ep": 2, "zero": "level3"},
          # on 8 ranks (4 replicas a stage): the experts spread over each group of 2 replicas, a copy on each group
-         "ep_groups": {"ep": 2}, "ep_groups_zero3": {"ep": 2, "zero": "level3"},
+         # (under ZeRO each group's copy of an expert split over the groups too: ZeRO's shards of the copies)
+         "ep_groups": {"ep": 2}, "ep_groups_zero1": {"ep": 2, "zero": "level1"},
+         "ep_groups_zero3": {"ep": 2, "zero": "level3"},
          # on 8 ranks (2 replicas of 2 ranks a stage): the experts spread over the replicas beside a tensor split of
          # the projections around them, or beside a context split of the sequence (each rank its own tokens)
          "ep_tp": {"ep": 2, "tp": 2, "tensor_parallel": PROJECTIONS}, "ep_cp": {"ep": 2, "cp": 2},
@@ -78,7 +80,7 @@ CASES = {"zero1": {"zero": "level1"}, "zero3": {"zero": "level3"}, "tp": {"tp": 
          # flattened batch -- their weights' gradients partial sums over the tensor group (4 ranks: tp_seq; 8 ranks:
          # beside the experts spread over the replicas, ep_seq)
          "tp_seq": {"tp": 2, "tensor_parallel": SEQUENCE}, "ep_seq": {"ep": 2, "tp": 2, "tensor_parallel": SEQUENCE}}
-EIGHT_RANKS = {"ep_groups", "ep_groups_zero3", "ep_tp", "ep_cp", "ep_seq"}  # (with 4 replicas or 2 of 2 ranks)
+EIGHT_RANKS = {"ep_groups", "ep_groups_zero1", "ep_groups_zero3", "ep_tp", "ep_cp", "ep_seq"}  # (with 4 replicas or 2 of 2 ranks)
 CASES = {k: v for k, v in CASES.items() if (only is None and k not in EIGHT_RANKS) or (only and k in only)}
 
 
@@ -122,10 +124,13 @@ for key, kwargs in CASES.items():
         sliced = None
         experts = {n: list(p.to_local().shape) for n, p in runner.stage_module.named_parameters()
                    if getattr(p, "_autopar_spread", False)}  # each rank's share of its stage's experts
+        # the optimizer's state of the experts on this rank (AdamW's exp_avg): the share it steps
+        states = {n: list(opt.state[p]["exp_avg"].to_local().shape) for n, p in runner.stage_module.named_parameters()
+                  if getattr(p, "_autopar_spread", False) and p in opt.state}
         # the rest of the stage: ZeRO's shards (FSDP2's DTensors over the replicas), or whole
         shards = sum(isinstance(p, DTensor) for p in runner.stage_module.parameters()
                      if not getattr(p, "_autopar_spread", False))
-        if key in ("zero1", "ep", "ep_zero1", "ep_groups", "ep_tp"):  # each rank's shards, reloaded onto one process
+        if key in ("zero1", "ep", "ep_zero1", "ep_groups", "ep_groups_zero1", "ep_tp"):  # each rank's shards, reloaded onto one process
             autopar.save_checkpoint(net, f"{ckpt_dir}/{key}_sliced_{rank}", integrated_save=False)
             torch.distributed.barrier()
             plain = Net()
@@ -136,6 +141,7 @@ for key, kwargs in CASES.items():
                         else None,
                         "param_diff": max(float((whole(p) - want[k]).abs().max()) for k, p in net.named_parameters()),
                         "stage": runner.stage_index, "sliced_diff": sliced, "experts": experts, "shards": shards,
+                        "expert_states": states,
                         "sync": runner.gradient_sync}
     except Exception as exc:  # noqa: BLE001 - recorded: the test names the case
         import traceback

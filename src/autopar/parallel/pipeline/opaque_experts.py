@@ -18,7 +18,7 @@ import weakref
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.func import functional_call
 
 from autopar.errors import ConfigError
@@ -97,6 +97,30 @@ def _spread_over(params):
     return None
 
 
+def split_copies(p) -> bool:
+    """Is ``p``, a spread expert weight, stored split over the groups' copies (ZeRO's shards of them,
+    :func:`autopar.parallel.pipeline.stage_layout.spread_experts`)?"""
+    return isinstance(p, DTensor) and any(splits(q) for q in p.placements[:-1])
+
+
+def _copy(p) -> torch.Tensor:
+    """This rank's experts' weights whole: ``p``'s local tensor, gathered over the groups' copies where ZeRO
+    splits them."""
+    if split_copies(p):
+        p = p.redistribute(p.device_mesh, [Replicate()] * (p.device_mesh.ndim - 1) + [Shard(0)])
+    return p.to_local()
+
+
+def _placed(g: torch.Tensor, p):
+    """A rank's gradient of its experts' weights ``p`` (whole over its group's tokens) placed as ``p``: the groups'
+    sums reduce-scattered into ZeRO's shards where ``p`` is split over the copies."""
+    if not split_copies(p):
+        return DTensor.from_local(g, p.device_mesh, p.placements, run_check=False)
+    mesh = p.device_mesh
+    return DTensor.from_local(g, mesh, [Partial()] * (mesh.ndim - 1) + [Shard(0)], run_check=False).redistribute(
+        mesh, p.placements)
+
+
 def _expert_parallel(key: int, hidden, index, weights, local: list, mesh) -> torch.Tensor:
     """The experts spread over ``mesh``'s last axis (a stage's replicas, or a group of ep of them: each rank holding
     ``experts / ep``, ``local`` their weights): each token sent with its routing only to the ranks of its group
@@ -144,7 +168,7 @@ def _expert_parallel_backward(ctx, grad, saved, mesh):
     tokens = _inner_tokens(*saved[:3])  # (a tensor or context split of the stage: each rank's own tokens)
     hidden, index, weights = (_local(t, tokens[1]) if tokens else t for t in saved[:3])
     grad = _local(grad, tokens[1]) if tokens else grad
-    local = [p.to_local() for p in saved[3:]]
+    local = [_copy(p) for p in saved[3:]]
     again = lambda: _again(ctx, lambda h, w, own: _expert_parallel(ctx.key, h, index, w, own, mesh),  # noqa: E731
                            hidden, weights, local, grad)
     if is_fake(hidden) and routing_values is not None:  # a dry run's: the exchange followed on known routing
@@ -165,8 +189,7 @@ def _expert_parallel_backward(ctx, grad, saved, mesh):
                 for g in grads[2:]:
                     if g is not None:
                         torch.distributed.all_reduce(g, group=inner.get_group(dim))
-    placed = [None if g is None else DTensor.from_local(g, mesh, p.placements, run_check=False)
-              for g, p in zip(grads[2:], saved[3:])]
+    placed = [None if g is None else _placed(g, p) for g, p in zip(grads[2:], saved[3:])]
     return None, grads[0], None, grads[1], placed
 
 
@@ -192,7 +215,7 @@ def _on_local_tensors(op_call, args: tuple, kwargs: dict):
         tokens = _inner_tokens(hidden, index, weights)  # (a tensor or context split of the stage: each rank's own)
         h, i, w = (_local(t, tokens[1]) if tokens else t for t in (hidden, index, weights))
         with torch.no_grad(), (routing_values(i, _num_experts(key)) if is_fake(h) else contextlib.nullcontext()):
-            out = _expert_parallel(key, h, i, w, [p.to_local() for p in params], spread)
+            out = _expert_parallel(key, h, i, w, [_copy(p) for p in params], spread)
         return DTensor.from_local(out, tokens[0], tokens[1], run_check=False) if tokens else out
     mesh = next(t.device_mesh for t in (hidden, index, weights, *params) if isinstance(t, DTensor))
     tokens = _token_placements(hidden, index, weights)

@@ -39,7 +39,7 @@ from autopar.errors import ConfigError, user_stacklevel
 from autopar.labels import call_loss, class_indices
 from autopar.layout.leaves import stacked_experts
 from autopar.parallel.pipeline import stage_layout as layout
-from autopar.parallel.pipeline.opaque_experts import opaque_while_traced
+from autopar.parallel.pipeline.opaque_experts import opaque_while_traced, split_copies
 from autopar.parallel.pipeline.split import network_output_loss, piece_calls, pieces_of
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -207,7 +207,8 @@ class PipelineParallel:
                 "dp", (self.replicas // self.ep, self.ep), ("edp", "ep"))["edp", "ep"]
             if experts_mesh.ndim == 2:  # the groups' copies of an expert, summed over after each step
                 self._edp_group = experts_mesh.get_group("edp")
-            layout.spread_experts(modules, self.network, self._sharded, experts_mesh, experts)
+            layout.spread_experts(modules, self.network, self._sharded, experts_mesh, experts,
+                                  zero=self.zero is not None)
         if self.zero is not None:  # (after the tensor split: FSDP2 shards the split weights over the replicas)
             layout.shard_over_replicas(modules, self.network, self._sharded, mesh["dp"], self.zero,
                                        self.gradients_mean)
@@ -257,7 +258,8 @@ class PipelineParallel:
         spread = "" if self.ep == 1 else (
             f"; its experts spread over its {self.replicas} replicas (each rank's experts' gradients its own)"
             if self.ep == self.replicas else f"; its experts spread over groups of {self.ep} of its {self.replicas} "
-            f"replicas (an expert's gradients summed over the {self.replicas // self.ep} groups' copies)")
+            f"replicas (an expert's gradients summed over the {self.replicas // self.ep} groups' copies" + (
+                ", reduce-scattered into ZeRO's shards of them)" if self.zero else ")"))
         return f"each stage's {how} over its {self.replicas} replicas after the last micro-batch" + spread
 
     def _training(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
@@ -348,12 +350,15 @@ class PipelineParallel:
                 reduce_now([layout.local(p.grad) for p in mine], self.dp_group, replicas, into=True)
             if spread:  # the replicas' mean, as the others' (their losses' gradients were summed there); spread over
                 # groups of ep replicas, each group's copies summed first
-                local = [layout.local(p.grad) for p in spread]
-                if self._edp_group is not None:
-                    reduce_now(local, self._edp_group, replicas, into=True)
-                else:
-                    for g in local:
-                        g.mul_(replicas)
+                # (ZeRO's shards of the groups' copies arrive summed over them: the experts' operator
+                # reduce-scattered them)
+                copies = [p for p in spread if self._edp_group is not None and not split_copies(p)]
+                if copies:
+                    reduce_now([layout.local(p.grad) for p in copies], self._edp_group, replicas, into=True)
+                summed = {id(p) for p in copies}
+                for p in spread:
+                    if id(p) not in summed:
+                        layout.local(p.grad).mul_(replicas)
             tied = [self._training(p) for p in self._tied_parameters()]
             if tied:  # (sharded alike on every stage that holds one: the local slices line up)
                 grads = [layout.local(p.grad) if p.grad is not None else torch.zeros_like(layout.local(p))

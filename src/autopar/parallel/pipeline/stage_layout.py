@@ -54,21 +54,26 @@ def shard_over_replicas(pieces: list, network: torch.nn.Module, sharded: dict, m
             old.data = torch.empty(0, dtype=old.dtype, device=old.device)  # its memory: the shard's now
 
 
-def spread_experts(pieces: list, network: torch.nn.Module, sharded: dict, mesh, experts: set[str]) -> None:
+def spread_experts(pieces: list, network: torch.nn.Module, sharded: dict, mesh, experts: set[str],
+                   zero: bool = False) -> None:
     """Expert parallelism inside the stage (Megatron-LM's EP under PP, folded over the data-parallel ranks): each
     module of stacked experts in this rank's pieces keeps ``experts / ep`` of its experts -- its weights split on
     the expert dimension over the stage's replicas (``mesh``, their ``dp`` axis), or over groups of ``ep`` of them
     (a 2-D ``(edp, ep)`` mesh: split on ``ep``, a copy on each group), marked ``_autopar_spread`` -- and its operator
     (:mod:`.opaque_experts`) sends each token to the replicas of its group holding its experts. Each rank's experts'
-    gradients are whole over its group's tokens: the runner sums them over the groups' copies only. ``experts``:
-    the names of the network's modules of stacked experts, found before any of its weights gave its memory up (a
-    module half given up, by a tensor split of the stage, no longer looks stacked)."""
+    gradients are whole over its group's tokens: the runner sums them over the groups' copies only. Under ZeRO
+    (``zero``) with copies on several groups, the copies are ZeRO's too, as Megatron-LM's distributed optimizer
+    shards the experts over their expert-data-parallel ranks: each weight is stored split on its second dimension
+    over the groups (the ``edp`` axis), so its gradients and optimizer state are 1/edp of a copy's; the operator
+    gathers the copy for each call and reduce-scatters its gradients (FSDP2 cannot take parameters already
+    placed on a mesh). ``experts``: the names of the network's modules of stacked experts, found before any of its
+    weights gave its memory up (a module half given up, by a tensor split of the stage, no longer looks stacked)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     remap_before_steps()
     own = dict(network.named_parameters(remove_duplicate=False))
     ep = mesh.size(mesh.ndim - 1)  # the experts' axis: the mesh's last (a copy on each of the others)
-    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+    zero = zero and mesh.ndim > 1  # (copies only where there are groups)
     for piece in pieces:
         for name, whole in list(piece.graph_module.named_parameters(remove_duplicate=False)):
             owner, _, attr = name.rpartition(".")
@@ -78,6 +83,9 @@ def spread_experts(pieces: list, network: torch.nn.Module, sharded: dict, mesh, 
                 raise ConfigError(f"ep={ep}: module '{owner}' has {whole.shape[0]} experts, which {ep} ranks do "
                                   "not divide")
             value = whole.to_local() if isinstance(whole, DTensor) else whole  # (replicated over a tensor group)
+            # the groups' copies of an expert: ZeRO's shards (a 1-D weight, one number an expert, whole), or whole
+            copies = Shard(1) if zero and value.dim() > 1 else Replicate()
+            placements = [copies] * (mesh.ndim - 1) + [Shard(0)]
             split = torch.nn.Parameter(distribute_tensor(value.detach().clone(), mesh, placements),
                                        requires_grad=whole.requires_grad)
             split._autopar_spread = True
@@ -185,7 +193,8 @@ def check_sequence_divides(example: tuple, cp: int) -> None:
 def expert_plan(ep, grads: str, replicas: int) -> int:
     """``PipelineParallel(ep=...)``, checked in one line: expert parallelism over the stage's replicas -- all of
     them or each group of ``ep`` consecutive ones (each rank holding experts / ep) -- beside data parallel, ZeRO
-    (which shards the rest of the stage over the replicas, the experts left out of its shards) and a tensor split
+    (which shards the rest of the stage over the replicas, and the groups' copies of the experts over the groups)
+    and a tensor split
     (sequence-parallel or not) or a context split of the stage (each rank of the inner group exchanging its own
     tokens with its peers of the other replicas)."""
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
