@@ -67,11 +67,20 @@ def config(row: dict) -> GPTConfig:
                      kv_heads=m["kv_heads"], family=m["family"], attention=row["attention"])
 
 
+# Stacks whose tensor-parallel linears all-reduce the input's gradient synchronously in the backward -- Megatron-LM's
+# ``copy_to_tensor_model_parallel_region`` of before its asynchronous all-reduce (2021-09), which the Megatron-DeepSpeed
+# forks (bigscience-workshop/Megatron-DeepSpeed ``megatron/mpu/layers.py``, ``ColumnParallelLinear.forward``) and
+# GPT-NeoX (EleutherAI/gpt-neox ``megatron/mpu/layers.py``: ``copy_to_model_parallel_region``) kept
+SYNCHRONOUS_TP = ("Megatron-DeepSpeed", "GPT-NeoX")
+
+
 def tp_overlap(row: dict) -> str:
     """How the row's stack hides its tensor-parallel collectives (``--tp-overlap``): PyTorch's DTensor tensor
     parallelism (torchtitan, KempnerForge), each collective waited on where autograd issues it, ``none`` -- but
     where the run says it ran async TP (torchtitan's ``enable_async_tensor_parallel``), which the planner reads as
     Megatron-Core's overlap (``cluster/tensor.py``), as it does for the Megatron family."""
+    if any(stack in row.get("framework", "") for stack in SYNCHRONOUS_TP):
+        return "none"
     note = row.get("metric_note", "").lower()  # "Vanilla TP tokens/sec column.", "... AsyncTP on."
     name = row["name"].lower().replace("torchtitan-asynctp-", "")  # (the async-TP table's own name aside)
     if "DTensor" not in row.get("framework", "") or (
