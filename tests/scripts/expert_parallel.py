@@ -5,7 +5,9 @@ batches. The router is skewed so that routing is uneven and expert 0 receives no
 
 Cases: ``ep`` (the experts over every rank: 8 experts on 2 or 4; its sliced checkpoint read back whole into one
 process), ``ep_zero3`` (with ZeRO-3), ``ep_tp`` (with the
-router's input projection split by columns and its output projection by rows), ``ms_moe`` (the MindSpore door:
+router's input projection split by columns and its output projection by rows), ``ep_seq`` (2 ranks: Megatron's
+sequence parallelism beside the experts -- a column- then a row-split projection, a norm on each rank's slice of the
+sequence, the experts' tokens the flattened slices), ``ms_moe`` (the MindSpore door:
 ``nn.transformer.MoE`` with ``MoEConfig`` and ``MoEParallelConfig(expert_parallel=n)``, tokens over capacity
 dropped as one process drops them); ``..._ep2`` (4 ranks: the experts over groups of 2 consecutive ranks --
 ``("expert", 2)`` / ``expert_parallel=2`` -- the groups replicas of each other); mistakes -- experts the ranks do not
@@ -59,9 +61,11 @@ class Experts(torch.nn.Module):
 
 
 class MoE(torch.nn.Module):
-    def __init__(self, num_experts: int = 8):
+    def __init__(self, num_experts: int = 8, sequence: bool = False):
         super().__init__()
         self.proj_in = torch.nn.Linear(D, D)
+        if sequence:  # a row-split projection after proj_in, then a norm the sequence splits (Megatron's SP)
+            self.mix, self.norm = torch.nn.Linear(D, D), torch.nn.LayerNorm(D)
         self.router = torch.nn.Linear(D, num_experts)
         self.experts = Experts(num_experts)
         self.proj_out = torch.nn.Linear(D, D)
@@ -72,7 +76,10 @@ class MoE(torch.nn.Module):
 
     def forward(self, x, y):
         b, s, d = x.shape
-        h = self.proj_in(x).reshape(-1, d)
+        h = self.proj_in(x)
+        if hasattr(self, "norm"):
+            h = self.norm(self.mix(torch.relu(h)))
+        h = h.reshape(-1, d)
         logits = self.router(h)
         probs = logits.softmax(dim=-1)
         weights, index = probs.topk(TOP_K, dim=-1)
@@ -104,12 +111,12 @@ class MindSporeMoE(autopar.nn.Cell):
         return ((self.dense_out(out) - y) ** 2).mean() + aux
 
 
-def fresh(num_experts: int = 8, door: str = "torch", expert_parallel: int = 1):
+def fresh(num_experts: int = 8, door: str = "torch", expert_parallel: int = 1, sequence: bool = False):
     if door == "mindspore":
         torch.manual_seed(3)
         return MindSporeMoE(expert_parallel)
     torch.manual_seed(2)
-    return MoE(num_experts)
+    return MoE(num_experts, sequence)
 
 
 def train(model, rows):
@@ -147,15 +154,23 @@ def run(case: str) -> dict:
         return {"param": max((got[k] - REF_MS[k]).abs().max().item() for k in REF_MS),
                 "local_experts": model.moe.experts.mapping.to_local().shape[0], "dropped": model.moe.dropped,
                 "dropped_one": DROPPED_MS}
-    model = fresh()
+    model = fresh(sequence=case == "ep_seq")
     autopar.shard(model, {"experts": ("expert", ep) if ep < n else "expert"})
     if case == "ep_tp":
         autopar.shard(model, {"proj_in": "colwise", "proj_out": "rowwise"})
+    if case == "ep_seq":  # Megatron's sequence parallelism beside the experts: the norm on each rank's slice of the
+        # sequence, the experts' tokens the flattened slices
+        autopar.shard(model, {"proj_in": "colwise", "mix": "rowwise", "norm": "sequence"})
+    want = REF_SEQ if case == "ep_seq" else REF
+    placed = []  # where the experts' tokens lie (ep_seq: the flattened sequence split, a strided split of them)
+    if case == "ep_seq":
+        model.experts.register_forward_pre_hook(lambda m, args: placed.append(
+            type(args[0].placements[0]).__name__ if isinstance(args[0], DTensor) else "plain"))
     Experts.received.clear()
     got = train(model, slice(rank * GLOBAL // n, (rank + 1) * GLOBAL // n))
     local = model.experts.gate_up.to_local().shape[0] if isinstance(model.experts.gate_up, DTensor) else None
-    result = {"param": max((got[k] - REF[k]).abs().max().item() for k in REF), "local_experts": local,
-              "received": Experts.received[0]}
+    result = {"param": max((got[k] - want[k]).abs().max().item() for k in want), "local_experts": local,
+              "received": Experts.received[0], "tokens": placed[:1]}
     if case == "ep":  # each rank's slices saved, read back whole into one process
         autopar.save_checkpoint(model, f"{out_prefix}.{case}_{rank}", integrated_save=False)
         torch.distributed.barrier()
@@ -185,6 +200,7 @@ autopar.reset_auto_parallel_context()
 with autopar.context.managed():  # one process on the global batches
     ROUTED = routed(fresh())
     REF = train(fresh(), slice(0, GLOBAL))
+    REF_SEQ = train(fresh(sequence=True), slice(0, GLOBAL))
     one_ms = fresh(door="mindspore")
     REF_MS = train(one_ms, slice(0, GLOBAL))
     DROPPED_MS = one_ms.moe.dropped
