@@ -5,7 +5,7 @@ batches. The router is skewed so that routing is uneven and expert 0 receives no
 
 Cases: ``ep`` (the experts over every rank: 8 experts on 2 or 4; its sliced checkpoint read back whole into one
 process), ``ep_zero3`` (with ZeRO-3), ``ep_tp`` (with the
-router's input projection split by columns and its output projection by rows), ``ep_seq`` (2 ranks: Megatron's
+router's input projection split by columns and its output projection by rows), ``ep_seq`` (Megatron's
 sequence parallelism beside the experts -- a column- then a row-split projection, a norm on each rank's slice of the
 sequence, the experts' tokens the flattened slices), ``ms_moe`` (the MindSpore door:
 ``nn.transformer.MoE`` with ``MoEConfig`` and ``MoEParallelConfig(expert_parallel=n)``, tokens over capacity

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, is_fake
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.comm.topology import world_mesh, world_size
 from autopar.errors import StrategyError
@@ -168,7 +169,13 @@ def _as_hidden(local: torch.Tensor, hidden: DTensor, mesh) -> DTensor:
     """This rank's tokens' results, laid out as the hidden states came."""
     split = DTensor.from_local(local, mesh, [Shard(0)] * mesh.ndim, run_check=False, shape=hidden.shape,
                                stride=hidden.stride())
-    return split if tuple(split.placements) == tuple(hidden.placements) else split.redistribute(mesh, hidden.placements)
+    if tuple(split.placements) == tuple(hidden.placements):
+        return split
+    if sum(isinstance(p, _StridedShard) for p in hidden.placements) > 1:
+        # the flattened tokens of a sequence split over several mesh axes (a norm's "sequence" before the router on
+        # a 2 x 2 world mesh): torch's redistribution into that strided split fails; from the whole it slices
+        split = split.redistribute(mesh, [Replicate()] * mesh.ndim)
+    return split.redistribute(mesh, hidden.placements)
 
 
 def _sends_tokens(hidden, top_k_index, top_k_weights, ep: int) -> bool:

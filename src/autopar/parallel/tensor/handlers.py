@@ -18,13 +18,22 @@ runtime is made (not at import).
 
 **``F.mse_loss``'s gradient** over a split batch: DTensor's rule scales it by the number of ranks; it is computed here
 from DTensor's element-wise operators instead (:func:`_mse_loss_backward`).
+
+**Tokens flattened from a sequence split over several mesh axes, unflattened again** (:func:`_view`): a norm's
+sequence split on a world mesh of two axes (4 ranks: 2 x 2) is ``Shard(1)`` on both; flattening the batch and the
+sequence (``h.reshape(-1, d)``, as Mixtral's MoE block and a mixture's experts do) gives torch's ``_StridedShard`` on
+both axes, and torch's view rule cannot undo it ("Cannot unflatten tensor with _StridedShard placement"). The
+inverse of that flattening is the local tensor's own view, the split back on the unflattened dimension.
 """
 from __future__ import annotations
 
+import math
+
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_unflatten
 
 _registered = False
@@ -83,6 +92,47 @@ def _mse_loss_backward(op_call, args: tuple, kwargs: dict):
     return diff * grad * scale
 
 
+def _unflattened(source: DTensor, shape) -> DTensor | None:
+    """``source.view(shape)`` where ``source``'s dimension d is the flattening of (``sf``, n) that torch's view rule
+    placed ``_StridedShard(d, sf)`` on several mesh axes (the nested split of n those axes held) and ``shape`` splits
+    it back into (sf, n): each rank's local tensor viewed alike, the axes' split on n again. None otherwise."""
+    strided = [(axis, p) for axis, p in enumerate(source.placements) if isinstance(p, _StridedShard)]
+    if len(strided) < 2 or len({(p.dim, p.split_factor) for _, p in strided}) != 1:
+        return None
+    dim, factor = strided[0][1].dim, strided[0][1].split_factor
+    shape = list(shape)
+    if -1 in shape:  # (the one inferred size)
+        known = math.prod(n for n in shape if n != -1)
+        shape[shape.index(-1)] = source.numel() // known if known else 0
+    whole = list(source.shape)
+    if (len(shape) != len(whole) + 1 or shape[:dim] != whole[:dim] or shape[dim + 2:] != whole[dim + 1:]
+            or shape[dim] != factor or shape[dim] * shape[dim + 1] != whole[dim]):
+        return None
+    if any(isinstance(p, Shard) and not isinstance(p, _StridedShard) and p.dim == dim for p in source.placements):
+        return None
+    placements = [Shard(dim + 1) if isinstance(p, _StridedShard) else Shard(p.dim + 1)
+                  if isinstance(p, Shard) and p.dim > dim else p for p in source.placements]
+    local = source.to_local()
+    view = local.view(*local.shape[:dim], factor, local.shape[dim] // factor, *local.shape[dim + 1:])
+    return DTensor.from_local(view, source.device_mesh, placements, run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+def _view(op_call, args: tuple, kwargs: dict):
+    source = args[0]
+    if isinstance(source, DTensor) and len(args) > 1:
+        out = _unflattened(source, args[1])
+        if out is not None:
+            return out
+    # every other view as DTensor runs it, its own way (its refusals keep the notes :mod:`.explain` reads)
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    mine = handlers.pop(op_call)
+    try:
+        return op_call(*args, **kwargs)
+    finally:
+        handlers[op_call] = mine
+
+
 def install(op, handler) -> None:
     """Run ``handler(op_call, args, kwargs)`` instead of DTensor's path for ``op`` (torch's private table: the one
     place autopar writes it)."""
@@ -96,3 +146,5 @@ def register_cast_handler() -> None:
     _registered = True
     install(torch.ops.aten._to_copy.default, _to_copy)
     install(torch.ops.aten.mse_loss_backward.default, _mse_loss_backward)
+    install(torch.ops.aten.view.default, _view)
+    install(torch.ops.aten._unsafe_view.default, _view)
