@@ -28,11 +28,12 @@ def test_transformers_models_train_exactly_in_every_mode(procs, tmp_path):
     # cp: context parallelism -- each rank loads half of every sequence (input_ids and labels), RoPE's positions,
     # the causal mask and the shifted labels of the loss inside forward taken at their global places (cp_ring: the
     # keys and values passed round a ring, the causal work balanced over mirrored chunks)
-    # mixtral: a mixture of experts -- its experts spread over the ranks (ep), with ZeRO-3, with attention by names,
+    # mixtral: a mixture of experts -- its experts spread over the ranks (ep), with ZeRO-3, with attention by names
+    # (and its norms split on the sequence: ep_seq),
     # and pipelined (its experts one opaque operator of the stage's trace, which cannot follow their routing)
     cases = [[m, mode] for m in MODELS for mode in MODES] + [[m, x] for x in ("wrapped_pipe", "cp")
                                                              for m in ("llama", "gpt2")] + [["llama", "cp_ring"]] + [
-        ["mixtral", mode] for mode in ("data", "ep", "ep_zero3", "ep_names", "pipe", "wrapped_pipe")]
+        ["mixtral", mode] for mode in ("data", "ep", "ep_zero3", "ep_names", "ep_seq", "pipe", "wrapped_pipe")]
     for rank, case, r in train_cases(procs, tmp_path, cases):
         model, mode = case.split("/")
         if mode in ("megatron", "names", "zero3"):  # save_pretrained from the parallel model, from_pretrained

@@ -19,7 +19,7 @@ gradients add up, as a pipeline step per micro-step gives), wrapped_pipe (the sa
 user's six-line wrapper returning ``.logits``), cp (context parallelism: ``dataset_strategy=((1, n), (1, n))``, each
 rank loading its slice of every sequence); for mixtral (MixtralForCausalLM, 4 experts, top-2) also ep (expert
 parallelism: ``{"*.experts": "expert"}``), ep_zero1 / ep_zero3 (and ZeRO), ep_names (and attention split by
-names), pipe and wrapped_pipe (its experts one opaque operator of the stages' trace). Per case: the largest parameter difference and ``state_dict()`` loaded into a fresh one-process
+names), ep_seq (and its norms split on the sequence: sequence parallelism, the MoE block flattening the slices), pipe and wrapped_pipe (its experts one opaque operator of the stages' trace). Per case: the largest parameter difference and ``state_dict()`` loaded into a fresh one-process
 model, and which parameters are stored split. Writes JSON to OUT_PREFIX.<rank>.
 """
 import json
@@ -257,9 +257,13 @@ def run(model_name: str, mode: str, ref: dict) -> dict:
         by_names(model_name, model)
     if mode.startswith("ep"):
         autopar.shard(model, {"*.experts": "expert"})
-    if mode == "ep_names":
+    if mode in ("ep_names", "ep_seq"):
         autopar.shard(model, {"*.q_proj": "colwise", "*.k_proj": "colwise", "*.v_proj": "colwise",
                               "*.o_proj": "rowwise"})
+    if mode == "ep_seq":  # and Megatron's sequence parallelism: the norms on each rank's slice of the sequence, the
+        # MoE block's router and experts on the flattened slices
+        autopar.shard(model, {"*.input_layernorm": "sequence", "*.post_attention_layernorm": "sequence",
+                              "model.norm": "sequence"})
     if mode == "lone":
         for name, strategy in LONE[model_name].items():
             autopar.shard(model.get_submodule(name), strategy)
