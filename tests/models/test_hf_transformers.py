@@ -8,6 +8,8 @@ ZeRO-3 modes) ``save_pretrained`` read back by ``from_pretrained``; the causal L
 every case (tests/scripts/hf_train.py)."""
 import pytest
 
+from procutil import autopar_cmd
+
 from hf_cases import TOL, train_cases
 
 pytest.importorskip("transformers")
@@ -53,3 +55,31 @@ def test_transformers_models_train_exactly_in_every_mode(procs, tmp_path):
         elif mode == "auto_tight":  # under the limit weights are stored as slices: the planner's ZeRO-3, or a
             # layout of the operators that fits and measured faster in the round (BERT's did)
             assert r["split"], (case, r)
+
+
+GQA_SPLIT = """import torch
+import autopar
+from transformers import LlamaConfig, LlamaForCausalLM
+
+autopar.communication.init()
+autopar.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
+model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa"))
+autopar.shard(model, {"*.q_proj": "colwise", "*.k_proj": "colwise", "*.v_proj": "colwise", "*.o_proj": "rowwise"})
+ids = torch.randint(0, 64, (2, 8))
+model(input_ids=ids, labels=ids).loss.backward()
+"""
+
+
+def test_key_value_heads_split_over_more_ranks_than_they_are_is_one_line(procs, tmp_path):
+    """A Llama with 2 key/value heads (grouped-query attention) whose k and v projections are split by columns over
+    4 ranks (a 2 x 2 world mesh): each rank's slice holds half a head, which DTensor lets through and the rank's own
+    view refuses ("shape [...] is invalid for input of size ..."). One line names the heads and what to split
+    instead. (On 2 ranks over one key/value head DTensor gathers the heads and runs.)"""
+    script = tmp_path / "gqa_split.py"
+    script.write_text(GQA_SPLIT)
+    res = procs.run(autopar_cmd("launch", "-n", "4", "--log-dir", str(tmp_path / "logs"), str(script)), timeout=240)
+    assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr
+    line = [e for e in res.stderr.splitlines() if e.startswith("autopar: error:")]
+    assert len(line) == 1 and "the split cuts inside the new dimensions" in line[0] and \
+        "divides the key/value heads, or leave k and v whole" in line[0], res.stderr

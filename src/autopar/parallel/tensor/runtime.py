@@ -49,7 +49,7 @@ from autopar.parallel.state import state_of
 from autopar.parallel.tensor import context, experts, fused_split, local_matmul, sequence, sequence_attention
 from autopar.parallel.tensor import placements as P
 from autopar.parallel.tensor.attention import register_attention_rules
-from autopar.parallel.tensor.explain import fused_projection_split
+from autopar.parallel.tensor.explain import fused_projection_split, split_heads_view
 from autopar.parallel.tensor.handlers import register_cast_handler
 from autopar.parallel.tensor.inputs import dataset_input, resplit_sequence, sequence_slice, splits_sequence
 from autopar.parallel.tensor.operators import run_operator
@@ -59,6 +59,7 @@ from autopar.parallel.tensor.strategy_io import LoadedStrategy, write_strategy_f
 
 _local = threading.local()
 _errors.explained_by(fused_projection_split)
+_errors.explained_by(split_heads_view)
 
 
 def active_runtime() -> "SemiAutoRuntime | None":
