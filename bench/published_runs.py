@@ -33,7 +33,7 @@ from pathlib import Path
 from published_gpt import grand_teton, ordered_pairs, plan_row, predicted  # bench/ is the script's own folder
 
 from autopar.errors import ConfigError
-from autopar.planner.cluster import load_cluster
+from autopar.planner.cluster import load_cluster, plan_gpt
 from autopar.planner.gpt import GPTConfig
 
 RUNS = Path(__file__).parent / "published" / "runs.json"
@@ -155,6 +155,43 @@ def ordering(rows: list[dict]) -> dict:
             "misordered": [(fast["name"], slow["name"]) for fast, slow, same in pairs if not same]}
 
 
+def free_search(rows: list[dict], runs: dict) -> dict:
+    """For each job published in several configurations (one ``group``, the same GPUs, global batch, dtype and
+    stack): the planner's own pick, searched freely on the job's cluster with its stack's properties kept (its
+    attention kernel, how it hides tensor-parallel collectives, its fp8 recipe), against the published
+    configurations as the planner predicts them (``runs``: name -> run)."""
+    jobs = defaultdict(list)
+    for r in rows:
+        if r.get("planned") and r.get("group"):
+            run = runs[r["name"]]
+            stack = (("tp_overlap", tp_overlap(run)), ("fp8_recipe", fp8_recipe(run)))
+            jobs[(r["group"], r["gpus"], r["global_batch"], r["dtype"], stack)].append(r)
+    out = []
+    for (group, gpus, batch, dtype, stack), planned in sorted(jobs.items(), key=lambda kv: str(kv[0])):
+        if len(planned) < 2:
+            continue
+        row = runs[planned[0]["name"]]
+        stack = dict(stack)
+        start = time.perf_counter()
+        try:
+            plan = plan_gpt(config(row), machine(row), gpus, batch, dtype, fixed=stack)
+        except ConfigError as e:
+            out.append({"group": group, "gpus": gpus, "error": str(e)})
+            continue
+        best = max(planned, key=lambda r: r["speed_published"])
+        fastest = min(planned, key=lambda r: r["step_s"])
+        c = plan.best
+        out.append({"group": group, "gpus": gpus, "global_batch": batch, "dtype": dtype, **stack, "runs": len(planned),
+                    "best_published": best["name"], "best_published_plan": best["plan"],
+                    "best_published_predicted_step_s": round(best["step_s"], 3),
+                    "fastest_pinned_predicted_step_s": round(fastest["step_s"], 3),
+                    "pick": f"{c.mesh()}, micro {c.b}, ZeRO {c.zero}, recompute {c.recompute_name}",
+                    "pick_step_s": round(c.step, 3), "pick_at_least_as_fast": c.step <= fastest["step_s"] * 1.0001,
+                    "pick_not_run_by_autopar": plan.not_run(c), "search_s": round(time.perf_counter() - start, 1)})
+    return {"free_search": out, "free_search_at_least_as_fast": sum(
+        f.get("pick_at_least_as_fast", False) for f in out), "free_search_jobs": len(out)}
+
+
 def source_of(name: str) -> str:
     return name.split("-")[0].split(" ")[0].lower()
 
@@ -194,7 +231,8 @@ def main() -> None:
     args = p.parse_args()
     runs = [r for r in json.loads(RUNS.read_text()) if args.set == "all" or r["set"] == args.set]
     rows = planned_rows(runs, plan_one, args.quiet)
-    summary = summaries(rows)
+    by_name = {r["name"]: r for r in runs}
+    summary = summaries(rows, extra=lambda part: free_search(part, by_name))
     out = {"rows": rows, "summary": summary}
     text = json.dumps(out, indent=1)
     if args.out:
