@@ -24,7 +24,6 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, is_fake
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.comm.topology import world_mesh, world_size
 from autopar.errors import StrategyError
@@ -171,7 +170,7 @@ def _as_hidden(local: torch.Tensor, hidden: DTensor, mesh) -> DTensor:
                                stride=hidden.stride())
     if tuple(split.placements) == tuple(hidden.placements):
         return split
-    if sum(isinstance(p, _StridedShard) for p in hidden.placements) > 1:
+    if len(P.strided_axes(hidden.placements)) > 1:
         # the flattened tokens of a sequence split over several mesh axes (a norm's "sequence" before the router on
         # a 2 x 2 world mesh): torch's redistribution into that strided split fails; from the whole it slices
         split = split.redistribute(mesh, [Replicate()] * mesh.ndim)

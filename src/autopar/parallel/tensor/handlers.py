@@ -36,6 +36,8 @@ from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_unflatten
 
+from autopar.parallel.tensor.placements import row_major, strided_axes
+
 _registered = False
 
 
@@ -96,10 +98,10 @@ def _unflattened(source: DTensor, shape) -> DTensor | None:
     """``source.view(shape)`` where ``source``'s dimension d is the flattening of (``sf``, n) that torch's view rule
     placed ``_StridedShard(d, sf)`` on several mesh axes (the nested split of n those axes held) and ``shape`` splits
     it back into (sf, n): each rank's local tensor viewed alike, the axes' split on n again. None otherwise."""
-    strided = [(axis, p) for axis, p in enumerate(source.placements) if isinstance(p, _StridedShard)]
-    if len(strided) < 2 or len({(p.dim, p.split_factor) for _, p in strided}) != 1:
+    strided = strided_axes(source.placements)
+    if len(strided) < 2 or len({(p.dim, p.split_factor) for p in strided}) != 1:
         return None
-    dim, factor = strided[0][1].dim, strided[0][1].split_factor
+    dim, factor = strided[0].dim, strided[0].split_factor
     shape = list(shape)
     if -1 in shape:  # (the one inferred size)
         known = math.prod(n for n in shape if n != -1)
@@ -115,7 +117,7 @@ def _unflattened(source: DTensor, shape) -> DTensor | None:
     local = source.to_local()
     view = local.view(*local.shape[:dim], factor, local.shape[dim] // factor, *local.shape[dim + 1:])
     return DTensor.from_local(view, source.device_mesh, placements, run_check=False, shape=torch.Size(shape),
-                              stride=torch.empty(shape, device="meta").stride())
+                              stride=row_major(shape))
 
 
 def _view(op_call, args: tuple, kwargs: dict):
@@ -126,11 +128,11 @@ def _view(op_call, args: tuple, kwargs: dict):
             return out
     # every other view as DTensor runs it, its own way (its refusals keep the notes :mod:`.explain` reads)
     handlers = DTensor._op_dispatcher._custom_op_handlers
-    mine = handlers.pop(op_call)
+    handlers.pop(op_call, None)
     try:
         return op_call(*args, **kwargs)
     finally:
-        handlers[op_call] = mine
+        handlers[op_call] = _view
 
 
 def install(op, handler) -> None:

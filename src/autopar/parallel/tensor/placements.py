@@ -24,20 +24,27 @@ def splits(p) -> bool:
     return p.is_shard() or isinstance(p, _StridedShard)
 
 
-def wrap_local(local: torch.Tensor, placements) -> DTensor:
-    if local.numel() and local.is_contiguous() and local.stride() != _row_major(local.shape):
-        # contiguous with an odd stride on a size-1 dimension (``rows[:, 1:].contiguous()`` of a batch of one):
-        # DTensor scales that stride to the global shape, where a later ``view`` then fails
-        local = local.clone(memory_format=torch.contiguous_format)
-    return DTensor.from_local(local, world_mesh(), placements, run_check=False)
+def strided_axes(placements) -> list:
+    """The ``_StridedShard`` placements among ``placements``: more than one where a sequence split over several
+    mesh axes was flattened with the batch (torch's view rule puts one on each axis)."""
+    return [p for p in placements if isinstance(p, _StridedShard)]
 
 
-def _row_major(shape) -> tuple[int, ...]:
+def row_major(shape) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)
         step *= max(size, 1)
     return tuple(reversed(strides))
+
+
+def wrap_local(local: torch.Tensor, placements) -> DTensor:
+    if local.numel() and local.is_contiguous() and local.stride() != row_major(local.shape):
+        # contiguous with an odd stride on a size-1 dimension (``rows[:, 1:].contiguous()`` of a batch of one):
+        # DTensor scales that stride to the global shape, where a later ``view`` then fails
+        local = local.clone(memory_format=torch.contiguous_format)
+    return DTensor.from_local(local, world_mesh(), placements, run_check=False)
 
 
 def to_dtensor_replicated(t: torch.Tensor) -> DTensor:
