@@ -40,6 +40,8 @@ def test_tensor_parallel_inside_pipeline_stages_is_exact(procs, tmp_path):
         for case, text in (("no_plan", "needs tensor_parallel={module name"), ("no_tp", "give tp > 1 too"),
                            ("full", "needs grads='stage'"), ("indivisible", "tp=3 does not divide the 2 rank(s)"),
                            ("unknown", "names 'l9', which is not a module"), ("style", "expected 'colwise', 'rowwise' or 'sequence'"),
+                           ("placement", "a parameter takes Shard(d) for one of its 2 dimensions, or Replicate()"),
+                           ("module_placement", "a module takes a style, 'colwise', 'rowwise' or 'sequence'"),
                            ("sequence_alone", "'sequence' in a piece that splits no module"),
                            ("cp_full", "cp=2 splits a stage's sequence over its context group, which needs grads='stage'"),
                            ("cp_algo", "cp_algo='zigzag'; expected one of all_gather, ring, ulysses"),
@@ -51,7 +53,17 @@ def test_tensor_parallel_inside_pipeline_stages_is_exact(procs, tmp_path):
             assert case["stage"] == rank // 2, (rank, key, case)
             assert case["loss_diff"] <= 1e-6, (rank, key, case)  # (the step's loss is reported in float32)
             assert case["param_diff"] <= 1e-12 and case["whole_diff"] <= 1e-12, (rank, key, case)
-            _check_splits(key, case)
+            assert not case.get("warned"), (key, case["warned"])
+            if key != "ms_dp":  # (the MindSpore door's batch-only strategies: data parallel, nothing split)
+                _check_splits(key, case)
+        # the MindSpore door: the strategies' weight splits run over a tensor group of the stage's 2 ranks (each
+        # block's two weights, and the head's weight and bias on the last stage); batch-only ones are data parallel
+        halves = r["ms_tp"]["halves"]
+        block = f"block{rank // 2 + 1}"
+        assert halves[f"{block}.w1"] == [[8, 8], [8, 16]] and halves[f"{block}.w2"] == [[8, 8], [16, 8]], halves
+        assert ("head.weight" in halves and halves["head.bias"] == [[3], [6]]) == (rank >= 2), halves
+        assert not r["ms_dp"]["halves"] and "all-reduced over its 2 replicas" in r["ms_dp"]["sync"], r["ms_dp"]
+        assert r["net_params"]["halves"] == r["net"]["halves"], (r["net_params"]["halves"], r["net"]["halves"])
         assert r["gpt"]["ckpt_diff"] <= 1e-12, r["gpt"]
         # each rank's slices (its stage's, split over its group), reloaded whole onto one process's layout
         assert r["gpt"]["sliced_diff"] <= 1e-12 and r["gpt_cp"]["sliced_diff"] <= 1e-12, r
@@ -74,7 +86,14 @@ def test_tensor_parallel_inside_pipeline_stages_is_exact(procs, tmp_path):
 def test_zero_and_tensor_parallelism_together_inside_pipeline_stages_are_exact(procs, tmp_path):
     for rank, r in enumerate(_run(procs, tmp_path, 8, "zero")):
         assert r.pop("errors") == {}
-        assert set(r) == {"gpt", "gpt_cp_zero", "gpt_cp_tp"}, sorted(r)
+        assert set(r) == {"gpt", "gpt_cp_zero", "gpt_cp_tp", "ms_tp_zero"}, sorted(r)
+        ms = r.pop("ms_tp_zero")  # the MindSpore door: strategies split over 2, enable_parallel_optimizer over 2
+        assert "error" not in ms, (rank, ms.get("error"), ms.get("trace"))
+        assert ms["stage"] == rank // 4 and ms["loss_diff"] <= 1e-6 and not ms["warned"], (rank, ms)
+        assert ms["param_diff"] <= 1e-12 and ms["whole_diff"] <= 1e-12, (rank, ms)
+        assert "tensor groups of 2" in ms["sync"] and "reduce-scattered into ZeRO's shards" in ms["sync"], ms
+        local, whole = ms["halves"][f"block{rank // 4 + 1}.w1"]
+        assert local[0] * local[1] * 4 == whole[0] * whole[1], (local, whole)
         for key, case in r.items():
             assert "error" not in case, (rank, key, case.get("error"), case.get("trace"))
             assert case["stage"] == rank // 4 and case["loss_diff"] <= 1e-6, (rank, key, case)

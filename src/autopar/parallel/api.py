@@ -133,7 +133,9 @@ def attach(network: torch.nn.Module, loss_fn: Any = None, optimizer: torch.optim
     if state.runtime is None and state.pipeline is None:  # layouts run ops on shards: they stay as they are
         state.channels_last = tuning.tune_network(network)
         tuning.tune_optimizer(optimizer)
-    if state.runtime is None:  # a layout runtime says it after its first forward, when the layouts are known
+    # a layout runtime says it after its first forward, when the layouts are known; a pipeline whose strategies
+    # split its stages, after the trace that reads them
+    if state.runtime is None and not getattr(state.pipeline, "from_strategies", False):
         from autopar.parallel.summary import announce
 
         announce(state, network)

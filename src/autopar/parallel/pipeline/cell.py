@@ -86,11 +86,13 @@ def attach_pipeline_cell(network: torch.nn.Module, loss_fn, ctx, world: int) -> 
         raise ConfigError(f"dataset_strategy={ctx.dataset_strategy} splits the sequence (context parallelism), which "
                           f"pipeline_stages={stages} does not run through this door yet: the PyTorch door does "
                           "(PipelineParallel(..., grads='stage', cp=N), each rank given its replica's whole batch)")
-    if has_strategies(network, experts=False):  # (experts spread: expert_parallel_in_pipeline's)
-        _warn_once("pipeline+strategies", "autopar: shard strategies inside pipeline stages are not applied yet: "
-                   "each stage runs whole, replicated over its data-parallel ranks (the PyTorch door splits a "
-                   "stage's modules: PipelineParallel(..., grads='stage', tp=N, tensor_parallel={name: 'colwise' | "
-                   "'rowwise'}))")
+    # the operators' strategies split the stages' weights over a tensor group (read by the trace: stage_strategies);
+    # a norm's sequence split (cell.shard(((dp, mp, 1),))) is not run inside stages yet
+    strategies = has_strategies(network, experts=False, splits=False)
+    if any(getattr(m, "_autopar_split", None) is not None for m in network.modules()):
+        _warn_once("pipeline+sequence", "autopar: sequence splits (cell.shard) inside pipeline stages are not applied "
+                   "yet: those cells run on the whole sequence (the PyTorch door runs them: PipelineParallel(..., "
+                   "grads='stage', tp=N, tensor_parallel={name: 'sequence', ...}))")
     backbone, loss = network.network.backbone_network, network.network._loss_fn
     runner = pipeline_of(backbone)
     if runner is not None:
@@ -111,7 +113,8 @@ def attach_pipeline_cell(network: torch.nn.Module, loss_fn, ctx, world: int) -> 
                                 split_points_from_stages(backbone, stages, segments),
                                 schedule=str(config.get("pipeline_scheduler", "1f1b")).lower(),
                                 gradients_mean=ctx.gradients_mean, virtual_stages=segments, grads="stage",
-                                reduction="sum", zero=zero_level_in_pipeline(ctx, world // stages), ep=ep)
+                                reduction="sum", zero=zero_level_in_pipeline(ctx, world // stages), ep=ep,
+                                from_strategies=strategies)
 
 
 def attach_planned_pipeline(network: torch.nn.Module, loss_fn, option, ctx) -> PipelineParallel:

@@ -41,6 +41,7 @@ from autopar.layout.leaves import stacked_experts
 from autopar.parallel.pipeline import stage_layout as layout
 from autopar.parallel.pipeline.opaque_experts import opaque_while_traced, split_copies
 from autopar.parallel.pipeline.split import network_output_loss, piece_calls, pieces_of
+from autopar.parallel.pipeline.stage_strategies import recording
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -72,7 +73,8 @@ class PipelineParallel:
     def __init__(self, network: torch.nn.Module, loss_fn: Any, micro_batches: int, split_points: Sequence[str],
                  schedule: str = "1f1b", gradients_mean: bool = True, virtual_stages: int = 1,
                  reduction: str = "mean", grads: str = "full", zero: str | None = None, tp: int = 1,
-                 tensor_parallel: dict | None = None, cp: int = 1, cp_algo: str = "all_gather", ep: int = 1):
+                 tensor_parallel: dict | None = None, cp: int = 1, cp_algo: str = "all_gather", ep: int = 1,
+                 from_strategies: bool = False):
         if not dist.is_initialized():
             raise ConfigError("pipeline parallel needs the cluster: call autopar.communication.init() first")
         if reduction not in ("mean", "sum") or grads not in ("full", "stage"):
@@ -107,17 +109,14 @@ class PipelineParallel:
         unknown = [p for p in split_points if p not in names]
         if unknown:
             raise ConfigError(f"pipeline split point '{unknown[0]}' is not a module of the network")
-        unknown = [n for n in self.tensor_plan if n not in names]
-        if unknown:
-            raise ConfigError(f"PipelineParallel tensor_parallel names '{unknown[0]}', which is not a module of the "
-                              "network")
+        layout.check_plan_names(self.tensor_plan, names, dict(network.named_parameters(remove_duplicate=False)))
         marked = [n for n, m in names.items() if getattr(m, "_autopar_experts", False)]
         if marked and ep == 1:  # autopar.shard(model, {"*.experts": "expert"}), made for the layout modes
             warnings.warn(f"autopar: expert parallelism marked on '{marked[0]}' is the layout modes'; here each "
                           "stage's experts run whole on each of its ranks (inside pipeline stages it is "
                           "PipelineParallel(..., grads='stage', ep=N): the experts spread over a stage's replicas)",
                           stacklevel=user_stacklevel())
-        experts = [n for n in self.tensor_plan if stacked_experts(names[n])]
+        experts = [n for n in self.tensor_plan if n in names and stacked_experts(names[n])]
         if experts:
             raise ConfigError(f"PipelineParallel tensor_parallel names '{experts[0]}', a module of stacked experts: "
                               "a tensor split does not split experts; spread them over the stage's replicas with "
@@ -130,9 +129,11 @@ class PipelineParallel:
             what = " x ".join(f"{k}={n}" for k, n in (("cp", self.cp), ("tp", self.tp)) if n > 1)
             raise ConfigError(f"PipelineParallel {what} does not divide the {world // self.num_stages} "
                               f"rank(s) of a pipeline stage ({world} ranks over {self.num_stages} stages)")
-        self.pp_group, self.dp_group, self.stage_index, self.replica = _groups(self.num_stages, self.tp, self.cp)
-        self.replicas = world // self.num_stages // inner
-        self.ep = layout.expert_plan(ep, grads, self.replicas)
+        self._ep_asked = ep
+        self._lay_out_groups()
+        # MindSpore's door: the operators' shard strategies say how the stages' weights split, which only the trace
+        # shows (what each operator is given): the tensor group is then made as they say (stage_strategies)
+        self.from_strategies = bool(from_strategies) and grads == "stage" and self.tp == 1 and self.cp == 1
         self._schedule = None
         self._edp_group = None  # experts spread over groups of ep replicas: the groups' copies of an expert
         self.stage_module: torch.nn.Module | None = None
@@ -145,6 +146,26 @@ class PipelineParallel:
         # parallelize it on the side
         self.state = state_of(network) or bind(ParallelState(parallel_mode(), world), network)
         self.state.pipeline = self
+
+    def _lay_out_groups(self) -> None:
+        """The pipeline's, the stage's data-parallel and the experts' groups for ``tp`` and ``cp``."""
+        world = dist.get_world_size()
+        self.pp_group, self.dp_group, self.stage_index, self.replica = _groups(self.num_stages, self.tp, self.cp)
+        self.replicas = world // self.num_stages // (self.tp * self.cp)
+        self.ep = layout.expert_plan(self._ep_asked, self.grads, self.replicas)
+
+    def _tensor_plan_from(self, uses) -> None:
+        """The trace's record of the strategies (MindSpore's door) made the stage's tensor plan: its group laid out
+        anew where it splits weights; where the strategies cannot run inside a stage, one warning says why."""
+        from autopar.parallel.pipeline import stage_strategies
+
+        tp, plan, why = stage_strategies.tensor_plan_of(uses, dist.get_world_size() // self.num_stages)
+        if why is not None:
+            warnings.warn(f"autopar: shard strategies inside pipeline stages are not applied: {why}; each stage runs "
+                          "whole, replicated over its ranks", stacklevel=user_stacklevel())
+        if tp > 1:
+            self.tp, self.tensor_plan = tp, plan
+            self._lay_out_groups()
 
     # -- building (on the first batch: the trace needs real shapes) ------------------------------------------------
     def _build(self, inputs: tuple) -> None:
@@ -171,7 +192,8 @@ class PipelineParallel:
         try:
             # the trace calls the network: it must not parallelize itself meanwhile
             with _context.managed(), _no_generation_cache(self.network), _stand_ins(self.network, deferred_build), \
-                    layout.attention_traced_plainly(self.laid_out), opaque_while_traced(self.network):
+                    layout.attention_traced_plainly(self.laid_out or self.from_strategies), \
+                    opaque_while_traced(self.network), recording(self.network, self.from_strategies) as uses:
                 pipe = pipeline(self.network, mb_args=example,
                                 split_spec={name: SplitPoint.BEGINNING for name in self.split_points})
         except Exception as exc:  # noqa: BLE001 - torch.export's many failure types, said in one line
@@ -179,6 +201,8 @@ class PipelineParallel:
             raise ConfigError(f"pipeline: the network could not be split at {self.split_points} ({first}); what "
                               "crosses a stage boundary must be tensors") from None
         _warn_prints(self.network)
+        if self.from_strategies:
+            self._tensor_plan_from(uses)
         pieces = self.num_stages * self.virtual_stages
         if pipe.num_stages != pieces:
             raise ConfigError(f"pipeline: splitting at {self.split_points} gave {pipe.num_stages} stages, not "
@@ -288,6 +312,10 @@ class PipelineParallel:
             target = torch.zeros(inputs[0].shape[0])  # the loss is the network's own: the schedule's label is unused
         if self._schedule is None:
             self._build(inputs)
+            if self.from_strategies:  # the run's line, now that the strategies' tensor group is known
+                from autopar.parallel.summary import announce
+
+                announce(self.state, self.network)
         for piece in self._pieces.values():  # later pieces read the network inputs they need from here
             if piece.reads_inputs():
                 piece.feed = list(zip(*[t.tensor_split(self.micro_batches) if isinstance(t, torch.Tensor)

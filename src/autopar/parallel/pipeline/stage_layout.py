@@ -112,7 +112,9 @@ def split_over_tensor_group(pieces: list, network: torch.nn.Module, sharded: dic
     taken as replicated: ``implicit_replication``); what a piece sends to the next stage is made whole. The
     network's own parameters give their memory to the splits, as under ZeRO, and the runner's
     ``gather_parameters`` makes them whole. (torch's ``parallelize_module`` needs ``nn.Linear`` modules; a traced
-    piece's are interpreters of them.)
+    piece's are interpreters of them.) A parameter named in the plan with a placement (``{"mlp.w1": Shard(1)}``:
+    a weight a module does not own as a ``Linear`` does, or MindSpore's strategies read by the trace --
+    :mod:`.stage_strategies`) is split as that placement says.
 
     With ``context`` (an attention algorithm: ``"all_gather"``, ``"ring"``, ``"ulysses"``) the mesh has a ``cp``
     axis too (before ``tp``): every piece runs on the rank's slice of the sequence -- what it receives and the
@@ -129,10 +131,21 @@ def split_over_tensor_group(pieces: list, network: torch.nn.Module, sharded: dic
     own = dict(network.named_parameters(remove_duplicate=False))
     kinds = dict(network.named_modules())
     made: dict[int, torch.nn.Parameter] = {}  # a weight used twice on this rank is laid out once
+    given = {id(own[n]): p for n, p in plan.items() if n in own and not isinstance(p, str)}  # by parameter (any of
+    # its names: one tied across pieces has one in each)
     axes = mesh.mesh_dim_names
+
+    def placement_of(name: str, whole: torch.Tensor):
+        owner = name.rpartition(".")[0]
+        old = own.get(name)
+        if old is not None and id(old) in given:
+            return given[id(old)]
+        style = plan.get(owner)
+        return _placement(kinds[owner], whole, style) if style in STYLES[:2] else Replicate()
+
     for piece in pieces:
         named = list(piece.graph_module.named_parameters(remove_duplicate=False))
-        if context is None and not any(plan.get(name.rpartition(".")[0]) in STYLES[:2] for name, _ in named):
+        if context is None and not any(placement_of(name, whole).is_shard() for name, whole in named):
             continue
         # every tensor of a split piece a DTensor -- the rest of its parameters and its inputs replicated -- so
         # that each gradient comes back as its tensor is: a plain tensor's from DTensor arithmetic would be a
@@ -147,8 +160,7 @@ def split_over_tensor_group(pieces: list, network: torch.nn.Module, sharded: dic
         for name, whole in named:
             owner, _, attr = name.rpartition(".")
             if id(whole) not in made:
-                style = plan.get(owner)
-                placement = _placement(kinds[owner], whole, style) if style in STYLES[:2] else Replicate()
+                placement = placement_of(name, whole)
                 placements = [Replicate() if axis == "cp" else placement for axis in axes]
                 made[id(whole)] = torch.nn.Parameter(distribute_tensor(whole.detach().clone(), mesh, placements),
                                                      requires_grad=whole.requires_grad)
@@ -275,12 +287,34 @@ def tensor_plan(tp: int, plan: dict | None, grads: str) -> tuple[int, dict]:
     return tp, plan
 
 
+def check_plan_names(plan: dict, modules: dict, parameters: dict) -> None:
+    """Each key of a tensor plan names a module (given a style) or a parameter (given its placement on the tensor
+    group, ``Shard(d)`` or ``Replicate()``): one line for any other."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    for name, value in plan.items():
+        if name in parameters and not isinstance(value, str):
+            if not isinstance(value, (Shard, Replicate)) or (isinstance(value, Shard)
+                                                              and not 0 <= value.dim < parameters[name].dim()):
+                raise ConfigError(f"PipelineParallel tensor_parallel['{name}']={value!r}: a parameter takes "
+                                  f"Shard(d) for one of its {parameters[name].dim()} dimensions, or Replicate()")
+        elif name not in modules:
+            raise ConfigError(f"PipelineParallel tensor_parallel names '{name}', which is not a module of the "
+                              "network" + (" (a parameter takes a placement: Shard(d) or Replicate())"
+                                           if name in parameters else ""))
+        elif not isinstance(value, str):
+            raise ConfigError(f"PipelineParallel tensor_parallel['{name}']={value!r}: a module takes a style, "
+                              "'colwise', 'rowwise' or 'sequence' (a placement is for a parameter's name)")
+
+
 def check_sequence_beside_splits(pipe, plan: dict) -> None:
     """Every rank, on the whole split network (so that all stop alike): a ``"sequence"`` module in a piece that
     splits no module has no tensor group to share the sequence with -- one line."""
     for call in piece_calls(pipe):
-        modules = dict(pipe.split_gm.get_submodule(call.target).named_modules())
-        if any(plan.get(name) in STYLES[:2] for name in modules):
+        piece = pipe.split_gm.get_submodule(call.target)
+        modules = dict(piece.named_modules())
+        if any(plan.get(name) in STYLES[:2] for name in modules) or any(
+                not isinstance(plan.get(name, ""), str) for name, _ in piece.named_parameters()):
             continue
         alone = [name for name, style in plan.items() if style == "sequence" and name in modules]
         if alone:
