@@ -63,6 +63,10 @@ def test_tensor_parallel_inside_pipeline_stages_is_exact(procs, tmp_path):
         assert halves[f"{block}.w1"] == [[8, 8], [8, 16]] and halves[f"{block}.w2"] == [[8, 8], [16, 8]], halves
         assert ("head.weight" in halves and halves["head.bias"] == [[3], [6]]) == (rank >= 2), halves
         assert not r["ms_dp"]["halves"] and "all-reduced over its 2 replicas" in r["ms_dp"]["sync"], r["ms_dp"]
+        # MindFormers' sequence parallelism (norm.shard(((dp, mp, 1),))): the stage's norm on half the sequence
+        (name, (placements, local, whole)), = r["ms_sp"]["placed"].items()
+        assert name == f"block{rank // 2 + 1}.norm" and placements == "(Shard(dim=1),)", r["ms_sp"]["placed"]
+        assert local[1] * 2 == whole[1] and f"block{rank // 2 + 1}.down.weight" in r["ms_sp"]["halves"], r["ms_sp"]
         assert r["net_params"]["halves"] == r["net"]["halves"], (r["net_params"]["halves"], r["net"]["halves"])
         assert r["gpt"]["ckpt_diff"] <= 1e-12, r["gpt"]
         # each rank's slices (its stage's, split over its group), reloaded whole onto one process's layout

@@ -9,7 +9,7 @@ from torch.distributed.tensor import Shard
 import autopar
 from autopar import nn, ops
 from autopar.errors import ConfigError
-from autopar.parallel.pipeline.stage_strategies import Uses, recording, tensor_plan_of
+from autopar.parallel.pipeline.stage_strategies import Uses, recording, sequence_entries, tensor_plan_of
 
 
 class Block(nn.Cell):
@@ -76,3 +76,16 @@ def test_one_parameter_given_two_strategies_is_recorded():
     with recording(net) as uses:
         net(torch.randn(2, 4))
     assert uses.conflicts == ["parameter 'w' is split (1, 2) by 'a' and (2, 1) by 'b'"]
+
+
+def test_cells_split_on_the_sequence_run_beside_the_tensor_split():
+    net = torch.nn.Sequential(nn.LayerNorm((4,)), nn.Dropout(p=0.0), nn.LayerNorm((4,)))
+    net[0].shard(((1, 2, 1),))  # MindFormers' spelling, written for the stage's ranks
+    autopar.shard(net[1], "sequence")  # the PyTorch door's
+    assert sequence_entries(net, 2) == ({"0": "sequence", "1": "sequence"}, None)
+    assert "no strategy splits one" in sequence_entries(net, 1)[1]  # sequence parallelism without a tensor split
+    net[2].shard(((1, 1, 2),))
+    assert "cell '2' is split (1, 1, 2); inside a stage a cell splits the sequence" in sequence_entries(net, 2)[1]
+    wider = torch.nn.Sequential(nn.LayerNorm((4,)))
+    wider[0].shard(((1, 4, 1),))
+    assert sequence_entries(wider, 2)[0] == {}

@@ -185,7 +185,36 @@ class MindSporeNet(autopar.nn.Cell):
         return self.head(self.block2(self.block1(x) + x))
 
 
-def mindspore_door(dp: int, mp: int, replicas: int, **context) -> dict:
+class MindSporeSequenceBlock(autopar.nn.Cell):
+    """MindFormers' sequence parallelism: Dense layers split as Megatron's pair, the norm after the residual on the
+    rank's slice of the sequence (``norm.shard(((dp, mp, 1),))``)."""
+
+    def __init__(self, dp: int, mp: int):
+        super().__init__()
+        self.up = autopar.nn.Dense(8, 16, dtype=torch.float64)
+        self.down = autopar.nn.Dense(16, 8, dtype=torch.float64)
+        self.norm = autopar.nn.LayerNorm((8,), dtype=torch.float64)
+        autopar.shard(self.up, ((dp, 1, 1), (mp, 1)))
+        autopar.shard(self.down, ((dp, 1, mp), (1, mp)))
+        self.norm.shard(((dp, mp, 1),))
+
+    def construct(self, x):
+        return self.norm(x + self.down(torch.relu(self.up(x))))
+
+
+class MindSporeSequenceNet(autopar.nn.Cell):
+    def __init__(self, dp: int = 1, mp: int = 1):
+        super().__init__()
+        torch.manual_seed(0)
+        self.block1, self.block2 = MindSporeSequenceBlock(dp, mp), MindSporeSequenceBlock(dp, mp)
+        self.head = autopar.nn.Dense(8, 6, dtype=torch.float64)
+        self.block1.pipeline_stage, self.block2.pipeline_stage, self.head.pipeline_stage = 0, 1, 1
+
+    def construct(self, x):
+        return self.head(self.block2(self.block1(x)).mean(1))
+
+
+def mindspore_door(dp: int, mp: int, replicas: int, build=MindSporeNet, seq: int = 0, **context) -> dict:
     """The MindSpore spelling: semi_auto_parallel with pipeline_stages=2, the operators' strategies written for a
     stage's ranks, Model.train of PipelineCell(WithLossCell(net, loss), micro_size=2) on each replica's share of
     the global batch -- against one process (PipelineCell sums its micro-batches' losses: 2x the mean's)."""
@@ -195,9 +224,9 @@ def mindspore_door(dp: int, mp: int, replicas: int, **context) -> dict:
     from autopar.train import Model
     from autopar.train.callbacks import Callback
 
-    X = torch.tensor(rng.standard_normal((3, 8, 8)))
+    X = torch.tensor(rng.standard_normal((3, 8, seq, 8) if seq else (3, 8, 8)))
     Y = torch.tensor(rng.integers(0, 6, (3, 8)))
-    ref = MindSporeNet()
+    ref = build()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     ref_losses = []
     for step in range(len(X)):
@@ -209,8 +238,9 @@ def mindspore_door(dp: int, mp: int, replicas: int, **context) -> dict:
     autopar.reset_auto_parallel_context()
     autopar.set_auto_parallel_context(parallel_mode="semi_auto_parallel", gradients_mean=True, pipeline_stages=2,
                                       **context)
-    net = MindSporeNet(dp, mp)
+    net = build(dp, mp)
     opt = torch.optim.AdamW(net.trainable_params(), lr=1e-2)
+    placed = {}  # where each norm's output lies (from the second step on: the stages are built in the first)
 
     class Losses(Callback):
         def __init__(self):
@@ -218,6 +248,11 @@ def mindspore_door(dp: int, mp: int, replicas: int, **context) -> dict:
 
         def step_end(self, run_context):
             self.values.append(float(run_context.original_args().net_outputs))
+            if seq and len(self.values) == 1:
+                for name, module in pipeline_of(net).stage_module.graph_module.named_modules():
+                    if name.endswith("norm"):
+                        module.register_forward_hook(lambda m, a, out, name=name: placed.__setitem__(
+                            name, [str(out.placements), list(out.to_local().shape), list(out.shape)]))
 
     losses = Losses()
 
@@ -240,14 +275,16 @@ def mindspore_door(dp: int, mp: int, replicas: int, **context) -> dict:
             "param_diff": max(float((p.detach() - want[k].detach()).abs().max())
                               for k, p in net.named_parameters() if k in stage),
             "whole_diff": max(float((p.detach() - want[k].detach()).abs().max()) for k, p in net.named_parameters()),
-            "stage": runner.stage_index, "halves": halves, "sync": runner.gradient_sync,
+            "stage": runner.stage_index, "halves": halves, "sync": runner.gradient_sync, "placed": placed,
             "warned": [str(w.message) for w in caught if "not applied" in str(w.message)]}
 
 
 # the MindSpore door: 2 ranks a stage -- the weights split over both (a tensor group of 2), or the batch only (2
 # data-parallel replicas, nothing to split); with ZeRO (8 ranks): split over 2 and sharded over 2 replicas
+# and MindFormers' sequence parallelism: each norm on the rank's half of the sequence
 for key, (dp, mp, replicas, context) in ({"ms_tp_zero": (2, 2, 2, {"enable_parallel_optimizer": True})} if zero
-                                         else {"ms_tp": (1, 2, 1, {}), "ms_dp": (2, 1, 2, {})}).items():
+                                         else {"ms_tp": (1, 2, 1, {}), "ms_dp": (2, 1, 2, {}),
+                                               "ms_sp": (1, 2, 1, {"build": MindSporeSequenceNet, "seq": 4})}).items():
     try:
         results[key] = mindspore_door(dp, mp, replicas, **context)
     except Exception as exc:  # noqa: BLE001 - recorded: the test names the case

@@ -86,13 +86,9 @@ def attach_pipeline_cell(network: torch.nn.Module, loss_fn, ctx, world: int) -> 
         raise ConfigError(f"dataset_strategy={ctx.dataset_strategy} splits the sequence (context parallelism), which "
                           f"pipeline_stages={stages} does not run through this door yet: the PyTorch door does "
                           "(PipelineParallel(..., grads='stage', cp=N), each rank given its replica's whole batch)")
-    # the operators' strategies split the stages' weights over a tensor group (read by the trace: stage_strategies);
-    # a norm's sequence split (cell.shard(((dp, mp, 1),))) is not run inside stages yet
-    strategies = has_strategies(network, experts=False, splits=False)
-    if any(getattr(m, "_autopar_split", None) is not None for m in network.modules()):
-        _warn_once("pipeline+sequence", "autopar: sequence splits (cell.shard) inside pipeline stages are not applied "
-                   "yet: those cells run on the whole sequence (the PyTorch door runs them: PipelineParallel(..., "
-                   "grads='stage', tp=N, tensor_parallel={name: 'sequence', ...}))")
+    # the operators' strategies split the stages' weights over a tensor group, and cells split on the sequence run
+    # on its slices there (read by the trace: stage_strategies)
+    strategies = has_strategies(network, experts=False)
     backbone, loss = network.network.backbone_network, network.network._loss_fn
     runner = pipeline_of(backbone)
     if runner is not None:

@@ -160,6 +160,11 @@ class PipelineParallel:
         from autopar.parallel.pipeline import stage_strategies
 
         tp, plan, why = stage_strategies.tensor_plan_of(uses, dist.get_world_size() // self.num_stages)
+        sequence, why_not = stage_strategies.sequence_entries(self.network, tp)
+        if why_not is not None:
+            warnings.warn(f"autopar: sequence splits inside pipeline stages are not applied: {why_not}; those cells "
+                          "run on the whole sequence", stacklevel=user_stacklevel())
+        plan.update(sequence)
         if why is not None:
             warnings.warn(f"autopar: shard strategies inside pipeline stages are not applied: {why}; each stage runs "
                           "whole, replicated over its ranks", stacklevel=user_stacklevel())

@@ -94,3 +94,26 @@ def tensor_plan_of(uses: Uses, stage_ranks: int) -> tuple[int, dict, str | None]
                           f"{stage_ranks} rank(s) of a pipeline stage (a strategy under pipeline_stages is written "
                           "for one stage's ranks)")
     return tp, plan, None
+
+
+def sequence_entries(network: torch.nn.Module, tp: int) -> tuple[dict, str | None]:
+    """({module name: "sequence"}, why not): the cells split on the sequence (``cell.shard(((dp, mp, 1),))``,
+    ``autopar.shard(norm, "sequence")``), run on the rank's slice of the sequence over the stage's tensor group --
+    Megatron's sequence parallelism beside the tensor split -- where they split dimension 1 over its ``tp`` ranks
+    (the batch's split, dimension 0, is the replicas'). Where they cannot, ({}, the reason)."""
+    plan = {}
+    for name, module in network.named_modules():
+        split = getattr(module, "_autopar_split", None)
+        if split is None:
+            continue
+        kind, how = split
+        dims = {1: tp} if kind == "sequence" and how == 1 else (
+            {d: n for d, n in enumerate(how) if n > 1 and d > 0} if kind == "strategy" else {how: tp})
+        if set(dims) != {1} or (tp > 1 and dims[1] != tp):
+            return {}, (f"cell '{name}' is split {how if kind == 'strategy' else f'on dimension {how}'}; inside a "
+                        f"stage a cell splits the sequence (dimension 1) over the tensor group of {tp}")
+        if tp == 1:
+            return {}, (f"cell '{name}' is split on the sequence, which runs beside a tensor split of the stage's "
+                        "weights (Megatron's sequence parallelism) and no strategy splits one")
+        plan[name] = "sequence"
+    return plan, None
