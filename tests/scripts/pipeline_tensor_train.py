@@ -267,6 +267,15 @@ def mindspore_door(dp: int, mp: int, replicas: int, build=MindSporeNet, seq: int
     halves = {n.removeprefix("graph_module."): (tuple(p.to_local().shape), tuple(p.shape))
               for n, p in runner.stage_module.named_parameters()
               if hasattr(p, "to_local") and any(q.is_shard() for q in p.placements[-1:])}  # (the tensor group's)
+    sliced = None
+    if mp > 1:  # each rank's slices (its stage's weights, split over its tensor group), reloaded whole onto one process
+        autopar.save_checkpoint(net, f"{ckpt_dir}/{build.__name__}{mp}{dp}_sliced_{rank}", integrated_save=False)
+        torch.distributed.barrier()
+        plain = build()
+        autopar.load_distributed_checkpoint(plain, sorted(str(p) for p in __import__("pathlib").Path(ckpt_dir)
+                                                         .glob(f"{build.__name__}{mp}{dp}_sliced_*.ckpt")))
+        sliced = max(float((p.detach() - want.detach()).abs().max())
+                     for (_, p), want in zip(plain.named_parameters(), ref.parameters()))
     runner.gather_parameters()
     want = dict(ref.named_parameters())
     stage = [k for k, stages in runner.owner.items() if runner.stage_index in stages and k in want]
@@ -276,6 +285,7 @@ def mindspore_door(dp: int, mp: int, replicas: int, build=MindSporeNet, seq: int
                               for k, p in net.named_parameters() if k in stage),
             "whole_diff": max(float((p.detach() - want[k].detach()).abs().max()) for k, p in net.named_parameters()),
             "stage": runner.stage_index, "halves": halves, "sync": runner.gradient_sync, "placed": placed,
+            "sliced_diff": sliced,
             "warned": [str(w.message) for w in caught if "not applied" in str(w.message)]}
 
 
