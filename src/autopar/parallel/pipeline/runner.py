@@ -26,11 +26,13 @@ Exact as one process on the global batch, in any loop:
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from autopar import context as _context
 from autopar.comm.topology import pipeline_mesh
@@ -138,6 +140,7 @@ class PipelineParallel:
         self._edp_group = None  # experts spread over groups of ep replicas: the groups' copies of an expert
         self.stage_module: torch.nn.Module | None = None
         self._pieces: dict = {}
+        self._released: dict = {}  # other stages' parameters given up by this rank (_release_other_stages)
         self.owner: dict[str, set[int]] = {}  # parameter / buffer name -> the stages that hold it
         from autopar.context import parallel_mode
         from autopar.parallel.state import ParallelState, bind, state_of
@@ -224,6 +227,9 @@ class PipelineParallel:
         modules = [self._pieces[k] for k in mine]
         # (the whole split network run once for its shapes: before the stage's pieces hold ZeRO's shards)
         shapes = _static_shapes(pipe, example) if _fake_group(self.pp_group) else {}
+        if self.grads == "stage" and not deferred_build:  # a network built whole on every rank: the other stages'
+            # weights give their memory up (as a stage's own build never makes them; gather_parameters brings them)
+            self._released = _release_other_stages(self.network, users, set(mine))
         mesh = pipeline_mesh(self.num_stages, self.tp, self.cp)
         # (found before a tensor split gives their weights up: a module half given up no longer looks stacked)
         experts = {name for name, m in self.network.named_modules() if stacked_experts(m)} if self.ep > 1 else set()
@@ -451,6 +457,9 @@ class PipelineParallel:
         from autopar.common import deferred
 
         deferred.allocate(self.network, device=_device())  # (a stage's own build: the others' get storage here)
+        for p, shape in self._released.values():  # (the other stages' weights given up after an eager build too)
+            if p.numel() == 0 and math.prod(shape):
+                p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
         own = dict(self.network.named_parameters(remove_duplicate=False))
         with torch.no_grad():  # ZeRO's shards first made whole in the network's own parameters (in name order:
             for name in sorted(self.owner):  # every rank of the stage gathers alike)
@@ -532,6 +541,26 @@ def _materialize_stage(network: torch.nn.Module, names: set[str] | None, pieces:
         deferred.materialize_named(network, names, device=_device())
     for piece in pieces:
         _use_network_parameters(piece.graph_module, network)
+
+
+def _release_other_stages(network: torch.nn.Module, users: dict, mine: set[int]) -> dict:
+    """The parameters only other stages' pieces use give their memory up (an empty tensor in place, as a stage's
+    own do to their splits and shards -- the same objects: an optimizer made before still holds them, and steps
+    only what has gradients): a rank holds its stage's weights, not the whole network's -- (S-1)/S of them fewer
+    with S stages. Returns id -> (parameter, its shape), from which ``gather_parameters`` gives them storage again
+    and fills it from their stages."""
+    keep, other = set(), {}
+    for name, p in network.named_parameters(remove_duplicate=False):
+        if users.get(name, set()) & mine or not users.get(name) or p.is_meta or isinstance(p, DTensor):
+            keep.add(id(p))  # this stage's (under any of its names), used by no piece, not a plain tensor
+        else:
+            other[id(p)] = p
+    released = {}
+    for key, p in other.items():
+        if key not in keep:
+            released[key] = (p, tuple(p.shape))
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    return released
 
 
 def pipeline_of(network: torch.nn.Module) -> PipelineParallel | None:
