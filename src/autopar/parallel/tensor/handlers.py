@@ -23,7 +23,8 @@ from DTensor's element-wise operators instead (:func:`_mse_loss_backward`).
 sequence split on a world mesh of two axes (4 ranks: 2 x 2) is ``Shard(1)`` on both; flattening the batch and the
 sequence (``h.reshape(-1, d)``, as Mixtral's MoE block and a mixture's experts do) gives torch's ``_StridedShard`` on
 both axes, and torch's view rule cannot undo it ("Cannot unflatten tensor with _StridedShard placement"). The
-inverse of that flattening is the local tensor's own view, the split back on the unflattened dimension.
+inverse of that flattening is the local tensor's own view, the split back on the unflattened dimension. Installed
+only where the world mesh has several axes.
 """
 from __future__ import annotations
 
@@ -148,5 +149,9 @@ def register_cast_handler() -> None:
     _registered = True
     install(torch.ops.aten._to_copy.default, _to_copy)
     install(torch.ops.aten.mse_loss_backward.default, _mse_loss_backward)
-    install(torch.ops.aten.view.default, _view)
-    install(torch.ops.aten._unsafe_view.default, _view)
+    from autopar.comm.topology import mesh_shape
+
+    if len(mesh_shape()) > 1:  # (on a world mesh of one axis no split is strided over two: no view needs it, and
+        # every view would pay its second dispatch -- bench/dtensor_view.py)
+        install(torch.ops.aten.view.default, _view)
+        install(torch.ops.aten._unsafe_view.default, _view)
