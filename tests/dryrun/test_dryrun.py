@@ -26,7 +26,8 @@ SIZES = {("semi_megatron", 4): ("2", "32", "512", "64", "4"), ("semi_megatron_sp
 # (the ring: 2 ranks pass its blocks round as 4 do; the experts' all-to-all: 2 ranks exchange tokens as 4 do)
 ON_2 = {"dp", "zero1", "zero2", "semi_megatron", "cp_ring", "ep", "pipeline_moe"}
 SKIP = {(m, 2) for m in MODES if m not in ON_2} | {(m, 4) for m in ON_2 - {"semi_megatron"}}
-CASES = [(m, n) for n in (2, 4) for m in MODES if (m, n) not in SKIP]
+# and on 8 ranks, where a stage's 4 replicas hold each expert twice (groups of 2) and ZeRO shards those copies
+CASES = [(m, n) for n in (2, 4) for m in MODES if (m, n) not in SKIP] + [("pipeline_ep_zero", 8)]
 
 
 def _dry(procs, tmp_path, n, *script_args, ok=True, script=str(SCRIPTS / "dryrun_gpt.py")):

@@ -5,7 +5,7 @@ experts, Mixtral's top-2 router, the experts spread over the ranks: expert paral
 stages, ``PipelineParallel``; pipeline_zero1: each stage's optimizer state sharded over its replicas; pipeline_tp:
 each stage's attention and MLP split over 2 ranks; pipeline_cp: each stage's sequence split over 2 ranks;
 pipeline_moe: the ep mode's mixture split into 2 stages, its experts whole on each rank; pipeline_ep: and spread
-over each stage's replicas), auto -- for the dry run's tests: the same script is run simulated (``autopar launch
+over each stage's replicas; pipeline_ep_zero: over groups of 2 of them, with ZeRO-1), auto -- for the dry run's tests: the same script is run simulated (``autopar launch
 --dry-run``) and for real on gloo ranks.
 argv: MODE [n_layer n_embd vocab block batch [eager|deferred [full_batch]]] (a tiny GPT by default, built eagerly;
 deferred: ``autopar.deferred_init``, each rank materialising only what it keeps; full_batch: every rank feeds the same
@@ -48,7 +48,7 @@ if sys.argv[8:9] == ["full_batch"]:
 torch.manual_seed(0)
 config = GPTConfig(block_size=block, vocab_size=vocab, n_layer=n_layer, n_head=max(1, n_embd // 32), n_embd=n_embd)
 model = autopar.deferred_init(GPT, config) if build == "deferred" else GPT(config)
-if mode in ("ep", "pipeline_moe", "pipeline_ep"):
+if mode in ("ep", "pipeline_moe", "pipeline_ep", "pipeline_ep_zero"):
     for layer in model.transformer.h:
         layer.mlp = MoE(n_embd)
 if mode == "ep":
@@ -74,6 +74,10 @@ if mode in ("pipeline_moe", "pipeline_ep"):  # the mixture split into stages, it
     # (pipeline_ep) spread over each stage's replicas
     runner = autopar.PipelineParallel(model, None, micro_batches=2, split_points=[f"transformer.h.{n_layer // 2}"],
                                       grads="stage", ep=n // 2 if mode == "pipeline_ep" else 1)
+if mode == "pipeline_ep_zero":  # spread over groups of 2 of each stage's replicas, ZeRO-1 sharding the rest and the
+    # groups' copies of the experts (8 ranks: 4 replicas a stage, 2 copies of each expert)
+    runner = autopar.PipelineParallel(model, None, micro_batches=2, split_points=[f"transformer.h.{n_layer // 2}"],
+                                      grads="stage", ep=2, zero="level1")
 if mode == "pipeline_cp":  # each stage's sequence split over 2 ranks (context parallelism inside the stages)
     runner = autopar.PipelineParallel(model, None, micro_batches=2, split_points=[f"transformer.h.{n_layer // 2}"],
                                       grads="stage", cp=2)

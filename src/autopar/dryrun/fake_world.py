@@ -344,6 +344,10 @@ def _real_meshes() -> None:
     import sys
 
     device_mesh.DeviceMesh.__init__ = real(device_mesh.DeviceMesh.__init__)
+    for method in ("_unflatten", "_flatten"):  # a mesh made from another's ranks (a pipeline stage's replicas
+        # unflattened into expert groups): its rank tensor computed from real values too
+        if hasattr(device_mesh.DeviceMesh, method):
+            setattr(device_mesh.DeviceMesh, method, real(getattr(device_mesh.DeviceMesh, method)))
     original = device_mesh.init_device_mesh
     device_mesh.init_device_mesh = real(original)
     # torch's own modules imported before this (FSDP2's default mesh, through autopar's import) hold the name too
