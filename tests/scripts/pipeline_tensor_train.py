@@ -13,6 +13,7 @@ after training holds the whole trained network. Bad input, each one line. Writes
 """
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -87,6 +88,17 @@ def loss_of(net, loss_fn, x, y):
     return loss_fn(net(x), y) if loss_fn is not None else net(x, y)[1]
 
 
+def sliced_diff(net, build, ref, tag: str) -> float:
+    """Each rank's sliced checkpoint of ``net``, the set reloaded into one process's ``build()``: its largest
+    difference from the one-process reference ``ref``."""
+    autopar.save_checkpoint(net, f"{ckpt_dir}/{tag}_sliced_{rank}", integrated_save=False)
+    torch.distributed.barrier()
+    plain = build()
+    autopar.load_distributed_checkpoint(plain, sorted(str(p) for p in Path(ckpt_dir).glob(f"{tag}_sliced_*.ckpt")))
+    return max(float((p.detach() - want.detach()).abs().max())
+               for (_, p), want in zip(plain.named_parameters(), ref.parameters()))
+
+
 results = {}
 for key, (build, loss_fn, points, plan, (X, Y)) in CASES.items():
     if key not in RUNS:
@@ -122,15 +134,8 @@ for key, (build, loss_fn, points, plan, (X, Y)) in CASES.items():
         halves = {n.removeprefix("graph_module."): (tuple(p.to_local().shape), tuple(p.shape))
                   for n, p in runner.stage_module.named_parameters()
                   if hasattr(p, "to_local") and any(q.is_shard() for q in p.placements)}  # (a row split's bias: whole)
-        sliced = None
-        if key in ("gpt", "gpt_cp") or zero:  # each rank's slices, reloaded whole onto one process's layout
-            autopar.save_checkpoint(net, f"{ckpt_dir}/{key}_sliced_{rank}", integrated_save=False)
-            torch.distributed.barrier()
-            plain = build()
-            autopar.load_distributed_checkpoint(plain, sorted(str(p) for p in __import__("pathlib").Path(ckpt_dir)
-                                                             .glob(f"{key}_sliced_*.ckpt")))
-            sliced = max(float((p.detach() - want.detach()).abs().max())
-                         for (_, p), want in zip(plain.named_parameters(), ref.parameters()))
+        # each rank's slices, reloaded whole onto one process's layout
+        sliced = sliced_diff(net, build, ref, key) if key in ("gpt", "gpt_cp") or zero else None
         runner.gather_parameters()  # the whole trained network on every rank
         want = dict(ref.named_parameters())
         stage = [k for k, stages in runner.owner.items() if runner.stage_index in stages and k in want]
@@ -170,16 +175,21 @@ class MindSporeMLP(autopar.nn.Cell):
         return self.matmul2(self.relu(self.matmul1(x, self.w1)), self.w2)
 
 
+def two_stages(net: autopar.nn.Cell, block, dp: int, mp: int) -> None:
+    """Two blocks (a stage each) and a Dense head on the second stage."""
+    torch.manual_seed(0)
+    net.block1, net.block2 = block(dp, mp), block(dp, mp)
+    net.head = autopar.nn.Dense(8, 6, dtype=torch.float64)
+    net.block1.pipeline_stage, net.block2.pipeline_stage, net.head.pipeline_stage = 0, 1, 1
+
+
 class MindSporeNet(autopar.nn.Cell):
-    """Two such blocks (a stage each) and a Dense head column-split by ``autopar.shard`` (its bias with it)."""
+    """Two such blocks and the head column-split by ``autopar.shard`` (its bias with it)."""
 
     def __init__(self, dp: int = 1, mp: int = 1):
         super().__init__()
-        torch.manual_seed(0)
-        self.block1, self.block2 = MindSporeMLP(dp, mp), MindSporeMLP(dp, mp)
-        self.head = autopar.nn.Dense(8, 6, dtype=torch.float64)
+        two_stages(self, MindSporeMLP, dp, mp)
         autopar.shard(self.head, ((dp, 1), (mp, 1)))
-        self.block1.pipeline_stage, self.block2.pipeline_stage, self.head.pipeline_stage = 0, 1, 1
 
     def construct(self, x):
         return self.head(self.block2(self.block1(x) + x))
@@ -205,10 +215,7 @@ class MindSporeSequenceBlock(autopar.nn.Cell):
 class MindSporeSequenceNet(autopar.nn.Cell):
     def __init__(self, dp: int = 1, mp: int = 1):
         super().__init__()
-        torch.manual_seed(0)
-        self.block1, self.block2 = MindSporeSequenceBlock(dp, mp), MindSporeSequenceBlock(dp, mp)
-        self.head = autopar.nn.Dense(8, 6, dtype=torch.float64)
-        self.block1.pipeline_stage, self.block2.pipeline_stage, self.head.pipeline_stage = 0, 1, 1
+        two_stages(self, MindSporeSequenceBlock, dp, mp)
 
     def construct(self, x):
         return self.head(self.block2(self.block1(x)).mean(1))
@@ -267,15 +274,8 @@ def mindspore_door(dp: int, mp: int, replicas: int, build=MindSporeNet, seq: int
     halves = {n.removeprefix("graph_module."): (tuple(p.to_local().shape), tuple(p.shape))
               for n, p in runner.stage_module.named_parameters()
               if hasattr(p, "to_local") and any(q.is_shard() for q in p.placements[-1:])}  # (the tensor group's)
-    sliced = None
-    if mp > 1:  # each rank's slices (its stage's weights, split over its tensor group), reloaded whole onto one process
-        autopar.save_checkpoint(net, f"{ckpt_dir}/{build.__name__}{mp}{dp}_sliced_{rank}", integrated_save=False)
-        torch.distributed.barrier()
-        plain = build()
-        autopar.load_distributed_checkpoint(plain, sorted(str(p) for p in __import__("pathlib").Path(ckpt_dir)
-                                                         .glob(f"{build.__name__}{mp}{dp}_sliced_*.ckpt")))
-        sliced = max(float((p.detach() - want.detach()).abs().max())
-                     for (_, p), want in zip(plain.named_parameters(), ref.parameters()))
+    # each rank's slices (its stage's weights, split over its tensor group), reloaded whole onto one process
+    sliced = sliced_diff(net, build, ref, f"{build.__name__}{mp}{dp}") if mp > 1 else None
     runner.gather_parameters()
     want = dict(ref.named_parameters())
     stage = [k for k, stages in runner.owner.items() if runner.stage_index in stages and k in want]
