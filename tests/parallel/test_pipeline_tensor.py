@@ -53,6 +53,9 @@ def test_tensor_parallel_inside_pipeline_stages_is_exact(procs, tmp_path):
             assert case["stage"] == rank // 2, (rank, key, case)
             assert case["loss_diff"] <= 1e-6, (rank, key, case)  # (the step's loss is reported in float32)
             assert case["param_diff"] <= 1e-12 and case["whole_diff"] <= 1e-12, (rank, key, case)
+            if key == "ms_tp_one_replica":  # (each rank says it: one warning)
+                warned = case.pop("warned")
+                assert len(warned) == 1 and "enable_parallel_optimizer shards nothing here" in warned[0], warned
             assert not case.get("warned"), (key, case["warned"])
             if key != "ms_dp":  # (the MindSpore door's batch-only strategies: data parallel, nothing split)
                 _check_splits(key, case)

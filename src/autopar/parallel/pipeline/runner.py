@@ -174,6 +174,10 @@ class PipelineParallel:
         if tp > 1:
             self.tp, self.tensor_plan = tp, plan
             self._lay_out_groups()
+            if self.zero is not None and self.replicas == 1:  # (said as the door says it without a tensor split)
+                warnings.warn(f"autopar: enable_parallel_optimizer shards nothing here: the strategies split each "
+                              f"stage's weights over all of its {tp} ranks, which leaves one replica a stage (ZeRO "
+                              "shards a stage's optimizer over its data-parallel replicas)", stacklevel=user_stacklevel())
 
     # -- building (on the first batch: the trace needs real shapes) ------------------------------------------------
     def _build(self, inputs: tuple) -> None:
