@@ -38,12 +38,21 @@ def recording(network: torch.nn.Module, active: bool = True):
         yield uses
         return
     module_names = {id(m): n for n, m in network.named_modules()}
+    seen: dict = {"first": None, "names": {}}  # the parameters' names by identity, for the tensors the trace holds
+
+    def parameter_names() -> dict:
+        """id -> name, made again only when the parameters were swapped (the trace swaps them all at once, for
+        its own stand-ins): not once per operator call."""
+        first = next(network.parameters(), None)
+        if first is not seen["first"]:
+            seen["first"], seen["names"] = first, {id(p): n for n, p in network.named_parameters()}
+        return seen["names"]
 
     def record(op, args):
         strategy = getattr(op, "strategy", None)
         if strategy is None:
             return
-        names = {id(p): n for n, p in network.named_parameters()}  # (looked up now: the trace may swap them)
+        names = parameter_names()
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         for tensor, splits in zip(tensors, strategy):
             name = names.get(id(tensor))
